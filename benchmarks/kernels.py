@@ -1,0 +1,178 @@
+"""Shared-prefix decode attention vs plain paged decode over the same KV cache.
+
+Each case is one decode step of ``batch`` sequences that share a ``prefix``-token prompt and have a private
+``suffix`` each, GQA 32/8 heads, head dim 128, page 16, physical blocks shuffled. Plain paged decode reads
+the prefix once per sequence; shared-prefix decode reads it once per batch, so the memory-traffic ceiling
+of the speedup is ``B(P+S) / (P+B*S)``. Both run on the same caches, in the same process, and their outputs
+are checked against each other.
+
+On CPU this times the torch path in float32; on CUDA the Triton kernels in bfloat16.
+
+    python -m benchmarks.kernels [--quick] [--json PATH] [--repeats N] [--device cpu|cuda]
+    (or python benchmarks/kernels.py ...)
+
+The last line is ``RESULT kernels speedup_b<B>_p<P>=... ceiling_b<B>_p<P>=... ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+if not __package__:
+    # Run as a file, this script's own directory would come first on sys.path and `import kernels` would
+    # import this file; import the repository's package instead.
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import kernels
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
+SUFFIX = 256
+
+
+@dataclass
+class Row:
+    batch: int
+    prefix: int
+    suffix: int
+    plain_ms: float
+    shared_ms: float
+    speedup: float
+    ceiling: float
+    frac_of_ceiling: float
+    max_abs_diff: float
+
+
+def ceiling(batch: int, prefix: int, suffix: int) -> float:
+    """KV tokens read by plain paged decode over those read by shared-prefix decode."""
+    return batch * (prefix + suffix) / (prefix + batch * suffix)
+
+
+def _time_once(fn: Callable[[], torch.Tensor], device: torch.device) -> float:
+    """Wall time of one call of ``fn`` in milliseconds (device work included)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) * 1e3
+
+
+def run_case(batch: int, prefix: int, suffix: int, repeats: int, device: torch.device) -> Row:
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    gen = torch.Generator().manual_seed(batch * 100_003 + prefix)
+    n_prefix = -(-prefix // BLOCK)
+    n_suffix = -(-suffix // BLOCK)
+    num_blocks = n_prefix + batch * n_suffix
+    shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, generator=gen).to(device, dtype)
+    v_cache = torch.randn(shape, generator=gen).to(device, dtype)
+    q = torch.randn(batch, HEADS, HEAD_DIM, generator=gen).to(device, dtype)
+    # Shuffled physical blocks, as a long-running paged cache has them.
+    perm = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+    prefix_table = perm[:n_prefix]
+    suffix_tables = perm[n_prefix:].view(batch, n_suffix)
+
+    def i32(x: torch.Tensor) -> torch.Tensor:
+        return x.to(device=device, dtype=torch.int32).contiguous()
+
+    plain_tables = i32(torch.cat([prefix_table.expand(batch, n_prefix), suffix_tables], dim=1))
+    plain_lens = i32(torch.full((batch,), prefix + suffix))
+    prefix_tables = i32(prefix_table[None])
+    prefix_lens = i32(torch.tensor([prefix]))
+    group_of = i32(torch.zeros(batch))
+    suffix_tables_d = i32(suffix_tables)
+    suffix_lens = i32(torch.full((batch,), suffix))
+    backend: kernels.Backend = "auto" if device.type == "cuda" else "torch"
+    scale = HEAD_DIM**-0.5
+
+    def plain() -> torch.Tensor:
+        return kernels.paged_decode_attention(
+            q, k_cache, v_cache, plain_tables, plain_lens, scale, backend=backend
+        )
+
+    def shared() -> torch.Tensor:
+        return kernels.shared_prefix_decode_attention(
+            q,
+            k_cache,
+            v_cache,
+            prefix_tables,
+            prefix_lens,
+            group_of,
+            suffix_tables_d,
+            suffix_lens,
+            scale,
+            backend=backend,
+        )
+
+    # The first calls also warm up (compilation, workspaces, caches).
+    diff = (plain().float() - shared().float()).abs().max().item()
+    # Interleave the two so that drift in machine state (frequency, other load) hits both alike.
+    plain_ms, shared_ms = [], []
+    for _ in range(repeats):
+        plain_ms.append(_time_once(plain, device))
+        shared_ms.append(_time_once(shared, device))
+    p, s = statistics.median(plain_ms), statistics.median(shared_ms)
+    ceil = ceiling(batch, prefix, suffix)
+    return Row(batch, prefix, suffix, p, s, p / s, ceil, p / s / ceil, diff)
+
+
+def _key(row: Row) -> str:
+    return f"b{row.batch}_p{row.prefix}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="prefix 1k/4k only, fewer repeats (~1 min on CPU)"
+    )
+    parser.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    parser.add_argument("--repeats", type=int, default=None, help="timed repeats per case (median)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+
+    device = torch.device(args.device)
+    batches = [8, 32, 64]
+    prefixes = [1024, 4096] if args.quick else [1024, 4096, 6144]
+    repeats = args.repeats or (5 if args.quick else 9)
+    where = "triton bf16" if device.type == "cuda" else f"torch fp32, {torch.get_num_threads()} threads"
+    print(f"shared-prefix vs paged decode on {device} ({where}); heads {HEADS}/{KV_HEADS}, dim {HEAD_DIM}")
+    print(
+        f"{'batch':>5} {'prefix':>6} {'suffix':>6} {'plain ms':>9} {'shared ms':>9} {'speedup':>8} "
+        f"{'ceiling':>8} {'of ceil':>7} {'max diff':>9}"
+    )
+    rows = []
+    for prefix in prefixes:
+        for batch in batches:
+            row = run_case(batch, prefix, SUFFIX, repeats, device)
+            rows.append(row)
+            print(
+                f"{row.batch:>5} {row.prefix:>6} {row.suffix:>6} {row.plain_ms:>9.2f} {row.shared_ms:>9.2f} "
+                f"{row.speedup:>7.2f}x {row.ceiling:>7.2f}x {row.frac_of_ceiling:>7.0%} "
+                f"{row.max_abs_diff:>9.2e}",
+                flush=True,
+            )
+
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {"device": str(device), "backend": where, "rows": [asdict(r) for r in rows]}, f, indent=2
+            )
+    metrics = " ".join(f"speedup_{_key(r)}={r.speedup:.2f}" for r in rows)
+    ceilings = " ".join(f"ceiling_{_key(r)}={r.ceiling:.2f}" for r in rows)
+    print(f"RESULT kernels {metrics} {ceilings}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""Decode attention over a paged KV cache: plain paged decode, shared-prefix decode and the LSE merge.
+
+KV cache layout, per layer: ``k_cache``, ``v_cache`` of shape ``[num_blocks, block_size, num_kv_heads,
+head_dim]``. Token ``t`` of a sequence is in block ``block_table[t // block_size]``, slot
+``t % block_size``; query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
+
+Every function takes ``backend=``:
+
+* ``"auto"`` (default): the Triton kernels for CUDA tensors when triton is installed, else the torch path;
+* ``"triton"``: the Triton kernels (on CPU tensors this needs ``TRITON_INTERPRET=1`` set before triton is
+  first imported — the tests do this);
+* ``"torch"``: the torch form of the same two-phase algorithm (what the engine runs on CPU);
+* ``"reference"``: the plain, slow specification in :mod:`kernels.reference`.
+
+Importing this package never imports triton; it is loaded on the first Triton call.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from types import ModuleType
+from typing import Literal
+
+import torch
+
+from kernels import reference, torch_path
+from kernels.gate import should_share_prefix
+
+__all__ = [
+    "Backend",
+    "merge_attention_states",
+    "paged_decode_attention",
+    "shared_prefix_decode_attention",
+    "should_share_prefix",
+    "triton_available",
+]
+
+Backend = Literal["auto", "triton", "torch", "reference"]
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Whether triton is installed (checked without importing it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def _module(backend: Backend, device: torch.device) -> ModuleType:
+    if backend == "auto":
+        backend = "triton" if device.type == "cuda" and triton_available() else "torch"
+    if backend == "torch":
+        return torch_path
+    if backend == "reference":
+        return reference
+    if backend == "triton":
+        from kernels import triton_kernels  # deferred: importing triton is slow and optional
+
+        return triton_kernels
+    raise ValueError(f"unknown attention backend {backend!r}")
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """Decode attention of one query token per sequence over its paged KV cache.
+
+    Args:
+        q: ``[B, H, D]`` queries (fp16/bf16/fp32).
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, D]``; ``H`` a multiple of ``num_kv_heads``.
+        block_tables: ``[B, max_blocks]`` int32 block ids; slots past a sequence's length are ignored.
+        context_lens: ``[B]`` int32 tokens per sequence (0 gives a zero output).
+        scale: softmax scale, usually ``D ** -0.5``.
+
+    Returns:
+        ``[B, H, D]`` in ``q.dtype``.
+    """
+    return _module(backend, q.device).paged_decode_attention(
+        q, k_cache, v_cache, block_tables, context_lens, scale
+    )
+
+
+def shared_prefix_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    prefix_block_tables: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    group_of: torch.Tensor,
+    suffix_block_tables: torch.Tensor,
+    suffix_lens: torch.Tensor,
+    scale: float,
+    *,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """Decode attention where groups of sequences share prefix blocks: the prefix KV is read once per group.
+
+    Sequence ``b`` attends to the ``prefix_lens[g]`` tokens of ``prefix_block_tables[g]`` (``g =
+    group_of[b]``), then to the ``suffix_lens[b]`` tokens of its own ``suffix_block_tables[b]``. With
+    ``group_of[b] == -1`` it has no shared prefix and the suffix table holds its whole context. Any number of
+    groups; prefix lengths need not be whole blocks; a suffix may be empty. The result equals
+    :func:`paged_decode_attention` over the concatenated tables.
+
+    Args:
+        q: ``[B, H, D]``.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, D]``.
+        prefix_block_tables: ``[G, max_prefix_blocks]`` int32; prefix_lens: ``[G]`` int32.
+        group_of: ``[B]`` int32 group of each sequence, ``-1`` for none.
+        suffix_block_tables: ``[B, max_suffix_blocks]`` int32; suffix_lens: ``[B]`` int32.
+        scale: softmax scale.
+
+    Returns:
+        ``[B, H, D]`` in ``q.dtype``.
+    """
+    return _module(backend, q.device).shared_prefix_decode_attention(
+        q,
+        k_cache,
+        v_cache,
+        prefix_block_tables,
+        prefix_lens,
+        group_of,
+        suffix_block_tables,
+        suffix_lens,
+        scale,
+    )
+
+
+def merge_attention_states(
+    out_a: torch.Tensor,
+    lse_a: torch.Tensor,
+    out_b: torch.Tensor,
+    lse_b: torch.Tensor,
+    *,
+    backend: Backend = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exactly combine two attention results over disjoint key sets, in float32.
+
+    Args:
+        out_a, out_b: ``[..., D]`` normalised partial outputs.
+        lse_a, lse_b: ``[...]`` natural-log log-sum-exp of each partial's scaled scores; ``-inf`` marks an
+            empty partial, whose output is then ignored (it may hold anything).
+
+    Returns:
+        ``(out, lse)``: ``out`` in ``out_a.dtype`` (0 where both are empty), ``lse`` float32.
+    """
+    return _module(backend, out_a.device).merge_attention_states(out_a, lse_a, out_b, lse_b)

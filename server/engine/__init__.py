@@ -1,0 +1,45 @@
+"""The Parrot LLM engine: a LLaMA-family model over a paged KV cache with context fork.
+
+```python
+engine = LLMEngine.from_pretrained("tiny")
+await engine.fill(1, token_ids)
+result = await engine.generate(2, SamplingParams(max_tokens=16), parent_context_id=1)
+```
+"""
+
+from server.engine.config import EngineConfig, ModelConfig
+from server.engine.engine import EngineStats, GenerationStream, LLMEngine
+from server.engine.errors import (
+    ContextBusyError,
+    ContextExistsError,
+    EngineDeadError,
+    EngineError,
+    InvalidRequestError,
+    InvalidSamplingParamsError,
+    PromptTooLongError,
+    RequestAbortedError,
+    TokenOutOfVocabError,
+    UnknownContextError,
+)
+from server.engine.request import GenerateResult
+from server.engine.sampling import SamplingParams
+
+__all__ = [
+    "ContextBusyError",
+    "ContextExistsError",
+    "EngineConfig",
+    "EngineDeadError",
+    "EngineError",
+    "EngineStats",
+    "GenerateResult",
+    "GenerationStream",
+    "InvalidRequestError",
+    "InvalidSamplingParamsError",
+    "LLMEngine",
+    "ModelConfig",
+    "PromptTooLongError",
+    "RequestAbortedError",
+    "SamplingParams",
+    "TokenOutOfVocabError",
+    "UnknownContextError",
+]

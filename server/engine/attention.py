@@ -1,0 +1,132 @@
+"""Attention over the paged KV cache: the metadata a step needs and the backend that computes it.
+
+One step's tokens are flattened with no padding: first one token per decoding sequence, then each fill chunk.
+Prefill attends over [cached tokens of the context + the chunk] causally; decode goes through `kernels`
+(Triton on CUDA, the torch form of the same two-phase algorithm on CPU), with sequences that share an
+ancestor context grouped so the shared prefix is read once for the whole group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+import kernels
+
+
+@dataclass
+class PrefillChunk:
+    """A run of ``num_tokens`` new tokens of one context, after ``num_cached`` tokens already in the cache."""
+
+    token_start: int
+    num_tokens: int
+    num_cached: int
+    block_table: torch.Tensor  # [blocks] int64, covering num_cached + num_tokens positions
+
+
+@dataclass
+class SharedPrefixGroups:
+    """Decode sequences grouped by shared prefix blocks (see `kernels.shared_prefix_decode_attention`)."""
+
+    prefix_block_tables: torch.Tensor  # [G, max_prefix_blocks] int32
+    prefix_lens: torch.Tensor  # [G] int32
+    group_of: torch.Tensor  # [B] int32, -1 for a sequence outside every group
+    suffix_block_tables: torch.Tensor  # [B, max_suffix_blocks] int32
+    suffix_lens: torch.Tensor  # [B] int32
+
+
+@dataclass
+class DecodeBatch:
+    """One query token per sequence, at batch rows [0, num_seqs)."""
+
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    context_lens: torch.Tensor  # [B] int32, including the token being decoded
+    groups: SharedPrefixGroups | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.context_lens.shape[0])
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: cache slot (block * block_size + offset) of each new token
+    decode: DecodeBatch | None
+    prefills: list[PrefillChunk]
+
+
+class AttentionBackend(Protocol):
+    """Computes attention for one layer once the step's new K/V are in the cache."""
+
+    def __call__(
+        self,
+        q: torch.Tensor,  # [T, H, D]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...
+
+
+class PagedAttentionBackend:
+    """The default backend: torch prefill, `kernels` decode (dispatching by device)."""
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        out = torch.empty_like(q)
+        if meta.decode is not None:
+            n = meta.decode.num_seqs
+            out[:n] = _decode(q[:n], k_cache, v_cache, meta.decode, scale)
+        for chunk in meta.prefills:
+            rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
+            out[rows] = _prefill(q[rows], k_cache, v_cache, chunk, scale)
+        return out
+
+
+def _decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: DecodeBatch, scale: float
+) -> torch.Tensor:
+    g = batch.groups
+    if g is None:
+        return kernels.paged_decode_attention(
+            q, k_cache, v_cache, batch.block_tables, batch.context_lens, scale
+        )
+    return kernels.shared_prefix_decode_attention(
+        q,
+        k_cache,
+        v_cache,
+        g.prefix_block_tables,
+        g.prefix_lens,
+        g.group_of,
+        g.suffix_block_tables,
+        g.suffix_lens,
+        scale,
+    )
+
+
+def _prefill(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, chunk: PrefillChunk, scale: float
+) -> torch.Tensor:
+    ctx = chunk.num_cached + chunk.num_tokens
+    kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    # Only the written positions [0, ctx) are gathered: no unwritten slot is ever attended.
+    k = k_cache[chunk.block_table].reshape(-1, kv_heads, head_dim)[:ctx].transpose(0, 1)
+    v = v_cache[chunk.block_table].reshape(-1, kv_heads, head_dim)[:ctx].transpose(0, 1)
+    qt = q.transpose(0, 1)
+    gqa = qt.shape[0] != kv_heads
+    if chunk.num_cached == 0:
+        o = F.scaled_dot_product_attention(qt, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        rows = torch.arange(chunk.num_tokens, device=q.device).unsqueeze(1) + chunk.num_cached
+        mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= rows
+        o = F.scaled_dot_product_attention(qt, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return o.transpose(0, 1)

@@ -1,0 +1,127 @@
+"""Engine and model configuration.
+
+`ModelConfig` is read from a Hugging Face `config.json` (both the transformers 4.x `rope_scaling` form and
+the 5.x `rope_parameters` form); `EngineConfig` holds the serving knobs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The LLaMA-family hyper-parameters our model code needs."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+        """Parse a Hugging Face LLaMA config dict; raise ValueError for architectures we do not run."""
+        arch = cfg.get("architectures") or ["LlamaForCausalLM"]
+        model_type = cfg.get("model_type", "llama")
+        if model_type != "llama" and not set(arch) & set(SUPPORTED_ARCHITECTURES):
+            raise ValueError(
+                f"unsupported model: model_type={model_type!r}, architectures={arch}; "
+                f"this engine runs the LLaMA family ({', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported hidden_act {act!r}: LLaMA models use 'silu' (SwiGLU)")
+        heads = cfg["num_attention_heads"]
+        # transformers 5 moved rope settings into `rope_parameters`; 4.x keeps `rope_theta` + `rope_scaling`.
+        rope_params = dict(cfg.get("rope_parameters") or {})
+        theta = rope_params.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+        scaling = cfg.get("rope_scaling") or (rope_params or None)
+        if scaling is not None:
+            scaling = dict(scaling)
+            scaling.setdefault("rope_type", scaling.get("type", "default"))
+            if scaling["rope_type"] == "default":
+                scaling = None
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> ModelConfig:
+        config_file = Path(path) / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(
+                f"{config_file} not found: a model folder needs a Hugging Face config.json"
+            )
+        return cls.from_hf_dict(json.loads(config_file.read_text()))
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """fp32 on CPU (fast and exact there); bf16 on CUDA where supported, else fp16."""
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Serving knobs. ``num_kv_blocks=None`` sizes the cache from ``kv_cache_memory_bytes``."""
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int = 256 * 1024 * 1024
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    device: str = field(default_factory=lambda: "cuda" if torch.cuda.is_available() else "cpu")
+    dtype: str | None = None  # "float32" | "float16" | "bfloat16"; default per device
+    # Group decodes that share prefix blocks into one pass over the prefix: "auto" where it pays
+    # (`kernels.should_share_prefix`), "always" (tests), "never" (ablations).
+    shared_prefix_decode: Literal["auto", "always", "never"] = "auto"
+    seed: int = 0  # seed of the embedded "tiny" model's weights
+
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype is None:
+            return default_dtype(self.torch_device())
+        dtype = getattr(torch, self.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"unknown dtype {self.dtype!r}; use float32, float16 or bfloat16")
+        return dtype

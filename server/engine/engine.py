@@ -1,0 +1,604 @@
+"""`LLMEngine`: the async Fill / Generate / FreeContext primitives over a continuous-batching loop.
+
+All engine state (contexts, blocks, queues) is owned by one dedicated thread; the async methods only post
+commands to it and await the answer, so the asyncio loop never runs the model and no lock guards the state.
+A command is validated on that thread: bad input fails only its own request, with a typed error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from server.engine.block_manager import BlockAllocator
+from server.engine.config import EngineConfig, ModelConfig
+from server.engine.context import Context, ContextTable, blocks_for
+from server.engine.errors import (
+    ContextBusyError,
+    ContextExistsError,
+    EngineDeadError,
+    EngineError,
+    InvalidRequestError,
+    PromptTooLongError,
+    RequestAbortedError,
+    TokenOutOfVocabError,
+    UnknownContextError,
+)
+from server.engine.loader import build_model, load_safetensors
+from server.engine.model import LlamaForCausalLM
+from server.engine.model_runner import KVCache, ModelRunner
+from server.engine.request import FinishReason, GenerateResult, Request
+from server.engine.sampling import SamplingParams, make_generator, sample
+from server.engine.scheduler import ScheduledChunk, Scheduler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's load and memory (block counts are exact)."""
+
+    model: str
+    block_size: int
+    blocks_total: int
+    blocks_used: int
+    blocks_free: int
+    contexts: int
+    running: int
+    waiting: int
+    tokens_in_last_step: int
+    prefill_tokens_computed: int
+    decode_tokens_computed: int
+    steps: int
+    preemptions: int
+    evictions: int
+    grouped_decode_steps: int
+    max_model_len: int
+
+
+class _Sink:
+    """Delivers a request's tokens and outcome from the engine thread into the caller's event loop."""
+
+    _END = object()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, stream: bool) -> None:
+        self.loop = loop
+        self.future: asyncio.Future[Any] = loop.create_future()
+        self.queue: asyncio.Queue[object] | None = asyncio.Queue() if stream else None
+
+    def token(self, token_id: int) -> None:
+        if self.queue is not None:
+            self._post(self.queue.put_nowait, token_id)
+
+    def finish(self, result: object, error: BaseException | None = None) -> None:
+        self._post(self._settle, result, error)
+
+    def _settle(self, result: object, error: BaseException | None) -> None:
+        if not self.future.done():
+            if error is None:
+                self.future.set_result(result)
+            else:
+                self.future.set_exception(error)
+        if self.queue is not None:
+            self.queue.put_nowait(self._END)
+
+    def _post(self, fn: Any, *args: Any) -> None:
+        # RuntimeError: the caller's loop is closed, so nobody is listening any more.
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(fn, *args)
+
+
+@dataclass
+class _Submit:
+    sink: _Sink
+    context_id: int
+    parent_id: int | None
+    token_ids: list[int] = field(default_factory=list)
+    sampling: SamplingParams | None = None  # None: a fill
+
+
+@dataclass
+class _Free:
+    sink: _Sink
+    context_id: int
+
+
+@dataclass
+class _Abort:
+    sink: _Sink
+
+
+class GenerationStream:
+    """A generate in flight: iterate it for token ids as they are sampled, then await `result()`."""
+
+    def __init__(self, engine: LLMEngine, sink: _Sink) -> None:
+        self._engine = engine
+        self._sink = sink
+
+    def __aiter__(self) -> AsyncIterator[int]:
+        return self._tokens()
+
+    async def _tokens(self) -> AsyncIterator[int]:
+        assert self._sink.queue is not None
+        try:
+            while True:
+                item = await self._sink.queue.get()
+                if item is _Sink._END:
+                    break
+                yield item  # type: ignore[misc]
+        except BaseException:
+            self._engine._abort(self._sink)
+            raise
+        if self._sink.future.exception() is not None:
+            raise self._sink.future.exception()  # type: ignore[misc]
+
+    async def result(self) -> GenerateResult:
+        return await self._engine._wait(self._sink)
+
+
+class LLMEngine:
+    """A LLaMA-family engine with a paged KV cache, context fork and continuous batching."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        tokenizer: Any,
+        model_config: ModelConfig,
+        config: EngineConfig,
+        model_name: str,
+    ) -> None:
+        self.model_name = model_name
+        self.model_config = model_config
+        self.config = config
+        self.tokenizer = tokenizer
+        self.vocab_size = model_config.vocab_size
+        self.block_size = config.block_size
+        self.max_model_len = min(model_config.max_position_embeddings, config.max_model_len or 1 << 62)
+        eos = set(model_config.eos_token_ids)
+        if getattr(tokenizer, "eos_token_id", None) is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        device, dtype = config.torch_device(), config.torch_dtype()
+        num_blocks = config.num_kv_blocks or max(
+            1,
+            config.kv_cache_memory_bytes
+            // KVCache.bytes_per_block(
+                model_config.num_hidden_layers,
+                config.block_size,
+                model_config.num_key_value_heads,
+                model_config.head_dim,
+                dtype,
+            ),
+        )
+        kv = KVCache(
+            model_config.num_hidden_layers,
+            num_blocks,
+            config.block_size,
+            model_config.num_key_value_heads,
+            model_config.head_dim,
+            device,
+            dtype,
+        )
+        self._allocator = BlockAllocator(num_blocks)
+        self._contexts = ContextTable(self._allocator, config.block_size, kv.copy_block)
+        self._scheduler = Scheduler(self._contexts, config.max_num_batched_tokens, config.max_num_seqs)
+        self._runner = ModelRunner(model, kv, config.block_size, device, config.shared_prefix_decode)
+        self._requests: dict[_Sink, Request] = {}
+        self._deferred: list[_Submit] = []  # forks waiting for a busy parent to finish
+        self._commands: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._stalled = False
+        self._dead: BaseException | None = None
+        self._steps = 0
+        self._tokens_in_last_step = 0
+        self._prefill_tokens = 0
+        self._decode_tokens = 0
+        self._thread = threading.Thread(target=self._loop, name=f"engine-{model_name}", daemon=True)
+        self._thread.start()
+
+    # ----------------------------------------------------------------------------------- construction
+    @classmethod
+    def from_pretrained(
+        cls, name_or_path: str | Path = "tiny", config: EngineConfig | None = None
+    ) -> LLMEngine:
+        """Load ``"tiny"`` (the embedded default) or a LLaMA-family model from a local Hugging Face folder."""
+        from transformers import AutoTokenizer
+
+        from server.engine.tiny import TOKENIZER_DIR
+        from server.engine.tiny.model import TINY_CONFIG, tiny_state_dict
+
+        config = config or EngineConfig()
+        if str(name_or_path) == "tiny":
+            model_config = ModelConfig.from_hf_dict(TINY_CONFIG)
+            state = tiny_state_dict(config.seed)
+            tokenizer_dir: Path = TOKENIZER_DIR
+            name = "tiny"
+        else:
+            path = Path(name_or_path)
+            if not path.is_dir():
+                raise FileNotFoundError(
+                    f"model {name_or_path!r} is neither 'tiny' nor a local folder; nothing is downloaded — "
+                    "pass the path of a Hugging Face model folder"
+                )
+            model_config = ModelConfig.from_pretrained(path)
+            state = load_safetensors(path)
+            tokenizer_dir, name = path, path.name
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+        except (OSError, ValueError) as e:
+            raise FileNotFoundError(f"no usable tokenizer in {tokenizer_dir}: {e}") from e
+        max_positions = min(model_config.max_position_embeddings, config.max_model_len or 1 << 62)
+        model = build_model(model_config, state, max_positions, config.torch_device(), config.torch_dtype())
+        return cls(model, tokenizer, model_config, config, name)
+
+    # ----------------------------------------------------------------------------------- public API
+    async def fill(self, context_id: int, token_ids: list[int], parent_context_id: int | None = None) -> int:
+        """Append ``token_ids`` to a context (created, or forked from the parent, if new); compute their KV.
+
+        Returns the context's length in tokens.
+        """
+        sink = self._post_submit(
+            _Submit(self._new_sink(False), context_id, parent_context_id, list(token_ids))
+        )
+        return await self._wait(sink)
+
+    async def generate(
+        self, context_id: int, sampling: SamplingParams | None = None, parent_context_id: int | None = None
+    ) -> GenerateResult:
+        """Generate from the end of a context (forked from the parent first if the context is new)."""
+        return await self.submit_generate(context_id, sampling, parent_context_id, stream=False).result()
+
+    async def generate_stream(
+        self, context_id: int, sampling: SamplingParams | None = None, parent_context_id: int | None = None
+    ) -> AsyncIterator[int]:
+        """Yield token ids as they are sampled."""
+        async for token_id in self.submit_generate(context_id, sampling, parent_context_id):
+            yield token_id
+
+    def submit_generate(
+        self,
+        context_id: int,
+        sampling: SamplingParams | None = None,
+        parent_context_id: int | None = None,
+        stream: bool = True,
+    ) -> GenerationStream:
+        """Start a generate; the returned stream yields token ids and then its `result()`."""
+        sampling = sampling or SamplingParams()
+        sink = self._post_submit(_Submit(self._new_sink(stream), context_id, parent_context_id, [], sampling))
+        return GenerationStream(self, sink)
+
+    async def free_context(self, context_id: int) -> None:
+        """Drop a context; its blocks return once no fork shares them. A running request on it aborts."""
+        sink = self._new_sink(False)
+        self._post(_Free(sink, context_id))
+        await self._wait(sink)
+
+    def stats(self) -> EngineStats:
+        alloc = self._allocator
+        return EngineStats(
+            model=self.model_name,
+            block_size=self.block_size,
+            blocks_total=alloc.num_blocks,
+            blocks_used=alloc.num_used,
+            blocks_free=alloc.num_free,
+            contexts=len(self._contexts),
+            running=len(self._scheduler.running),
+            waiting=len(self._scheduler.waiting) + len(self._deferred),
+            tokens_in_last_step=self._tokens_in_last_step,
+            prefill_tokens_computed=self._prefill_tokens,
+            decode_tokens_computed=self._decode_tokens,
+            steps=self._steps,
+            preemptions=self._scheduler.num_preemptions,
+            evictions=self._scheduler.num_evictions,
+            grouped_decode_steps=self._runner.grouped_decode_steps,
+            max_model_len=self.max_model_len,
+        )
+
+    def context_length(self, context_id: int) -> int:
+        """Tokens in a context (an unlocked read, for introspection and tests)."""
+        return len(self._contexts.get(context_id).token_ids)
+
+    def shutdown(self) -> None:
+        """Stop the loop; requests in flight fail with `EngineDeadError`."""
+        if self._thread.is_alive():
+            self._commands.put(None)
+            self._thread.join()
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ----------------------------------------------------------------------------------- caller side
+    def _new_sink(self, stream: bool) -> _Sink:
+        return _Sink(asyncio.get_running_loop(), stream)
+
+    def _post(self, command: object) -> None:
+        if self._dead is not None or not self._thread.is_alive():
+            raise EngineDeadError(f"the engine loop is not running: {self._dead or 'shut down'}")
+        self._commands.put(command)
+
+    def _post_submit(self, command: _Submit) -> _Sink:
+        self._post(command)
+        return command.sink
+
+    def _abort(self, sink: _Sink) -> None:
+        if not sink.future.done() and self._thread.is_alive():
+            self._commands.put(_Abort(sink))
+
+    async def _wait(self, sink: _Sink) -> Any:
+        try:
+            return await asyncio.shield(sink.future)
+        except asyncio.CancelledError:
+            self._abort(sink)
+            raise
+
+    # ----------------------------------------------------------------------------------- engine thread
+    def _loop(self) -> None:
+        try:
+            while True:
+                idle = self._stalled or not self._scheduler.has_work
+                if not self._drain(block=idle):
+                    break
+                self._admit_deferred()
+                if self._scheduler.has_work:
+                    self._step()
+        except BaseException as e:  # a bug: fail everyone loudly rather than hang them
+            log.exception("engine loop crashed")
+            self._dead = e
+        finally:
+            self._dead = self._dead or EngineDeadError("the engine was shut down")
+            self._fail_all(EngineDeadError(f"the engine stopped: {self._dead}"))
+
+    def _drain(self, block: bool) -> bool:
+        """Process queued commands (waiting for one if ``block``); False once shutdown was asked."""
+        try:
+            cmd = self._commands.get() if block else self._commands.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if cmd is None:
+                return False
+            self._stalled = False  # anything may have freed room
+            self._handle(cmd)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _handle(self, cmd: object) -> None:
+        if isinstance(cmd, _Submit):
+            try:
+                self._submit(cmd)
+            except EngineError as e:
+                cmd.sink.finish(None, e)
+        elif isinstance(cmd, _Free):
+            try:
+                self._free(cmd.context_id)
+                cmd.sink.finish(None)
+            except EngineError as e:
+                cmd.sink.finish(None, e)
+        elif isinstance(cmd, _Abort):
+            req = self._requests.get(cmd.sink)
+            if req is not None:
+                self._finish(req, error=RequestAbortedError("the request was cancelled"))
+            else:
+                self._deferred = [d for d in self._deferred if d.sink is not cmd.sink]
+
+    def _submit(self, cmd: _Submit) -> None:
+        kind = "fill" if cmd.sampling is None else "generate"
+        bad = [t for t in cmd.token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+        if bad:
+            raise TokenOutOfVocabError(
+                f"{kind}: token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
+            )
+        if cmd.sampling is not None:
+            cmd.sampling.validate(self.vocab_size)
+        if cmd.context_id in self._contexts:
+            ctx = self._contexts.get(cmd.context_id)
+            if cmd.parent_id is not None and cmd.parent_id != ctx.parent_id:
+                raise ContextExistsError(
+                    f"{kind}: context {cmd.context_id} already exists (forked from {ctx.parent_id}); "
+                    f"it cannot be forked again from {cmd.parent_id} — use a new context id"
+                )
+            if ctx.busy:
+                raise ContextBusyError(
+                    f"{kind}: context {cmd.context_id} is being extended by another request; "
+                    "wait for it, or fork a new context from it"
+                )
+            self._check_length(kind, len(ctx.token_ids) + len(cmd.token_ids), cmd.sampling is not None)
+        else:
+            if cmd.sampling is not None and cmd.parent_id is None:
+                raise UnknownContextError(
+                    f"generate: context {cmd.context_id} does not exist; fill it first, or pass "
+                    "parent_context_id to fork it from an existing context"
+                )
+            parent = None
+            if cmd.parent_id is not None:
+                if cmd.parent_id not in self._contexts:
+                    raise UnknownContextError(
+                        f"{kind}: parent context {cmd.parent_id} does not exist (never created, or freed)"
+                    )
+                parent = self._contexts.get(cmd.parent_id)
+                if parent.busy:  # fork once the parent's own request is done: its state is in flux
+                    self._deferred.append(cmd)
+                    return
+            inherited = 0 if parent is None else len(parent.token_ids)
+            self._check_length(kind, inherited + len(cmd.token_ids), cmd.sampling is not None)
+            ctx = self._contexts.create(cmd.context_id, parent)
+        self._start(ctx, cmd)
+
+    def _check_length(self, kind: str, total: int, generate: bool) -> None:
+        if generate and total == 0:
+            raise InvalidRequestError("generate: the context is empty; fill it with a prompt first")
+        limit = self.max_model_len - 1 if generate else self.max_model_len
+        if total > limit:
+            raise PromptTooLongError(
+                f"{kind}: the context would hold {total} tokens; this model's context window is "
+                f"{self.max_model_len} tokens"
+                + (" and generating needs room for one more" if generate else "")
+            )
+        if blocks_for(total + 1, self.block_size) > self._allocator.num_blocks:
+            raise PromptTooLongError(
+                f"{kind}: {total} tokens exceed the KV cache ({self._allocator.num_blocks} blocks of "
+                f"{self.block_size} tokens); raise num_kv_blocks or shorten the prompt"
+            )
+
+    def _start(self, ctx: Context, cmd: _Submit) -> None:
+        if cmd.token_ids:
+            ctx.token_ids.extend(cmd.token_ids)
+            ctx.last_hidden = None
+        if cmd.sampling is None and ctx.num_pending == 0:
+            cmd.sink.finish(len(ctx.token_ids))  # a pure fork, or an empty fill: nothing to compute
+            return
+        req = Request(
+            context=ctx,
+            on_finish=cmd.sink.finish,
+            sampling=cmd.sampling,
+            on_token=cmd.sink.token,
+            handle=cmd.sink,
+        )
+        if cmd.sampling is not None:
+            req.generator = make_generator(cmd.sampling)
+            req.prompt_tokens = len(ctx.token_ids)
+        ctx.busy = True
+        self._requests[cmd.sink] = req
+        self._scheduler.add(req)
+
+    def _admit_deferred(self) -> None:
+        if not self._deferred:
+            return
+        ready = [d for d in self._deferred if not self._parent_busy(d)]
+        if not ready:
+            return
+        self._deferred = [d for d in self._deferred if self._parent_busy(d)]
+        for cmd in ready:
+            self._handle(cmd)
+
+    def _parent_busy(self, cmd: _Submit) -> bool:
+        return cmd.parent_id in self._contexts and self._contexts.get(cmd.parent_id).busy
+
+    def _free(self, context_id: int) -> None:
+        ctx = self._contexts.get(context_id)
+        if ctx.busy:
+            for req in list(self._requests.values()):
+                if req.context is ctx:
+                    self._finish(req, error=RequestAbortedError(f"context {context_id} was freed"))
+        self._contexts.free(context_id)
+
+    def _step(self) -> None:
+        batch = self._scheduler.schedule()
+        if not batch:
+            self._stalled = not self._finish_stuck()
+            return
+        self._steps += 1
+        try:
+            hidden = self._runner.run(batch)
+        except Exception as e:  # a model failure fails this step's requests, not the engine
+            log.exception("engine step failed")
+            for c in batch:
+                self._finish(c.request, error=EngineError(f"the engine step failed: {e!r}"))
+            return
+        self._tokens_in_last_step = sum(c.num_tokens for c in batch)
+        to_sample: list[int] = []
+        for i, c in enumerate(batch):
+            req, ctx = c.request, c.request.context
+            if req.decoding:
+                self._decode_tokens += c.num_tokens
+            else:
+                self._prefill_tokens += c.num_tokens
+            ctx.num_cached += c.num_tokens
+            ctx.last_used = self._steps
+            if ctx.num_pending == 0:
+                if req.is_generate:
+                    to_sample.append(i)
+                else:
+                    ctx.last_hidden = hidden[i].clone()
+                    self._finish(req, result=len(ctx.token_ids))
+        if to_sample:
+            self._sample(batch, hidden, to_sample)
+
+    def _sample(self, batch: list[ScheduledChunk], hidden: torch.Tensor, rows: list[int]) -> None:
+        reqs = [batch[i].request for i in rows]
+        logits = self._runner.logits(hidden[rows])
+        tokens = sample(logits, [r.sampling for r in reqs], [r.generator for r in reqs])  # type: ignore[misc]
+        for req, token in zip(reqs, tokens, strict=True):
+            ctx = req.context
+            req.decoding = True
+            req.output_ids.append(token)
+            ctx.token_ids.append(token)
+            ctx.last_hidden = None
+            if req.on_token is not None:
+                req.on_token(token)
+            reason, text = self._finish_reason(req, token)
+            if reason is not None:
+                self._finish(
+                    req, result=GenerateResult(list(req.output_ids), text, reason, req.prompt_tokens)
+                )
+
+    def _finish_reason(self, req: Request, token: int) -> tuple[FinishReason | None, str]:
+        sp = req.sampling
+        assert sp is not None
+        reason: FinishReason | None = None
+        text: str | None = None
+        if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids):
+            reason = "stop"
+        elif sp.stop:
+            text = self._detokenize(req.output_ids)
+            cut = min((i for i in (text.find(s) for s in sp.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                return "stop", text[:cut]
+        if reason is None and (
+            len(req.output_ids) >= sp.max_tokens or len(req.context.token_ids) >= self.max_model_len
+        ):
+            reason = "length"
+        if reason is None:
+            return None, ""
+        return reason, text if text is not None else self._detokenize(req.output_ids)
+
+    def _detokenize(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def _finish_stuck(self) -> bool:
+        """Nothing fits: end the oldest decoding generate as "length" (cache full). True if one ended."""
+        for req in self._scheduler.running:
+            if req.decoding and req.sampling is not None:
+                text = self._detokenize(req.output_ids)
+                self._finish(
+                    req, result=GenerateResult(list(req.output_ids), text, "length", req.prompt_tokens)
+                )
+                return True
+        return False
+
+    def _finish(self, req: Request, result: object = None, error: BaseException | None = None) -> None:
+        if req.finished:
+            return
+        req.finished = True
+        self._scheduler.remove(req)
+        req.context.busy = False
+        self._requests.pop(req.handle, None)  # type: ignore[arg-type]
+        req.on_finish(result, error)
+
+    def _fail_all(self, error: EngineError) -> None:
+        for req in list(self._requests.values()):
+            self._finish(req, error=error)
+        for cmd in self._deferred:
+            cmd.sink.finish(None, error)
+        self._deferred = []
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            sink = getattr(cmd, "sink", None)
+            if sink is not None:
+                sink.finish(None, error)

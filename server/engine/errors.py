@@ -1,0 +1,65 @@
+"""Typed engine errors.
+
+Every error a caller can cause has its own class and a message that says what to fix. The HTTP layer maps
+them to status codes through `http_status`; the engine keeps serving other requests after any of them.
+"""
+
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    """Base class of every error the engine raises to a caller."""
+
+    http_status: int = 500
+    error_type: str = "engine_error"
+
+
+class InvalidRequestError(EngineError):
+    """The request is malformed (bad token ids, bad sampling parameters, ...)."""
+
+    http_status = 400
+    error_type = "invalid_request"
+
+
+class TokenOutOfVocabError(InvalidRequestError):
+    error_type = "token_out_of_vocab"
+
+
+class InvalidSamplingParamsError(InvalidRequestError):
+    error_type = "invalid_sampling_params"
+
+
+class PromptTooLongError(InvalidRequestError):
+    """The context would exceed the model's context window or the whole KV cache."""
+
+    http_status = 413
+    error_type = "prompt_too_long"
+
+
+class UnknownContextError(EngineError):
+    http_status = 404
+    error_type = "unknown_context"
+
+
+class ContextExistsError(EngineError):
+    http_status = 409
+    error_type = "context_exists"
+
+
+class ContextBusyError(EngineError):
+    """Two requests tried to extend the same context at once."""
+
+    http_status = 409
+    error_type = "context_busy"
+
+
+class RequestAbortedError(EngineError):
+    http_status = 499
+    error_type = "request_aborted"
+
+
+class EngineDeadError(EngineError):
+    """The engine loop stopped (shut down or crashed); no request can be served."""
+
+    http_status = 503
+    error_type = "engine_dead"

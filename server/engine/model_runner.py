@@ -1,0 +1,215 @@
+"""Turns a scheduled step into tensors, runs the model over the paged cache and returns sampling inputs."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Literal
+
+import torch
+
+import kernels
+from server.engine.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    DecodeBatch,
+    PagedAttentionBackend,
+    PrefillChunk,
+    SharedPrefixGroups,
+)
+from server.engine.context import Context, blocks_for
+from server.engine.model import LlamaForCausalLM
+from server.engine.scheduler import ScheduledChunk
+
+
+class KVCache:
+    """Per-layer K and V block pools, [num_blocks, block_size, num_kv_heads, head_dim] each."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_block(
+        num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+    def copy_block(self, src: int, dst: int) -> None:
+        for k, v in zip(self.k, self.v, strict=True):
+            k[dst].copy_(k[src])
+            v[dst].copy_(v[src])
+
+
+def shared_prefix_blocks(tables: list[list[int]], full_blocks: list[int]) -> int:
+    """Leading blocks that every table in a group has in common, capped at each member's full blocks."""
+    first = tables[0]
+    lcp = min(full_blocks)
+    for t in tables[1:]:
+        if t[:lcp] == first[:lcp]:
+            continue
+        lo, hi = 0, lcp  # the prefixes equal up to some length: binary search it with C-speed slices
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if t[:mid] == first[:mid]:
+                lo = mid
+            else:
+                hi = mid - 1
+        lcp = lo
+    return lcp
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv: KVCache,
+        block_size: int,
+        device: torch.device,
+        shared_prefix_decode: Literal["auto", "always", "never"] = "auto",
+        backend: AttentionBackend | None = None,
+    ) -> None:
+        self.model = model
+        self.kv = kv
+        self.block_size = block_size
+        self.device = device
+        self.shared_prefix_decode = shared_prefix_decode
+        self.backend = backend or PagedAttentionBackend()
+        k = kv.k[0]
+        self._kv_bytes_per_token = 2 * k.shape[2] * k.shape[3] * k.element_size()
+        self.grouped_decode_steps = 0  # decode steps that took the shared-prefix path
+
+    def run(self, batch: list[ScheduledChunk]) -> torch.Tensor:
+        """Run the step; return the final hidden state of each chunk's last token ([len(batch), hidden]).
+
+        Chunks of 0 tokens take the context's stored hidden state. Only the rows the caller samples or keeps
+        are ever projected to logits (`logits`).
+        """
+        decodes = [c for c in batch if c.num_tokens == 1]
+        prefills = [c for c in batch if c.num_tokens > 1]
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        for c in decodes + prefills:
+            ctx = c.request.context
+            start, end = ctx.num_cached, ctx.num_cached + c.num_tokens
+            ids.extend(ctx.token_ids[start:end])
+            for p in range(start, end):
+                positions.append(p)
+                slots.append(ctx.block_table[p // self.block_size] * self.block_size + p % self.block_size)
+        last_row: dict[int, int] = {}
+        hidden = None
+        if ids:
+            meta = AttentionMetadata(
+                slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
+                decode=self._decode_batch(decodes) if decodes else None,
+                prefills=[],
+            )
+            row = len(decodes)
+            for i, c in enumerate(decodes):
+                last_row[id(c)] = i
+            for c in prefills:
+                ctx = c.request.context
+                n_blocks = blocks_for(ctx.num_cached + c.num_tokens, self.block_size)
+                table = torch.tensor(ctx.block_table[:n_blocks], dtype=torch.int64, device=self.device)
+                meta.prefills.append(PrefillChunk(row, c.num_tokens, ctx.num_cached, table))
+                row += c.num_tokens
+                last_row[id(c)] = row - 1
+            hidden = self.model(
+                torch.tensor(ids, dtype=torch.int64, device=self.device),
+                torch.tensor(positions, dtype=torch.int64, device=self.device),
+                self.kv.k,
+                self.kv.v,
+                meta,
+                self.backend,
+            )
+        rows = []
+        for c in batch:
+            if c.num_tokens == 0:
+                stored = c.request.context.last_hidden
+                assert stored is not None, "a fully cached context always keeps its last hidden state"
+                rows.append(stored)
+            else:
+                assert hidden is not None
+                rows.append(hidden[last_row[id(c)]])
+        return torch.stack(rows) if rows else torch.empty(0)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)
+
+    def _decode_batch(self, decodes: list[ScheduledChunk]) -> DecodeBatch:
+        ctxs = [c.request.context for c in decodes]
+        lens = [ctx.num_cached + 1 for ctx in ctxs]
+        tables = [
+            ctx.block_table[: blocks_for(n, self.block_size)] for ctx, n in zip(ctxs, lens, strict=True)
+        ]
+        batch = DecodeBatch(
+            block_tables=_pad(tables, self.device), context_lens=_int32(lens, self.device), groups=None
+        )
+        if self.shared_prefix_decode != "never" and len(ctxs) > 1:
+            batch.groups = self._group(ctxs, tables, lens)
+            self.grouped_decode_steps += batch.groups is not None
+        return batch
+
+    def _worth_grouping(self, members: int, prefix_len: int) -> bool:
+        if self.shared_prefix_decode == "always":
+            return True
+        return kernels.should_share_prefix(
+            members, prefix_len, self.device, kv_bytes_per_token=self._kv_bytes_per_token
+        )
+
+    def _group(
+        self, ctxs: list[Context], tables: list[list[int]], lens: list[int]
+    ) -> SharedPrefixGroups | None:
+        # Sequences whose first block is the same physical block share a prefix; its length is the longest
+        # run of identical leading blocks, full in every member (a block someone writes is never shared).
+        by_first: dict[int, list[int]] = defaultdict(list)
+        for i, t in enumerate(tables):
+            by_first[t[0]].append(i)
+        group_of = [-1] * len(ctxs)
+        prefix_tables: list[list[int]] = []
+        prefix_lens: list[int] = []
+        for members in by_first.values():
+            if len(members) < 2:
+                continue
+            full = [ctxs[i].num_cached // self.block_size for i in members]
+            n = shared_prefix_blocks([tables[i] for i in members], full)
+            if n == 0 or not self._worth_grouping(len(members), n * self.block_size):
+                continue
+            for i in members:
+                group_of[i] = len(prefix_tables)
+            prefix_tables.append(tables[members[0]][:n])
+            prefix_lens.append(n * self.block_size)
+        if not prefix_tables:
+            return None
+        suffix_tables, suffix_lens = [], []
+        for i, t in enumerate(tables):
+            g = group_of[i]
+            skip = 0 if g < 0 else len(prefix_tables[g])
+            suffix_tables.append(t[skip:])
+            suffix_lens.append(lens[i] - skip * self.block_size)
+        return SharedPrefixGroups(
+            prefix_block_tables=_pad(prefix_tables, self.device),
+            prefix_lens=_int32(prefix_lens, self.device),
+            group_of=_int32(group_of, self.device),
+            suffix_block_tables=_pad(suffix_tables, self.device),
+            suffix_lens=_int32(suffix_lens, self.device),
+        )
+
+
+def _int32(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32, device=device)
+
+
+def _pad(tables: list[list[int]], device: torch.device) -> torch.Tensor:
+    width = max(1, max(len(t) for t in tables))
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)

@@ -1,0 +1,48 @@
+"""Requests in flight inside the engine loop, and what they report back."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from server.engine.context import Context
+from server.engine.sampling import SamplingParams
+
+FinishReason = Literal["stop", "length"]
+_request_ids = itertools.count()
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    """What `generate` returns: the new tokens, their text (stop string cut off) and why it ended."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    prompt_tokens: int = 0
+
+
+@dataclass(eq=False)
+class Request:
+    """A fill (``sampling is None``) or a generate, extending one context."""
+
+    context: Context
+    on_finish: Callable[[object, BaseException | None], None]
+    sampling: SamplingParams | None = None
+    on_token: Callable[[int], None] | None = None
+    generator: torch.Generator | None = None
+    request_id: int = field(default_factory=lambda: next(_request_ids))
+    output_ids: list[int] = field(default_factory=list)
+    prompt_tokens: int = 0  # context length when the generate started
+    # True once this generate is decoding its own tokens; a preempted request recomputes as prefill.
+    decoding: bool = False
+    finished: bool = False
+    handle: object = None  # the caller-side handle this request answers to
+
+    @property
+    def is_generate(self) -> bool:
+        return self.sampling is not None
