@@ -118,28 +118,37 @@ class _Abort:
 
 
 class GenerationStream:
-    """A generate in flight: iterate it for token ids as they are sampled, then await `result()`."""
+    """A generate in flight: iterate it for token ids as they are sampled, then await `result()`.
+
+    Iteration raises the request's error, if it failed. Cancelling the consuming task, or `cancel()`,
+    aborts the request in the engine.
+    """
 
     def __init__(self, engine: LLMEngine, sink: _Sink) -> None:
         self._engine = engine
         self._sink = sink
 
-    def __aiter__(self) -> AsyncIterator[int]:
-        return self._tokens()
+    def __aiter__(self) -> GenerationStream:
+        return self
 
-    async def _tokens(self) -> AsyncIterator[int]:
-        assert self._sink.queue is not None
+    async def __anext__(self) -> int:
+        assert self._sink.queue is not None, "submitted with stream=False"
         try:
-            while True:
-                item = await self._sink.queue.get()
-                if item is _Sink._END:
-                    break
-                yield item  # type: ignore[misc]
-        except BaseException:
-            self._engine._abort(self._sink)
+            item = await self._sink.queue.get()
+        except asyncio.CancelledError:
+            self.cancel()
             raise
-        if self._sink.future.exception() is not None:
-            raise self._sink.future.exception()  # type: ignore[misc]
+        if item is _Sink._END:
+            self._sink.queue.put_nowait(item)  # stay exhausted
+            error = self._sink.future.exception()
+            if error is not None:
+                raise error
+            raise StopAsyncIteration
+        return item  # type: ignore[return-value]
+
+    def cancel(self) -> None:
+        """Abort the request if it is still running."""
+        self._engine._abort(self._sink)
 
     async def result(self) -> GenerateResult:
         return await self._engine._wait(self._sink)
@@ -259,9 +268,13 @@ class LLMEngine:
     async def generate_stream(
         self, context_id: int, sampling: SamplingParams | None = None, parent_context_id: int | None = None
     ) -> AsyncIterator[int]:
-        """Yield token ids as they are sampled."""
-        async for token_id in self.submit_generate(context_id, sampling, parent_context_id):
-            yield token_id
+        """Yield token ids as they are sampled; leaving the loop early aborts the request."""
+        stream = self.submit_generate(context_id, sampling, parent_context_id)
+        try:
+            async for token_id in stream:
+                yield token_id
+        finally:
+            stream.cancel()
 
     def submit_generate(
         self,

@@ -1,0 +1,89 @@
+"""`python -m server.engine`: serve one engine over HTTP, or answer one prompt and exit.
+
+python -m server.engine --model tiny --port 9100
+python -m server.engine --model tiny --prompt "Once upon a time" --max-tokens 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from server.engine.config import EngineConfig
+from server.engine.engine import LLMEngine
+from server.engine.sampling import SamplingParams
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m server.engine", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="tiny", help='"tiny" (embedded default) or a local Hugging Face folder')
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=9100)
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--shared-prefix-decode", default="auto", choices=["auto", "always", "never"])
+    one = p.add_argument_group("one-shot mode")
+    one.add_argument("--prompt", default=None, help="generate a completion of this text, print it, exit")
+    one.add_argument("--chat", action="store_true", help="wrap --prompt in the model's chat template")
+    one.add_argument("--max-tokens", type=int, default=32)
+    one.add_argument("--temperature", type=float, default=0.0)
+    one.add_argument("--seed", type=int, default=None)
+    return p.parse_args(argv)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    extra = {} if args.device is None else {"device": args.device}
+    return EngineConfig(
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        dtype=args.dtype,
+        shared_prefix_decode=args.shared_prefix_decode,
+        **extra,
+    )
+
+
+async def one_shot(engine: LLMEngine, args: argparse.Namespace) -> str:
+    tok = engine.tokenizer
+    if args.chat:
+        ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+        ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    else:
+        ids = tok.encode(args.prompt)
+    await engine.fill(0, ids)
+    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    result = await engine.generate(0, sampling)
+    await engine.free_context(0)
+    return result.text
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    engine = LLMEngine.from_pretrained(args.model, engine_config(args))
+    try:
+        if args.prompt is not None:
+            text = asyncio.run(one_shot(engine, args))
+            print(args.prompt + text if not args.chat else text)
+            return 0
+        import uvicorn
+
+        from server.engine.api import create_engine_app
+
+        uvicorn.run(create_engine_app(engine), host=args.host, port=args.port, log_level="info")
+        return 0
+    finally:
+        engine.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

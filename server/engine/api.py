@@ -1,0 +1,151 @@
+"""The engine's HTTP API (FastAPI): fill / generate (+ streaming) / free_context / stats.
+
+Bodies are the pydantic models of `parrot.protocol`. Engine errors become
+`{"error": {"type", "message"}}` with the status code of their class; other requests are unaffected.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import asdict
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from parrot.protocol import (
+    EngineFillRequest,
+    EngineFillResponse,
+    EngineFreeContextRequest,
+    EngineFreeContextResponse,
+    EngineGenerateRequest,
+    EngineGenerateResponse,
+    EngineInfo,
+    EngineStatsResponse,
+    EngineStreamChunk,
+    ErrorBody,
+    ErrorResponse,
+)
+
+from server.engine.detokenize import IncrementalDetokenizer
+from server.engine.engine import GenerationStream, LLMEngine
+from server.engine.errors import EngineError
+from server.engine.request import GenerateResult
+from server.engine.sampling import SamplingParams
+
+
+def error_response(status: int, error_type: str, message: str) -> JSONResponse:
+    body = ErrorResponse(error=ErrorBody(type=error_type, message=message))
+    return JSONResponse(body.model_dump(), status_code=status)
+
+
+def _sse(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+def create_engine_app(engine: LLMEngine) -> FastAPI:
+    """The HTTP app serving one engine (the caller owns the engine's lifetime)."""
+    app = FastAPI(title="Parrot engine", version="1")
+
+    @app.exception_handler(EngineError)
+    async def _engine_error(_: Request, exc: EngineError) -> JSONResponse:
+        return error_response(exc.http_status, exc.error_type, str(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def _schema_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        details = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        return error_response(422, "invalid_schema", details)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/info")
+    async def info() -> EngineInfo:
+        stats = engine.stats()
+        return EngineInfo(
+            model=engine.model_name,
+            max_model_len=engine.max_model_len,
+            vocab_size=engine.vocab_size,
+            block_size=engine.block_size,
+            blocks_total=stats.blocks_total,
+            eos_token_ids=sorted(engine.eos_token_ids),
+        )
+
+    @app.get("/stats")
+    async def stats() -> EngineStatsResponse:
+        return EngineStatsResponse(**asdict(engine.stats()))
+
+    @app.post("/fill")
+    async def fill(req: EngineFillRequest) -> EngineFillResponse:
+        ids = req.token_ids
+        if ids is None:
+            ids = engine.tokenizer.encode(req.text, add_special_tokens=False)
+        n = await engine.fill(req.context_id, ids, req.parent_context_id)
+        return EngineFillResponse(context_id=req.context_id, num_tokens=n)
+
+    @app.post("/generate", response_model=None)
+    async def generate(req: EngineGenerateRequest) -> EngineGenerateResponse | StreamingResponse:
+        sampling = SamplingParams(**req.sampling.model_dump())
+        if not req.stream:
+            result = await engine.generate(req.context_id, sampling, req.parent_context_id)
+            return _response(req.context_id, result)
+        handle = engine.submit_generate(req.context_id, sampling, req.parent_context_id)
+        first = await _first_event(handle)  # validation errors answer with a status code, not a stream
+        return StreamingResponse(
+            _stream_events(engine, req, sampling, handle, first), media_type="text/event-stream"
+        )
+
+    @app.post("/free_context")
+    async def free_context(req: EngineFreeContextRequest) -> EngineFreeContextResponse:
+        await engine.free_context(req.context_id)
+        return EngineFreeContextResponse(context_id=req.context_id)
+
+    return app
+
+
+def _response(context_id: int, result: GenerateResult) -> EngineGenerateResponse:
+    return EngineGenerateResponse(
+        context_id=context_id,
+        token_ids=result.token_ids,
+        text=result.text,
+        finish_reason=result.finish_reason,
+        prompt_tokens=result.prompt_tokens,
+        completion_tokens=len(result.token_ids),
+    )
+
+
+async def _first_event(handle: GenerationStream) -> int | None:
+    """The first token, or None when the generate ended without one; raises the request's error."""
+    try:
+        return await anext(handle)
+    except StopAsyncIteration:
+        await handle.result()  # re-raises a validation error as EngineError
+        return None
+
+
+async def _stream_events(
+    engine: LLMEngine,
+    req: EngineGenerateRequest,
+    sampling: SamplingParams,
+    handle: GenerationStream,
+    first: int | None,
+) -> AsyncIterator[str]:
+    detok = IncrementalDetokenizer(engine.tokenizer, sampling.stop)
+
+    def chunk(token_id: int) -> str:
+        return _sse(EngineStreamChunk(token_id=token_id, text=detok.push(token_id)).model_dump_json())
+
+    try:
+        if first is not None:
+            yield chunk(first)
+            async for token_id in handle:
+                yield chunk(token_id)
+        result = await handle.result()
+    except EngineError as e:
+        yield _sse(ErrorResponse(error=ErrorBody(type=e.error_type, message=str(e))).model_dump_json())
+        return
+    final = _response(req.context_id, result).model_dump()
+    final["text_delta"] = detok.finish(result.text)
+    yield _sse(json.dumps(final))
+    yield _sse("[DONE]")

@@ -1,0 +1,129 @@
+"""Sampling: greedy, temperature with seeds, top-k, top-p, stop strings, stop ids, EOS, streaming."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import pytest
+import torch
+
+from server.engine import ContextBusyError, LLMEngine, SamplingParams
+from server.engine.sampling import sample
+from tests.engine.conftest import prompts
+
+_ids = itertools.count(1000)
+
+
+async def gen(engine: LLMEngine, prompt: list[int], sampling: SamplingParams) -> tuple[list[int], str, str]:
+    cid = next(_ids)
+    await engine.fill(cid, prompt)
+    r = await engine.generate(cid, sampling)
+    await engine.free_context(cid)
+    return r.token_ids, r.text, r.finish_reason
+
+
+def test_sampler_filters() -> None:
+    logits = torch.tensor([[0.0, 5.0, 4.9, -3.0]] * 200)
+    greedy = sample(logits[:1], [SamplingParams()], [None])
+    assert greedy == [1]
+    gens = [torch.Generator().manual_seed(i) for i in range(200)]
+    top_k = sample(logits, [SamplingParams(temperature=1.0, top_k=2)] * 200, gens)
+    assert set(top_k) == {1, 2}
+    gens = [torch.Generator().manual_seed(i) for i in range(200)]
+    top_p = sample(logits, [SamplingParams(temperature=1.0, top_p=0.4)] * 200, gens)
+    assert set(top_p) == {1}  # token 1 alone carries >= 40% of the mass
+    gens = [torch.Generator().manual_seed(i) for i in range(200)]
+    hot = sample(logits, [SamplingParams(temperature=5.0)] * 200, gens)
+    assert {0, 1, 2, 3} <= set(hot)
+
+
+async def test_seeded_sampling_is_reproducible_and_batch_independent(engine: LLMEngine) -> None:
+    prompt = prompts(1, seed=20)[0]
+    sp = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    alone = await gen(engine, prompt, sp)
+    others = [gen(engine, p, SamplingParams(max_tokens=16, temperature=1.0)) for p in prompts(5, seed=21)]
+    together = await asyncio.gather(gen(engine, prompt, sp), *others)
+    assert together[0] == alone
+    other_seed = await gen(engine, prompt, SamplingParams(**{**sp.__dict__, "seed": 99}))
+    assert other_seed[0] != alone[0]
+
+
+async def test_top_k_1_is_greedy(engine: LLMEngine) -> None:
+    prompt = prompts(1, seed=22)[0]
+    greedy = await gen(engine, prompt, SamplingParams(max_tokens=10, ignore_eos=True))
+    top1 = await gen(engine, prompt, SamplingParams(max_tokens=10, temperature=0.7, top_k=1, ignore_eos=True))
+    assert top1[0] == greedy[0]
+
+
+async def test_stop_token_ids_and_stop_strings(engine: LLMEngine) -> None:
+    prompt = prompts(1, seed=23)[0]
+    full_ids, full_text, _ = await gen(engine, prompt, SamplingParams(max_tokens=20, ignore_eos=True))
+    stop_id = full_ids[5]
+    ids, _, reason = await gen(engine, prompt, SamplingParams(max_tokens=20, stop_token_ids=[stop_id]))
+    assert reason == "stop" and ids == full_ids[: full_ids.index(stop_id) + 1]
+    needle = full_text[len(full_text) // 2 : len(full_text) // 2 + 3]
+    assert needle
+    _, text, reason = await gen(engine, prompt, SamplingParams(max_tokens=20, stop=[needle], ignore_eos=True))
+    assert reason == "stop" and text == full_text[: full_text.index(needle)]
+
+
+async def test_eos_stops_unless_ignored(engine: LLMEngine) -> None:
+    prompt = prompts(1, seed=24)[0]
+    full_ids, _, _ = await gen(engine, prompt, SamplingParams(max_tokens=8, ignore_eos=True))
+    # Treat the 4th greedy token as this request's EOS: the engine stops there, or not when told to ignore it.
+    eos = full_ids[3]
+    saved = engine.eos_token_ids
+    engine.eos_token_ids = frozenset({eos})
+    try:
+        ids, _, reason = await gen(engine, prompt, SamplingParams(max_tokens=8))
+        assert reason == "stop" and ids[-1] == eos and len(ids) == full_ids.index(eos) + 1
+        ids, _, reason = await gen(engine, prompt, SamplingParams(max_tokens=8, ignore_eos=True))
+        assert reason == "length" and ids == full_ids
+    finally:
+        engine.eos_token_ids = saved
+
+
+async def test_stream_yields_the_same_tokens(engine: LLMEngine) -> None:
+    prompt = prompts(1, seed=25)[0]
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    ids, _, _ = await gen(engine, prompt, sp)
+    cid = next(_ids)
+    await engine.fill(cid, prompt)
+    streamed = [t async for t in engine.generate_stream(cid, sp)]
+    await engine.free_context(cid)
+    assert streamed == ids
+
+
+async def test_leaving_a_stream_early_aborts_it(engine: LLMEngine) -> None:
+    cid = next(_ids)
+    await engine.fill(cid, prompts(1, seed=26)[0])
+    stream = engine.generate_stream(cid, SamplingParams(max_tokens=300, ignore_eos=True))
+    got = []
+    async for t in stream:
+        got.append(t)
+        if len(got) == 3:
+            break
+    await stream.aclose()
+    # the context is free again once the abort lands
+    for _ in range(100):
+        try:
+            await engine.fill(cid, [10])
+            break
+        except ContextBusyError:
+            await asyncio.sleep(0.01)
+    assert engine.context_length(cid) < len(prompts(1, seed=26)[0]) + 300
+    await engine.free_context(cid)
+
+
+@pytest.mark.parametrize("stop", [[], ["zz"]])
+def test_incremental_detokenizer_reassembles_text(engine: LLMEngine, stop: list[str]) -> None:
+    from server.engine.detokenize import IncrementalDetokenizer
+
+    text = "héllo wörld — 你好, emoji 🦜 done zz"
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(engine.tokenizer, stop)
+    out = "".join(detok.push(t) for t in ids)
+    assert "\ufffd" not in out
+    assert text.startswith(out)
+    assert out + detok.finish(text) == text
