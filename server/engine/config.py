@@ -100,11 +100,16 @@ def default_dtype(device: torch.device) -> torch.dtype:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Serving knobs. ``num_kv_blocks=None`` sizes the cache from ``kv_cache_memory_bytes``."""
+    """Serving knobs.
+
+    The KV cache holds ``num_kv_blocks`` blocks if given, else as many as fit in ``kv_cache_memory_bytes``,
+    else (default) 256 MiB on CPU and ``gpu_memory_utilization`` of the GPU memory left free by the weights.
+    """
 
     block_size: int = 16
     num_kv_blocks: int | None = None
-    kv_cache_memory_bytes: int = 256 * 1024 * 1024
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.85
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     max_model_len: int | None = None  # default: the model's max_position_embeddings
@@ -114,6 +119,16 @@ class EngineConfig:
     # (`kernels.should_share_prefix`), "always" (tests), "never" (ablations).
     shared_prefix_decode: Literal["auto", "always", "never"] = "auto"
     seed: int = 0  # seed of the embedded "tiny" model's weights
+
+    def kv_cache_bytes(self) -> int:
+        """The memory the KV cache may take (called after the weights are loaded)."""
+        if self.kv_cache_memory_bytes is not None:
+            return self.kv_cache_memory_bytes
+        device = self.torch_device()
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            return int(free * self.gpu_memory_utilization)
+        return 256 * 1024 * 1024
 
     def torch_device(self) -> torch.device:
         return torch.device(self.device)

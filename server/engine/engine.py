@@ -179,7 +179,7 @@ class LLMEngine:
         device, dtype = config.torch_device(), config.torch_dtype()
         num_blocks = config.num_kv_blocks or max(
             1,
-            config.kv_cache_memory_bytes
+            config.kv_cache_bytes()
             // KVCache.bytes_per_block(
                 model_config.num_hidden_layers,
                 config.block_size,

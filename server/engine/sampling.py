@@ -62,7 +62,8 @@ def sample(
     for i, p in enumerate(params):
         if p.temperature == 0.0:
             continue
-        row = logits[i] / p.temperature
+        # Per-request generators live on the CPU; one row of logits is cheap to bring there.
+        row = logits[i].cpu() / p.temperature
         if p.top_k > 0 and p.top_k < row.numel():
             kth = torch.topk(row, p.top_k).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))
