@@ -34,6 +34,7 @@ from server.engine.errors import (
     UnknownContextError,
 )
 from server.engine.loader import build_model, load_safetensors
+from server.engine.malloc_tuning import tune_glibc_malloc
 from server.engine.model import LlamaForCausalLM
 from server.engine.model_runner import KVCache, ModelRunner
 from server.engine.request import FinishReason, GenerateResult, Request
@@ -165,6 +166,7 @@ class LLMEngine:
         config: EngineConfig,
         model_name: str,
     ) -> None:
+        tune_glibc_malloc()
         self.model_name = model_name
         self.model_config = model_config
         self.config = config
@@ -359,6 +361,7 @@ class LLMEngine:
     def _loop(self) -> None:
         try:
             while True:
+                self._admit_deferred()  # a step may have just released a parent
                 idle = self._stalled or not self._scheduler.has_work
                 if not self._drain(block=idle):
                     break

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from server.engine import EngineConfig, LLMEngine, SamplingParams
 from server.engine.block_manager import BlockAllocator
 from server.engine.context import ContextTable, blocks_for
-from tests.engine.conftest import prompts
+from tests.engine.conftest import hf_greedy, prompts
 
 B = 16
 
@@ -118,3 +118,18 @@ def test_engine_returns_every_block_after_random_workload(gqa_model: Path, seed:
             assert stats.blocks_used == 0 and stats.contexts == 0
 
     asyncio.run(workload())
+
+
+async def test_fork_from_a_busy_parent_waits_for_it(engine: LLMEngine, gqa_model: Path) -> None:
+    """A fork asked while the parent is still generating sees the parent's finished state."""
+    prompt = prompts(1, seed=40)[0]
+    await engine.fill(801, prompt)
+    parent_gen = asyncio.ensure_future(engine.generate(801, SamplingParams(max_tokens=10, ignore_eos=True)))
+    await asyncio.sleep(0)
+    child_len = await engine.fill(802, [7, 8], parent_context_id=801)
+    generated = (await parent_gen).token_ids
+    assert child_len == len(prompt) + 10 + 2
+    out = await engine.generate(802, SamplingParams(max_tokens=4, ignore_eos=True))
+    assert out.token_ids == hf_greedy(gqa_model, prompt + generated + [7, 8], 4)
+    for cid in (801, 802):
+        await engine.free_context(cid)
