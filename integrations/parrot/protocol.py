@@ -6,9 +6,10 @@ This module imports nothing but pydantic, so a client install stays light.
 
 from __future__ import annotations
 
-from typing import Literal
+import re
+from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
 
 FinishReason = Literal["stop", "length"]
 
@@ -127,3 +128,66 @@ class EngineInfo(BaseModel):
     block_size: int
     blocks_total: int
     eos_token_ids: list[int]
+
+
+# ----------------------------------------------------------------------------------------- transforms
+class TransformSpec(_Strict):
+    """One declarative output transform, applied server-side to a call's output text (in list order).
+
+    A whitelist of named transforms with plain options — never code. Each option is valid only for the
+    transform types listed in ``OPTIONS``; anything else is rejected here, at submit time, not when the
+    output arrives. ``key`` is a dotted path into the parsed value (``"a.b.0"``: dict key, then list index).
+    ``group`` picks a regex group by number or name; when omitted it is the only group, or the whole match
+    for a pattern without groups (what ``re.findall`` returns).
+    """
+
+    type: Literal["strip", "json", "csv_list", "regex", "numbered_list", "markdown_list", "xml", "render"]
+    key: str | None = None
+    pattern: str | None = None
+    group: StrictInt | StrictStr | None = None  # strict: a bool or "1" is not a group number
+    findall: bool = False
+
+    # Which options each transform accepts; a ClassVar so it is not a wire field.
+    OPTIONS: ClassVar[dict[str, frozenset[str]]] = {
+        "strip": frozenset(),
+        "json": frozenset({"key"}),
+        "csv_list": frozenset(),
+        "regex": frozenset({"pattern", "group", "findall"}),
+        "numbered_list": frozenset(),
+        "markdown_list": frozenset(),
+        "xml": frozenset({"key"}),
+        "render": frozenset(),
+    }
+
+    @model_validator(mode="after")
+    def _check_options(self) -> TransformSpec:
+        given = {name for name in ("key", "pattern", "group") if getattr(self, name) is not None}
+        if self.findall:
+            given.add("findall")
+        allowed = self.OPTIONS[self.type]
+        if extra := sorted(given - allowed):
+            hint = ", ".join(sorted(allowed)) or "none"
+            raise ValueError(f"transform {self.type!r} does not take option(s) {extra} (it takes: {hint})")
+        if self.key is not None and (not self.key or any(not part for part in self.key.split("."))):
+            raise ValueError(f"key path {self.key!r} has an empty segment; write it like 'a.b.0'")
+        if self.type == "regex":
+            self._check_regex()
+        return self
+
+    def _check_regex(self) -> None:
+        if not self.pattern:
+            raise ValueError("transform 'regex' needs a non-empty 'pattern'")
+        try:
+            compiled = re.compile(self.pattern)
+        except re.error as e:
+            raise ValueError(f"invalid regex pattern {self.pattern!r}: {e}") from None
+        n = compiled.groups
+        if self.group is None:
+            if n > 1:
+                raise ValueError(f"pattern {self.pattern!r} has {n} groups; choose one with 'group'")
+        elif isinstance(self.group, int):
+            if not 0 <= self.group <= n:
+                raise ValueError(f"group {self.group} is out of range: {self.pattern!r} has {n} group(s)")
+        elif self.group not in compiled.groupindex:
+            names = sorted(compiled.groupindex) or "none"
+            raise ValueError(f"pattern {self.pattern!r} has no group named {self.group!r} (named: {names})")
