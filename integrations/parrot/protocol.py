@@ -6,7 +6,10 @@ This module imports nothing but pydantic, so a client install stays light.
 
 from __future__ import annotations
 
+import difflib
 import re
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
@@ -191,3 +194,333 @@ class TransformSpec(_Strict):
         elif self.group not in compiled.groupindex:
             names = sorted(compiled.groupindex) or "none"
             raise ValueError(f"pattern {self.pattern!r} has no group named {self.group!r} (named: {names})")
+
+
+# ------------------------------------------------------------------------------------- template grammar
+# A semantic function's prompt is sent unrendered: constant text plus placeholders.
+#
+#   placeholder  :=  "{{" ws role ws ":" ws name ws "}}"     ws: spaces or tabs only, any amount
+#   role         :=  "input" | "output"
+#   name         :=  a Python identifier (str.isidentifier)
+#
+# Literal braces: "{{{{" is a literal "{{" — the one escape (`escape_text` applies it) — and any other "{{"
+# opens a placeholder. Read left to right, a run of "{" is: "{{{{" -> literal "{{"; else "{{{" -> a literal
+# "{" (the next two may open a placeholder); else "{{" -> a placeholder; else a lone, literal "{". So
+# "{{{input:x}}}" is "{", the placeholder, "}"; and "{{{{{{input:x}}" is "{{" and the placeholder.
+# Every "}" outside a placeholder ("}}" included) is plain text and needs no escape: JSON and code in
+# prompts close "}}" all the time, and outside a placeholder "}}" cannot be mistaken for anything.
+# Strict on purpose: a typo such as "{{inptu:x}}" is an error, never silently sent to the model as text.
+#
+# Rules beyond the grammar, each a `TemplateError` naming what to fix and where:
+#   * at least one output (a call exists to produce something);
+#   * two outputs need constant text between them: generation of the first needs a boundary before the
+#     second begins (the text after an output is what separates it from the next);
+#   * an output name appears once (an output is produced once); an input may appear any number of times;
+#   * a name is either an input or an output, never both.
+
+Role = Literal["input", "output"]
+ROLES: tuple[Role, ...] = ("input", "output")
+_HSPACE = " \t"
+
+
+@dataclass(frozen=True)
+class TemplateText:
+    """Constant text of a template (escapes already undone: ``text`` is what the model sees).
+
+    ``start``/``end`` locate the piece in the template source; they are not part of equality.
+    """
+
+    text: str
+    start: int = field(default=0, compare=False)
+    end: int = field(default=0, compare=False)
+
+
+@dataclass(frozen=True)
+class TemplatePlaceholder:
+    """A ``{{role:name}}`` placeholder; ``start``/``end`` locate it in the source (not part of equality)."""
+
+    role: Role
+    name: str
+    start: int = field(default=0, compare=False)
+    end: int = field(default=0, compare=False)
+
+
+TemplatePiece = TemplateText | TemplatePlaceholder
+
+
+def _line_col(text: str, offset: int) -> tuple[int, int]:
+    """1-based line and column of a character offset."""
+    line_start = text.rfind("\n", 0, offset) + 1
+    return text.count("\n", 0, offset) + 1, offset - line_start + 1
+
+
+def _snippet(text: str, limit: int = 40) -> str:
+    return repr(text if len(text) <= limit else text[: limit - 3] + "...")
+
+
+class TemplateError(ValueError):
+    """A template that does not follow the grammar (HTTP 400 on the server).
+
+    ``reason`` says what is wrong and how to fix it; ``offset`` (a character offset into the template),
+    ``line`` and ``column`` (1-based) say where, or are None for a whole-template problem.
+    """
+
+    def __init__(self, reason: str, template: str | None = None, offset: int | None = None) -> None:
+        self.reason = reason
+        self.offset = offset
+        self.line: int | None = None
+        self.column: int | None = None
+        where = "template"
+        if template is not None and offset is not None:
+            self.line, self.column = _line_col(template, offset)
+            where = f"template, line {self.line}, column {self.column} (offset {offset})"
+        super().__init__(f"{where}: {reason}")
+
+
+def _parse_placeholder(template: str, start: int) -> TemplatePlaceholder:
+    """Parse the placeholder whose ``{{`` is at ``start``."""
+    close = template.find("}}", start + 2)
+    # A placeholder never spans lines or contains another "{{": stopping there points at the real culprit
+    # (the unclosed "{{") instead of some "}}" much later in the template.
+    newline = template.find("\n", start + 2)
+    reopen = template.find("{{", start + 2)
+    if close < 0 or 0 <= newline < close or 0 <= reopen < close:
+        raise TemplateError(
+            f"unclosed '{{{{' ({_snippet(template[start : start + 30])}): close the placeholder with '}}}}' "
+            "on the same line, or write '{{{{' for a literal '{{'",
+            template,
+            start,
+        )
+    end = close + 2
+    source = template[start:end]
+    body = template[start + 2 : close]
+    if ":" not in body:
+        word = body.strip(_HSPACE)
+        hint = (
+            f"write {{{{input:{word}}}}} or {{{{output:{word}}}}}"
+            if word.isidentifier()
+            else "placeholders are {{input:NAME}} or {{output:NAME}}"
+        )
+        raise TemplateError(f"placeholder {source!r} has no role: {hint}", template, start)
+    role, _, name = (part.strip(_HSPACE) for part in body.partition(":"))
+    if role not in ROLES:
+        close_matches = difflib.get_close_matches(role, ROLES, n=1)
+        hint = f" (did you mean {close_matches[0]!r}?)" if close_matches else ""
+        raise TemplateError(
+            f"unknown role {role!r} in {source!r}: the role is 'input' or 'output'{hint}", template, start
+        )
+    if not name:
+        raise TemplateError(
+            f"placeholder {source!r} has an empty name: write {{{{{role}:NAME}}}}", template, start
+        )
+    if not name.isidentifier():
+        raise TemplateError(
+            f"placeholder name {name!r} in {source!r} is not a Python identifier "
+            "(letters, digits and underscores, not starting with a digit)",
+            template,
+            start,
+        )
+    checked: Role = "input" if role == "input" else "output"  # narrows the str for type checkers
+    return TemplatePlaceholder(checked, name, start, end)
+
+
+def _scan(template: str) -> Iterator[TemplatePiece]:
+    """Split a template into pieces by the grammar alone, lazily (so errors come in text order)."""
+    chunks: list[str] = []  # literal text since the last placeholder
+    text_start = 0
+    i = 0
+    n = len(template)
+    while i < n:
+        j = template.find("{", i)
+        if j < 0:
+            chunks.append(template[i:])
+            break
+        chunks.append(template[i:j])
+        if template.startswith("{{{{", j):
+            chunks.append("{{")
+            i = j + 4
+        elif template.startswith("{{{", j) or not template.startswith("{{", j):
+            chunks.append("{")  # a lone "{", or a "{" before the last two of a run
+            i = j + 1
+        else:
+            if text := "".join(chunks):
+                yield TemplateText(text, text_start, j)
+            chunks = []
+            placeholder = _parse_placeholder(template, j)
+            yield placeholder
+            i = text_start = placeholder.end
+    if text := "".join(chunks):
+        yield TemplateText(text, text_start, n)
+
+
+def _check_placeholder(
+    template: str, piece: TemplatePlaceholder, first: TemplatePlaceholder, previous: TemplatePiece | None
+) -> None:
+    """The rules between placeholders, for ``piece`` given its name's first use and the piece before it."""
+    where = "line {}, column {}".format(*_line_col(template, first.start))
+    if first is not piece and first.role != piece.role:
+        raise TemplateError(
+            f"{piece.name!r} is used as both {first.role} (at {where}) and {piece.role}: "
+            "a name is either an input or an output; rename one",
+            template,
+            piece.start,
+        )
+    if first is not piece and piece.role == "output":
+        raise TemplateError(
+            f"output {piece.name!r} appears twice (first at {where}): an output is produced once; "
+            "rename one, or read it as an {{input:...}} in a following call",
+            template,
+            piece.start,
+        )
+    if piece.role == "output" and isinstance(previous, TemplatePlaceholder) and previous.role == "output":
+        raise TemplateError(
+            f"outputs {previous.name!r} and {piece.name!r} are adjacent: put constant text between "
+            f"them so that {previous.name!r} has a boundary where it ends",
+            template,
+            piece.start,
+        )
+
+
+def parse_template(template: str) -> list[TemplatePiece]:
+    """Parse a semantic function's template into constant text and placeholders, in order.
+
+    Adjacent text is merged (two `TemplateText` are never neighbours); placeholders may be. Raises
+    `TemplateError` (with the line and column) for a malformed placeholder, adjacent outputs, an output
+    used twice, a name used as both input and output, or a template without any output. See the grammar
+    in the comment above.
+    """
+    pieces: list[TemplatePiece] = []
+    first_use: dict[str, TemplatePlaceholder] = {}
+    for piece in _scan(template):
+        if isinstance(piece, TemplatePlaceholder):
+            previous = pieces[-1] if pieces else None
+            _check_placeholder(template, piece, first_use.setdefault(piece.name, piece), previous)
+        pieces.append(piece)
+    if not placeholder_names(pieces, "output"):
+        raise TemplateError(
+            "there is no {{output:NAME}} placeholder: a call must produce at least one output"
+        )
+    return pieces
+
+
+def escape_text(text: str) -> str:
+    """Escape constant text for a template: every ``{{`` becomes ``{{{{`` (nothing else needs escaping)."""
+    return text.replace("{{", "{{{{")
+
+
+def render_template(pieces: Sequence[TemplatePiece]) -> str:
+    """The canonical template of ``pieces`` (escaped text, ``{{role:name}}`` without spaces).
+
+    The inverse of `parse_template`: ``parse_template(render_template(p)) == p`` for valid pieces, and a
+    template written canonically renders back to itself.
+    """
+    return "".join(
+        escape_text(p.text) if isinstance(p, TemplateText) else f"{{{{{p.role}:{p.name}}}}}" for p in pieces
+    )
+
+
+def placeholder_names(pieces: Sequence[TemplatePiece], role: Role) -> list[str]:
+    """The distinct names of ``role`` placeholders, in order of first appearance."""
+    names = (p.name for p in pieces if isinstance(p, TemplatePlaceholder) and p.role == role)
+    return list(dict.fromkeys(names))
+
+
+# ------------------------------------------------------------------------------------------------ calls
+Criteria = Literal["latency", "throughput"]
+
+
+class PlaceholderSpec(_Strict):
+    """What one template placeholder is bound to in a call.
+
+    An input gives exactly one of ``var_id`` (an existing variable of the session, possibly still pending)
+    or ``value`` (literal text, inserted verbatim: never parsed as template text). An output gives neither:
+    the server creates a fresh variable for it and returns its id in `SubmitCallResponse.outputs`; only
+    outputs take ``transforms`` (applied to the generated text in order) and ``sampling``.
+    The cross-checks live in `check_call` (a 400 on the server), not here (a 422 is for malformed JSON).
+    """
+
+    name: str
+    role: Role
+    var_id: str | None = None
+    value: str | None = None
+    transforms: list[TransformSpec] = Field(default_factory=list)
+    sampling: SamplingConfig | None = None
+
+
+class SubmitCallRequest(_Strict):
+    """``POST /v1/sessions/{sid}/calls``: one semantic function call, its prompt unrendered.
+
+    ``criteria`` marks the call's outputs as wanted with that objective right away (as a ``get`` would).
+    """
+
+    template: str
+    placeholders: list[PlaceholderSpec]
+    func_name: str | None = None
+    model: str | None = None
+    criteria: Criteria | None = None
+
+
+class SubmitCallResponse(BaseModel):
+    """The submitted call's id and the fresh variable created for each output (name -> var_id)."""
+
+    call_id: str
+    outputs: dict[str, str]
+
+
+class CallError(ValueError):
+    """A call's placeholder specs disagree with its template or with each other (HTTP 400)."""
+
+
+def _names(names: Iterable[str]) -> str:
+    return ", ".join(repr(n) for n in names)
+
+
+def check_call(template: str, placeholders: Sequence[PlaceholderSpec]) -> list[TemplatePiece]:
+    """Validate a call: the template's grammar, then its placeholder specs against it; return the pieces.
+
+    Raises `TemplateError` for the template and `CallError` when: a name has two specs; a template
+    placeholder has no spec, or a spec no placeholder; the roles differ; an input does not give exactly one
+    of ``var_id``/``value``; an output gives ``var_id`` or ``value`` (outputs get fresh variables from the
+    server); an input carries ``transforms`` or ``sampling`` (they describe generation).
+    """
+    pieces = parse_template(template)
+    used = {p.name: p.role for p in pieces if isinstance(p, TemplatePlaceholder)}
+    specs: dict[str, PlaceholderSpec] = {}
+    for spec in placeholders:
+        if spec.name in specs:
+            raise CallError(f"placeholder {spec.name!r} has two specs: give one spec per name")
+        specs[spec.name] = spec
+    if missing := [name for name in used if name not in specs]:
+        raise CallError(
+            f"the template uses {_names(missing)} but no placeholder spec names them: add a spec for each"
+        )
+    if unused := [name for name in specs if name not in used]:
+        raise CallError(
+            f"placeholder spec(s) {_names(unused)} do not appear in the template: remove them, or add "
+            f"{{{{{specs[unused[0]].role}:{unused[0]}}}}} to the template"
+        )
+    for name, spec in specs.items():
+        if spec.role != used[name]:
+            raise CallError(
+                f"{name!r} is an {used[name]} in the template but its spec says role {spec.role!r}"
+            )
+        if spec.role == "input":
+            if (spec.var_id is None) == (spec.value is None):
+                got = "both" if spec.var_id is not None else "neither"
+                raise CallError(
+                    f"input {name!r} needs exactly one of var_id (a variable) or value (literal text); "
+                    f"got {got}"
+                )
+            if spec.var_id == "":
+                raise CallError(f"input {name!r} has an empty var_id")
+            if spec.transforms or spec.sampling is not None:
+                raise CallError(
+                    f"input {name!r} has transforms or sampling: those apply to outputs only; "
+                    "transform the producing call's output instead"
+                )
+        elif spec.var_id is not None or spec.value is not None:
+            raise CallError(
+                f"output {name!r} gives var_id or value: outputs get fresh variables from the server "
+                "(their ids come back in the response's 'outputs'); remove them"
+            )
+    return pieces

@@ -1,4 +1,5 @@
 """The manager of Parrot serve: sessions, semantic variables, the dataflow graph, scheduling and execution.
 
-`server.serve.transforms` holds the declarative output transforms applied to each call's output.
+Built so far (issue 3 in progress): `server.serve.ir`, the call IR (segments, steps, prompt rendering and
+prefix hashes), and `server.serve.transforms`, the declarative output transforms applied to each output.
 """
