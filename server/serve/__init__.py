@@ -1,5 +1,7 @@
 """The manager of Parrot serve: sessions, semantic variables, the dataflow graph, scheduling and execution.
 
-Built so far (issue 3 in progress): `server.serve.ir`, the call IR (segments, steps, prompt rendering and
-prefix hashes), and `server.serve.transforms`, the declarative output transforms applied to each output.
+Built so far (issue 3 in progress), all pure data structures and functions with no I/O:
+`server.serve.ir` (the call IR: segments, steps, prompt rendering, prefix hashes), `server.serve.variables`
+(a session's variables), `server.serve.graph` (the per-session dataflow graph: readiness, activation,
+failure propagation) and `server.serve.transforms` (declarative output transforms).
 """
