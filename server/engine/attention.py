@@ -64,6 +64,8 @@ class AttentionBackend(Protocol):
     def __call__(
         self,
         q: torch.Tensor,  # [T, H, D]
+        k: torch.Tensor,  # [T, KVH, D]: the step's new keys (already written to the cache too)
+        v: torch.Tensor,
         k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
@@ -77,6 +79,8 @@ class PagedAttentionBackend:
     def __call__(
         self,
         q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
@@ -88,7 +92,10 @@ class PagedAttentionBackend:
             out[:n] = _decode(q[:n], k_cache, v_cache, meta.decode, scale)
         for chunk in meta.prefills:
             rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
-            out[rows] = _prefill(q[rows], k_cache, v_cache, chunk, scale)
+            if chunk.num_cached == 0:  # nothing before the chunk: its own K/V are all it attends to
+                out[rows] = _attend(q[rows], k[rows], v[rows], 0, scale)
+            else:
+                out[rows] = _prefill(q[rows], k_cache, v_cache, chunk, scale)
         return out
 
 
@@ -119,14 +126,21 @@ def _prefill(
     ctx = chunk.num_cached + chunk.num_tokens
     kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     # Only the written positions [0, ctx) are gathered: no unwritten slot is ever attended.
-    k = k_cache[chunk.block_table].reshape(-1, kv_heads, head_dim)[:ctx].transpose(0, 1)
-    v = v_cache[chunk.block_table].reshape(-1, kv_heads, head_dim)[:ctx].transpose(0, 1)
-    qt = q.transpose(0, 1)
-    gqa = qt.shape[0] != kv_heads
-    if chunk.num_cached == 0:
-        o = F.scaled_dot_product_attention(qt, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    k = k_cache[chunk.block_table].reshape(-1, kv_heads, head_dim)[:ctx]
+    v = v_cache[chunk.block_table].reshape(-1, kv_heads, head_dim)[:ctx]
+    return _attend(q, k, v, chunk.num_cached, scale)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int, scale: float) -> torch.Tensor:
+    """Causal attention of q [n, H, D] at positions num_cached.. over k, v [num_cached + n, KVH, D]."""
+    n, ctx = q.shape[0], k.shape[0]
+    # 4-D inputs: with a batch dim torch picks its fused (flash) CPU kernel; 3-D falls back to the math path.
+    qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    gqa = qt.shape[1] != kt.shape[1]
+    if num_cached == 0:
+        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
-        rows = torch.arange(chunk.num_tokens, device=q.device).unsqueeze(1) + chunk.num_cached
+        rows = torch.arange(n, device=q.device).unsqueeze(1) + num_cached
         mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= rows
-        o = F.scaled_dot_product_attention(qt, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
-    return o.transpose(0, 1)
+        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return o[0].transpose(0, 1)

@@ -60,7 +60,7 @@ class Attention(nn.Module):
         # The step's new K/V go into their cache slots first; attention then reads only the cache.
         k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
-        o = backend(q, k_cache, v_cache, meta, self.scale)
+        o = backend(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 

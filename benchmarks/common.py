@@ -1,0 +1,240 @@
+"""Helpers shared by the benchmark scripts: machine facts, deterministic workload text, statistics, output.
+
+Every benchmark reports ratios measured side by side in one run (see DESIGN.md, "How performance is
+measured"); these helpers keep the parts that are the same everywhere — what machine it ran on, where the
+prompt text comes from, how repeats are summarised, how the table and the ``RESULT`` line are written — in
+one place.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# Modules whose docstrings make the workload text. A fixed list in a fixed order: the text is the same on
+# every run of one Python version, with nothing downloaded.
+_TEXT_MODULES = (
+    "argparse",
+    "asyncio",
+    "collections",
+    "contextlib",
+    "dataclasses",
+    "decimal",
+    "email.message",
+    "enum",
+    "fractions",
+    "functools",
+    "heapq",
+    "http.client",
+    "inspect",
+    "itertools",
+    "json",
+    "logging",
+    "os",
+    "pathlib",
+    "pickle",
+    "re",
+    "shutil",
+    "statistics",
+    "string",
+    "subprocess",
+    "tarfile",
+    "textwrap",
+    "threading",
+    "typing",
+    "unittest",
+    "urllib.parse",
+    "zipfile",
+)
+
+
+# ----------------------------------------------------------------------------------------------- machine
+def git_commit() -> dict[str, Any]:
+    """The repository's HEAD commit and whether the work tree has uncommitted changes (None if no git)."""
+
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(
+                ["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10, check=True
+            )
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return out.stdout.strip()
+
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": git("rev-parse", "HEAD"), "dirty": None if status is None else bool(status)}
+
+
+def cpu_model() -> str:
+    """The CPU's marketing name (``/proc/cpuinfo`` on Linux, else what ``platform`` knows)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def load_average() -> float | None:
+    """One-minute load average: on a shared machine, what else was running competes with the benchmark."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
+def machine_info() -> dict[str, Any]:
+    """What a reader needs to judge the figures: CPU, cores, library versions, the code's commit."""
+    import torch
+
+    info: dict[str, Any] = {
+        "cpu_model": cpu_model(),
+        "logical_cores": os.cpu_count(),
+        "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "load_average_1m": load_average(),
+        "git": git_commit(),
+    }
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        info["transformers"] = None
+    return info
+
+
+# ----------------------------------------------------------------------------------------------- workload
+def stdlib_text(min_chars: int) -> str:
+    """Deterministic English-ish text: docstrings of standard-library modules and their public members.
+
+    Repeated as needed to reach ``min_chars``. Identical on every run of one Python version.
+    """
+    parts: list[str] = []
+    for name in _TEXT_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:  # a stripped-down Python: skip, the text just comes from fewer modules
+            continue
+        docs = [inspect.getdoc(module)]
+        for member_name, member in sorted(inspect.getmembers(module), key=lambda kv: kv[0]):
+            if not member_name.startswith("_"):
+                docs.append(inspect.getdoc(member))
+        # A member's docstring may be inherited (int, object, ...): keep each text once.
+        seen: set[str] = set()
+        for doc in docs:
+            if doc and doc not in seen:
+                seen.add(doc)
+                parts.append(doc)
+    text = "\n\n".join(parts)
+    if not text:
+        raise RuntimeError("no docstrings found in the standard library (python -OO?)")
+    while len(text) < min_chars:
+        text = text + "\n\n" + text
+    return text
+
+
+# ----------------------------------------------------------------------------------------------- statistics
+@dataclass(frozen=True)
+class Spread:
+    """The median of repeated measurements and their range."""
+
+    median: float
+    lo: float
+    hi: float
+    n: int
+
+    @classmethod
+    def of(cls, samples: Iterable[float]) -> Spread:
+        xs = [x for x in samples if math.isfinite(x)]
+        if not xs:
+            return cls(math.nan, math.nan, math.nan, 0)
+        return cls(statistics.median(xs), min(xs), max(xs), len(xs))
+
+    @property
+    def rel_half_range(self) -> float:
+        """Half the range relative to the median (``±`` in the tables)."""
+        if not self.median or not math.isfinite(self.median):
+            return math.nan
+        return (self.hi - self.lo) / 2 / abs(self.median)
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {"median": self.median, "min": self.lo, "max": self.hi, "n": self.n}
+
+
+def safe_ratio(a: float, b: float) -> float:
+    """``a / b``, NaN when either is unusable (keeps a noisy repeat from crashing the report)."""
+    if not (math.isfinite(a) and math.isfinite(b)) or b == 0:
+        return math.nan
+    return a / b
+
+
+# ----------------------------------------------------------------------------------------------- output
+def fmt_num(x: float, digits: int = 0) -> str:
+    """Thousands-separated number, ``n/a`` for NaN."""
+    if not math.isfinite(x):
+        return "n/a"
+    return f"{x:,.{digits}f}"
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[bool]) -> str:
+    """A GitHub markdown table with padded columns (readable as plain text too)."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+
+    def line(cells: Sequence[str]) -> str:
+        padded = (c.rjust(w) if r else c.ljust(w) for c, w, r in zip(cells, widths, right, strict=True))
+        return "| " + " | ".join(padded) + " |"
+
+    rule = "|" + "|".join(
+        ("-" * (w + 1) + ":") if r else ("-" * (w + 2)) for w, r in zip(widths, right, strict=True)
+    )
+    return "\n".join([line(headers), rule + "|", *(line(r) for r in rows)])
+
+
+def result_line(name: str, metrics: dict[str, float | int]) -> str:
+    """The ``RESULT <name> k=v ...`` line every benchmark ends with."""
+
+    def value(v: float | int) -> str:
+        if isinstance(v, int):
+            return str(v)
+        return "nan" if not math.isfinite(v) else f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+
+    return f"RESULT {name} " + " ".join(f"{k}={value(v)}" for k, v in metrics.items())
+
+
+def write_json(path: str | Path, payload: dict[str, Any]) -> None:
+    """Write ``payload`` as indented JSON (NaN becomes null: strict JSON readers reject NaN)."""
+
+    def clean(x: Any) -> Any:
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [clean(v) for v in x]
+        return x
+
+    Path(path).write_text(json.dumps(clean(payload), indent=2) + "\n")
+
+
+def log(message: str) -> None:
+    """Progress on stderr, so stdout holds only the tables and the RESULT line."""
+    print(message, file=sys.stderr, flush=True)
