@@ -101,8 +101,8 @@ class EngineFreeContextResponse(BaseModel):
     freed: bool = True
 
 
-class EngineStatsResponse(BaseModel):
-    """Load and exact KV memory of one engine."""
+class EngineStats(BaseModel):
+    """Load and exact KV memory of one engine (what `LLMEngine.stats()` returns and `GET /stats` sends)."""
 
     model: str
     block_size: int

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from dataclasses import asdict
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -21,7 +20,7 @@ from parrot.protocol import (
     EngineGenerateRequest,
     EngineGenerateResponse,
     EngineInfo,
-    EngineStatsResponse,
+    EngineStats,
     EngineStreamChunk,
     ErrorBody,
     ErrorResponse,
@@ -73,8 +72,8 @@ def create_engine_app(engine: LLMEngine) -> FastAPI:
         )
 
     @app.get("/stats")
-    async def stats() -> EngineStatsResponse:
-        return EngineStatsResponse(**asdict(engine.stats()))
+    async def stats() -> EngineStats:
+        return engine.stats()
 
     @app.post("/fill")
     async def fill(req: EngineFillRequest) -> EngineFillResponse:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from parrot.protocol import EngineStats
 
 from server.engine.block_manager import BlockAllocator
 from server.engine.config import EngineConfig, ModelConfig
@@ -42,28 +43,6 @@ from server.engine.sampling import SamplingParams, make_generator, sample
 from server.engine.scheduler import ScheduledChunk, Scheduler
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot of the engine's load and memory (block counts are exact)."""
-
-    model: str
-    block_size: int
-    blocks_total: int
-    blocks_used: int
-    blocks_free: int
-    contexts: int
-    running: int
-    waiting: int
-    tokens_in_last_step: int
-    prefill_tokens_computed: int
-    decode_tokens_computed: int
-    steps: int
-    preemptions: int
-    evictions: int
-    grouped_decode_steps: int
-    max_model_len: int
 
 
 class _Sink:
