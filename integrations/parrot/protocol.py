@@ -524,3 +524,64 @@ def check_call(template: str, placeholders: Sequence[PlaceholderSpec]) -> list[T
                 "(their ids come back in the response's 'outputs'); remove them"
             )
     return pieces
+
+
+# ------------------------------------------------------------------------------- sessions and variables
+VariableStatus = Literal["pending", "ready", "failed"]
+ValueKind = Literal["text", "json"]
+CRITERIA: tuple[Criteria, ...] = ("latency", "throughput")
+
+
+class CreateSessionResponse(BaseModel):
+    """``POST /v1/sessions`` (no body): the new session's id and its bearer token.
+
+    Every session-scoped call carries ``Authorization: Bearer <token>``; ``DELETE /v1/sessions/{sid}``
+    frees everything the session owns.
+    """
+
+    session_id: str
+    token: str
+
+
+class CreateVariableRequest(_Strict):
+    """``POST /v1/sessions/{sid}/variables``: a new variable, set when ``value`` is given, else pending."""
+
+    name: str | None = None
+    value: str | None = None
+
+
+class VariableCreated(BaseModel):
+    """The id of a variable just created."""
+
+    var_id: str
+
+
+class SetVariableRequest(_Strict):
+    """``PUT /v1/sessions/{sid}/variables/{vid}``: give a pending variable its value (once: 409 after)."""
+
+    value: str
+
+
+class GetVariableQuery(_Strict):
+    """The query of ``GET /v1/sessions/{sid}/variables/{vid}`` (a long poll).
+
+    ``criteria`` marks the variable wanted with that objective (what triggers objective deduction);
+    ``timeout`` is how many seconds the server waits for a pending variable before answering 504
+    (None: the server's own default).
+    """
+
+    criteria: Criteria | None = None
+    timeout: float | None = Field(default=None, ge=0)
+
+
+class GetVariableResponse(BaseModel):
+    """A variable's state: ``value`` is set when ``status == "ready"``, ``error`` when ``"failed"``.
+
+    A value is text; ``kind == "json"`` says it is the JSON text of a structured value (from a transform).
+    """
+
+    var_id: str
+    status: VariableStatus
+    value: str | None = None
+    kind: ValueKind = "text"
+    error: str | None = None

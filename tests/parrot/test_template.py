@@ -287,11 +287,18 @@ def test_escaped_text_is_literal_anywhere(literal: str, other: str) -> None:
     assert parse_template(template) == expected
 
 
-def test_protocol_imports_only_pydantic_and_stdlib() -> None:
-    code = (
-        "import sys, parrot.protocol; "
-        "heavy = ('torch', 'transformers', 'server', 'httpx', 'langchain_core'); "
-        "bad = [m for m in heavy if m in sys.modules]; "
-        "assert not bad, bad"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True)
+_HEAVY = ("torch", "transformers", "server", "langchain", "langchain_core", "llama_index")
+
+
+@pytest.mark.parametrize(
+    ("code", "forbidden"),
+    [
+        # The wire schema (what the server imports): pydantic and the standard library only.
+        ("import parrot.protocol", (*_HEAVY, "httpx")),
+        # The whole client API, every export loaded: httpx + pydantic, never the server side.
+        ("import parrot as P; [getattr(P, name) for name in P.__all__]", _HEAVY),
+    ],
+)
+def test_client_imports_stay_light(code: str, forbidden: tuple[str, ...]) -> None:
+    check = f"import sys; {code}; bad = [m for m in {forbidden!r} if m in sys.modules]; assert not bad, bad"
+    subprocess.run([sys.executable, "-c", check], check=True)

@@ -1,0 +1,99 @@
+"""`Variable`: a Semantic Variable of a session, as a future on the client."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from parrot.errors import ConflictError, ParrotError, VariableFailedError
+from parrot.protocol import Criteria, GetVariableResponse
+
+if TYPE_CHECKING:
+    from parrot.session import Session
+
+__all__ = ["LATENCY", "THROUGHPUT", "Variable"]
+
+LATENCY: Criteria = "latency"
+THROUGHPUT: Criteria = "throughput"
+
+
+class Variable:
+    """A Semantic Variable: an input you give, or a future output of a semantic function call.
+
+    Made by `Session.variable` or returned by calling a semantic function; never constructed by hand.
+    Creating and calling are lazy: the session sends them to the server, in order, on the next ``get``
+    (or `Session.flush`). Until then ``var_id`` is None.
+    """
+
+    def __init__(self, session: Session, *, name: str | None = None, producer: str | None = None) -> None:
+        self._session = session
+        self._name = name
+        self._producer = producer  # the semantic function producing it, for an output
+        self._var_id: str | None = None
+        self._has_value = False  # a value was given (at creation or by `set`)
+        self._settled: GetVariableResponse | None = None  # the server's final answer, ready or failed
+        self._error: ParrotError | None = None  # why the session could not submit what makes it
+
+    @property
+    def var_id(self) -> str | None:
+        """The server's id of the variable, or None until the session has sent it (see `Session.flush`)."""
+        return self._var_id
+
+    @property
+    def name(self) -> str | None:
+        """The name given to `Session.variable`, or the output placeholder's name for a call's output."""
+        return self._name
+
+    @property
+    def session(self) -> Session:
+        """The session the variable belongs to."""
+        return self._session
+
+    def get(self, criteria: Criteria | None = None, timeout: float | None = None) -> Any:
+        """Wait for the value (long poll) and return it: text, or the parsed value of a JSON transform.
+
+        ``criteria`` (`LATENCY` or `THROUGHPUT`) tells the server what the application wants from this
+        variable, which drives how its producers are scheduled. ``timeout`` is in seconds (None: wait
+        as long as it takes). Raises `VariableFailedError` with the server's message if the variable
+        failed, `GetTimeoutError` if it is still pending after ``timeout``. For sync sessions.
+        """
+        return self._session._get(self, criteria, timeout)
+
+    async def aget(self, criteria: Criteria | None = None, timeout: float | None = None) -> Any:
+        """``await`` form of `get` (in a sync session it runs the blocking call in a worker thread)."""
+        return await self._session._aget(self, criteria, timeout)
+
+    def set(self, value: str) -> None:
+        """Give a pending input variable its value (sent with the next flush; a variable is set once)."""
+        if not isinstance(value, str):
+            raise TypeError(f"a variable's value is text: got {type(value).__name__}; pass str(value)")
+        if self._producer is not None:
+            raise ConflictError(
+                f"{self._describe()} is an output of {self._producer}(): only the call sets it"
+            )
+        if self._has_value:
+            raise ConflictError(f"{self._describe()} already has a value: a variable is set once")
+        self._has_value = True
+        self._session._enqueue_set(self, value)
+
+    # ------------------------------------------------------------------------------------------ internal
+    def _settle(self, response: GetVariableResponse) -> None:
+        self._settled = response
+
+    def _result(self) -> Any:
+        """The value of a settled variable, or its failure raised."""
+        assert self._settled is not None
+        if self._settled.status == "failed":
+            raise VariableFailedError(
+                f"{self._describe()} failed: {self._settled.error or 'no reason given'}", var_id=self._var_id
+            )
+        value = self._settled.value or ""
+        return json.loads(value) if self._settled.kind == "json" else value
+
+    def _describe(self) -> str:
+        what = f"variable {self._var_id!r}" if self._var_id else "variable"
+        return what + (f" ({self._name!r})" if self._name else "")
+
+    def __repr__(self) -> str:
+        state = self._settled.status if self._settled else ("unsent" if self._var_id is None else "pending")
+        return f"<parrot.Variable {self._var_id or '?'} name={self._name!r} {state}>"

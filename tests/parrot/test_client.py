@@ -1,0 +1,377 @@
+"""The light client (`import parrot as P`) against a fake server speaking the wire schema (MockTransport).
+
+Figure 7 of the Parrot paper sync and async, the exact request bodies, laziness (no request until `get`),
+auth on every call, typed errors, definition-time errors, and inputs sent verbatim.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import parrot as P
+import pytest
+from parrot.protocol import SamplingConfig, TransformSpec
+
+from tests.parrot.fake_server import URL, FakeServer
+
+
+@P.semantic_function(max_tokens=64)
+def write_code(task):  # type: ignore[no-untyped-def]
+    """You are an expert software engineer.
+    Write python code of {{input:task}}.
+    Code: {{output:code}}"""
+
+
+@P.semantic_function(max_tokens=64)
+def write_tests(task, code):  # type: ignore[no-untyped-def]
+    """You are an experienced QA engineer.
+    You write test code for {{input:task}}.
+    Code: {{input:code}}.
+    Your test code: {{output:test}}"""
+
+
+@pytest.fixture
+def server() -> FakeServer:
+    return FakeServer()
+
+
+def check_figure7_requests(server: FakeServer) -> None:
+    sid = server.deleted[0]
+    methods = [(r.method, r.url.path) for r in server.requests]
+    assert methods == [
+        ("POST", "/v1/sessions"),
+        ("POST", f"/v1/sessions/{sid}/variables"),
+        ("POST", f"/v1/sessions/{sid}/calls"),
+        ("POST", f"/v1/sessions/{sid}/calls"),
+        *[("GET", path) for _, path in methods[4:-1]],
+        ("DELETE", f"/v1/sessions/{sid}"),
+    ]
+    assert len(methods) == 7  # two gets
+    token = f"Bearer {'tok' + str(int(sid[1:]) + 1)}"
+    assert "authorization" not in server.requests[0].headers
+    assert all(r.headers["authorization"] == token for r in server.requests[1:])
+
+    assert server.bodies("POST", "/variables") == [{"value": "a snake game"}]
+    (task_id,) = [v.var_id for v in server.variables.values() if v.producer is None]
+    first, second = server.bodies("POST", "/calls")
+    sampling = SamplingConfig(max_tokens=64).model_dump(exclude_none=True)
+    assert first == {
+        "template": "You are an expert software engineer.\nWrite python code of {{input:task}}.\n"
+        "Code: {{output:code}}",
+        "placeholders": [
+            {"name": "task", "role": "input", "var_id": task_id, "transforms": []},
+            {"name": "code", "role": "output", "transforms": [], "sampling": sampling},
+        ],
+        "func_name": "write_code",
+    }
+    (code_id,) = [v.var_id for v in server.variables.values() if v.name == "code"]
+    assert second["placeholders"] == [
+        {"name": "task", "role": "input", "var_id": task_id, "transforms": []},
+        {"name": "code", "role": "input", "var_id": code_id, "transforms": []},  # the first call's output
+        {"name": "test", "role": "output", "transforms": [], "sampling": sampling},
+    ]
+    gets = [r for r in server.requests if r.method == "GET"]
+    assert [dict(r.url.params) for r in gets] == [{"criteria": "latency", "timeout": "30.0"}] * 2
+
+
+def test_figure7_sync(server: FakeServer) -> None:
+    with P.Session(URL, client=server.sync_client()) as s:
+        assert len(server.requests) == 1  # the session
+        task = s.variable("a snake game")
+        code = write_code(task)
+        test = write_tests(task, code)
+        assert isinstance(code, P.Variable) and code.var_id is None and code.name == "code"
+        assert len(server.requests) == 1  # nothing is sent until a value is wanted
+        assert code.get(criteria=P.LATENCY) == "<code:a snake game>"
+        assert test.get(criteria=P.LATENCY) == "<test:a snake game,<code:a snake game>>"
+        assert code.get() == "<code:a snake game>"  # settled: answered from the client's cache
+    check_figure7_requests(server)
+
+
+async def test_figure7_async(server: FakeServer) -> None:
+    async with P.Session(URL, client=server.async_client()) as s:
+        task = s.variable("a snake game")
+        code = write_code(task)
+        test = write_tests(task, code)
+        assert len(server.requests) == 1
+        got = await asyncio.gather(code.aget(criteria=P.LATENCY), test.aget(criteria=P.LATENCY))
+        assert got == ["<code:a snake game>", "<test:a snake game,<code:a snake game>>"]
+    check_figure7_requests(server)
+
+
+def test_sessions_own_clients_and_nest_through_a_contextvar(server: FakeServer) -> None:
+    with pytest.raises(RuntimeError, match="no active Parrot session"):
+        write_code("x")
+    with P.Session(URL, client=server.sync_client()) as outer:
+        assert P.current_session() is outer
+        with P.Session(URL, client=server.sync_client()) as inner:
+            assert write_code("x").session is inner
+        assert write_code("x").session is outer
+    with pytest.raises(RuntimeError, match="no active Parrot session"):
+        write_code("x")
+    assert server.deleted == [inner.session_id, outer.session_id]
+    with pytest.raises(RuntimeError, match="entered once"), outer:
+        pass
+
+
+def test_several_outputs_transforms_and_per_output_sampling(server: FakeServer) -> None:
+    @P.semantic_function(
+        max_tokens=32,
+        temperature=0.5,
+        stop="\n",
+        model="tiny",
+        criteria=P.THROUGHPUT,
+        sampling={"why": {"max_tokens": 8}},
+        transforms={
+            "answer": [P.transforms.strip(), P.transforms.json(key="a.0")],
+            "why": P.transforms.strip(),
+        },
+    )
+    def qa(q):  # type: ignore[no-untyped-def]
+        """Q: {{input:q}}
+        A: {{output:answer}}
+        Why ({{input:q}}): {{output:why}}"""
+
+    server.script["answer"] = {"status": "ready", "value": '{"x": [1, 2]}', "kind": "json"}
+    with P.Session(URL, client=server.sync_client()):
+        answer, why = qa(q="2+2?")
+        assert (answer.name, why.name) == ("answer", "why")
+        assert answer.get() == {"x": [1, 2]}
+        assert why.get(timeout=5) == "<why:2+2?>"
+    (body,) = server.bodies("POST", "/calls")
+    assert (body["model"], body["criteria"], body["func_name"]) == ("tiny", "throughput", qa.name)
+    answer_spec, why_spec = body["placeholders"][1], body["placeholders"][2]
+    assert [t["type"] for t in answer_spec["transforms"]] == ["strip", "json"]
+    assert answer_spec["transforms"][1]["key"] == "a.0"
+    assert answer_spec["sampling"] == SamplingConfig(max_tokens=32, temperature=0.5, stop=["\n"]).model_dump(
+        exclude_none=True
+    )
+    assert why_spec["sampling"]["max_tokens"] == 8 and why_spec["sampling"]["temperature"] == 0.5
+    assert body["placeholders"][0] == {"name": "q", "role": "input", "value": "2+2?", "transforms": []}
+
+
+def test_values_are_sent_verbatim_never_as_template(server: FakeServer) -> None:
+    tricky = "ignore {{output:code}} and {{input:task}} {{{{ }}"
+    with P.Session(URL, client=server.sync_client()) as s:
+        code = write_code(tricky)
+        write_tests(s.variable(tricky, name="t"), code).get()
+    first, _ = server.bodies("POST", "/calls")
+    assert first["placeholders"][0] == {"name": "task", "role": "input", "value": tricky, "transforms": []}
+    assert server.bodies("POST", "/variables") == [{"name": "t", "value": tricky}]
+
+
+def test_inputs_take_str_variable_or_rendered_values(server: FakeServer) -> None:
+    @P.semantic_function(transforms={"items": [P.transforms.render()]})
+    def count(items):  # type: ignore[no-untyped-def]
+        """Count {{input:items}}: {{output:n}}"""
+
+    with P.Session(URL, client=server.sync_client()):
+        with pytest.raises(
+            TypeError, match=r"input 'task' got a int; pass a str or a P.Variable, or declare"
+        ):
+            write_code(42)
+        assert count([1, "a"]).get() == "<n:[1, 'a']>"  # str(), as LangChain renders it
+        with pytest.raises(TypeError, match="write_code"):
+            write_code("a", "b")
+    (body,) = server.bodies("POST", "/calls")
+    assert body["placeholders"][0] == {
+        "name": "items",
+        "role": "input",
+        "value": "[1, 'a']",
+        "transforms": [],
+    }
+
+
+def test_pending_variables_are_set_later(server: FakeServer) -> None:
+    with P.Session(URL, client=server.sync_client()) as s:
+        task = s.variable(name="task")
+        code = write_code(task)
+        with pytest.raises(P.GetTimeoutError) as info:
+            code.get(timeout=0)
+        assert info.value.status == 504
+        task.set("a calculator")
+        assert code.get() == "<code:a calculator>"
+        with pytest.raises(P.ConflictError, match="already has a value"):
+            task.set("again")
+        with pytest.raises(P.ConflictError, match="output of write_code"):
+            code.set("mine")
+    assert server.bodies("PUT", task.var_id or "?") == [{"value": "a calculator"}]
+
+
+def test_failed_variables_and_their_consumers(server: FakeServer) -> None:
+    server.script["code"] = {"status": "failed", "error": "transform 'json' failed: no JSON"}
+    with P.Session(URL, client=server.sync_client()):
+        code = write_code("x")
+        test = write_tests("x", code)
+        with pytest.raises(P.VariableFailedError, match="transform 'json' failed: no JSON") as info:
+            code.get()
+        assert info.value.var_id == code.var_id
+        with pytest.raises(P.VariableFailedError, match="upstream failed"):
+            test.get()
+
+
+def test_a_rejected_call_fails_its_outputs_and_consumers(server: FakeServer) -> None:
+    with P.Session(URL, client=server.sync_client()) as s:
+        sid = s.session_id or ""
+        code = write_code("x")
+        token, server.sessions[sid] = server.sessions[sid], "rotated"  # the server refuses this request
+        with pytest.raises(P.AuthError) as info:
+            code.get()
+        server.sessions[sid] = token
+        with pytest.raises(P.AuthError) as again:
+            code.get()  # the rejected submission's error sticks to its outputs
+        assert again.value is info.value and code.var_id is None
+        with pytest.raises(P.ParrotError, match="comes from a request the server rejected: 401 auth"):
+            write_tests("x", code)
+        assert write_code("y").get() == "<code:y>"  # the session goes on
+
+
+ERRORS = [
+    (400, P.BadRequestError),
+    (401, P.AuthError),
+    (403, P.AuthError),
+    (404, P.NotFoundError),
+    (409, P.ConflictError),
+    (413, P.PayloadTooLargeError),
+    (422, P.UnprocessableEntityError),
+    (503, P.ServiceUnavailableError),
+    (504, P.GetTimeoutError),
+    (500, P.ParrotError),
+]
+
+
+@pytest.mark.parametrize(("status", "cls"), ERRORS)
+def test_server_errors_become_typed_exceptions(status: int, cls: type[P.ParrotError]) -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/sessions":
+            return httpx.Response(200, json={"session_id": "s", "token": "t"})
+        if request.method == "DELETE":
+            return httpx.Response(204)
+        return httpx.Response(status, json={"error": {"type": "the_type", "message": "what went wrong"}})
+
+    client = httpx.Client(transport=httpx.MockTransport(handler))
+    with P.Session(URL, client=client), pytest.raises(cls) as info:
+        write_code("x").get(timeout=1)
+    err = info.value
+    assert (err.status, err.type, err.message) == (status, "the_type", "what went wrong")
+    assert str(err) == f"{status} the_type: what went wrong"
+
+
+def test_errors_outside_the_schema_and_on_entering() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(422, json={"detail": [{"loc": ["body"], "msg": "field required"}]})
+
+    with pytest.raises(P.UnprocessableEntityError, match="field required") as info:
+        P.Session(URL, client=httpx.Client(transport=httpx.MockTransport(handler))).__enter__()
+    assert info.value.status == 422 and "POST http://parrot.test/v1/sessions" in info.value.message
+
+
+def test_connection_errors_name_the_url() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused", request=request)
+
+    with (
+        pytest.raises(
+            P.ConnectionError, match=r"at http://parrot.test/v1/sessions failed: connection refused"
+        ),
+        P.Session(URL, client=httpx.Client(transport=httpx.MockTransport(handler))),
+    ):
+        pass
+
+
+def test_a_deleted_session_on_exit_is_not_an_error(server: FakeServer) -> None:
+    with P.Session(URL, client=server.sync_client()) as s:
+        del server.sessions[s.session_id or ""]
+    with pytest.raises(RuntimeError, match="not open"):
+        s.variable("late")
+
+
+async def test_sync_and_async_sessions_guard_their_modes(server: FakeServer) -> None:
+    async with P.Session(URL, client=server.async_client()):
+        with pytest.raises(RuntimeError, match=r"await var.aget\(\)"):
+            write_code("x").get()
+    with P.Session(URL, client=server.sync_client()):
+        assert await write_code("y").aget() == "<code:y>"  # runs the blocking get in a worker thread
+    with pytest.raises(TypeError, match=r"needs an httpx\.AsyncClient client"):
+        async with P.Session(URL, client=server.sync_client()):
+            pass
+    with pytest.raises(ValueError, match="criteria must be"), P.Session(URL, client=server.sync_client()):
+        write_code("x").get(criteria="fast")  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------------- definition errors
+def define(doc: str, params: str = "task", **kwargs: Any) -> P.SemanticFunction:
+    namespace: dict[str, Any] = {}
+    exec(f"def my_func({params}):\n    {doc!r}\n", namespace)
+    return P.semantic_function(**kwargs)(namespace["my_func"])
+
+
+@pytest.mark.parametrize(
+    ("doc", "params", "message"),
+    [
+        (
+            "Do {{input:taks}}: {{output:out}}",
+            "task",
+            "semantic function my_func(): template, line 1, column 4 (offset 3): {{input:taks}} is not a "
+            "parameter of my_func() (parameters: task): add a parameter 'taks' or fix the placeholder's name",
+        ),
+        (
+            "Do {{input:task}}: {{output:out}}",
+            "task, extra",
+            "parameter(s) 'extra' of my_func() have no placeholder in the docstring: use them as "
+            "{{input:extra}} or remove them",
+        ),
+        (
+            "Do {{input:task}}\n{{output:a}}{{output:b}}",
+            "task",
+            "line 2, column 13 (offset 30): outputs 'a' and 'b'",
+        ),
+        ("{{input:task}} {{output:a}}, {{output:a}}", "task", "output 'a' appears twice"),
+        ("{{input:task}} {{output:out}}", "task, out", "parameter 'out' of my_func() is an {{output:out}}"),
+        ("{{inptu:task}} {{output:out}}", "task", "did you mean 'input'?"),
+        ("{{input:task}} only", "task", "there is no {{output:NAME}} placeholder"),
+    ],
+)
+def test_definition_errors_name_the_function(doc: str, params: str, message: str) -> None:
+    with pytest.raises(P.TemplateError) as info:
+        define(doc, params)
+    assert str(info.value).startswith("semantic function my_func(): template")
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"transforms": {"nope": [P.transforms.strip()]}}, ValueError, "'nope', which is not a placeholder"),
+        ({"transforms": {"task": [P.transforms.strip()]}}, ValueError, "may only take P.transforms.render()"),
+        ({"sampling": {"task": {"max_tokens": 1}}}, ValueError, "'task', which is not an output"),
+        ({"max_tokens": "many"}, ValueError, "max_tokens"),
+    ],
+)
+def test_bad_options_fail_at_decoration(kwargs: dict[str, Any], error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
+        define("{{input:task}} {{output:out}}", **kwargs)
+
+
+def test_functions_need_a_docstring_and_plain_parameters() -> None:
+    with pytest.raises(TypeError, match="has no docstring"):
+        P.semantic_function()(lambda task: None)
+    with pytest.raises(TypeError, match="parameter 'rest' is variadic keyword"):
+        define("{{input:task}} {{output:out}}", "task, **rest")
+
+
+def test_transform_helpers_build_specs() -> None:
+    t = P.transforms
+    assert [s.type for s in (t.strip(), t.json(), t.csv_list(), t.numbered_list(), t.markdown_list())] == [
+        "strip",
+        "json",
+        "csv_list",
+        "numbered_list",
+        "markdown_list",
+    ]
+    assert t.regex(r"(\d+)", findall=True) == TransformSpec(type="regex", pattern=r"(\d+)", findall=True)
+    assert t.xml(key="a.b").key == "a.b" and t.render().type == "render"
+    with pytest.raises(ValueError, match="has 2 groups"):
+        t.regex(r"(a)(b)")
