@@ -1,0 +1,41 @@
+"""`python -m server`: the manager with N in-process engines, serving the Parrot API over HTTP.
+
+python -m server --model tiny --engines 1 --port 9000
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import uvicorn
+
+from server.app import create_app
+from server.engine import EngineConfig
+from server.launch import build_engines
+from server.serve.manager import Manager, ManagerConfig
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m server", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="tiny", help='"tiny" (embedded default) or a local Hugging Face folder')
+    p.add_argument("--engines", type=int, default=1)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=9000)
+    p.add_argument("--session-ttl", type=float, default=600.0)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    engines = build_engines(args.model, args.engines, EngineConfig(num_kv_blocks=args.num_kv_blocks))
+    try:
+        app = create_app(Manager(engines, ManagerConfig(session_ttl=args.session_ttl)))
+        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    finally:
+        for engine in engines:
+            engine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

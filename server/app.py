@@ -1,0 +1,194 @@
+"""The FastAPI app of Parrot serve: sessions, variables, calls, engines, health and metrics.
+
+Routes follow DESIGN.md's wire protocol (`parrot.protocol` bodies). Every error is
+`{"error": {"type", "message"}}` with the status code of its class; nothing a client sends can make the
+server stop serving others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Header, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+from parrot.protocol import (
+    CallError,
+    CreateSessionResponse,
+    CreateVariableRequest,
+    Criteria,
+    EngineStats,
+    GetVariableResponse,
+    SetVariableRequest,
+    SubmitCallRequest,
+    SubmitCallResponse,
+    TemplateError,
+    VariableCreated,
+)
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from server.engine import EngineError
+from server.engine.api import error_response
+from server.serve.graph import GraphError
+from server.serve.manager import GetTimeoutError, Manager, NoEngineError
+from server.serve.sessions import Session, SessionError
+from server.serve.variables import VariableError
+
+MAX_BODY_BYTES = 8 * 1024 * 1024
+
+# Each error class knows its status; one table maps the rest.
+_TYPED: tuple[type[Exception], ...] = (
+    SessionError,
+    VariableError,
+    GraphError,
+    EngineError,
+    GetTimeoutError,
+    NoEngineError,
+)
+
+
+class _ManagerCollector(Collector):
+    """Prometheus gauges read from the manager and engines at scrape time (no global registry)."""
+
+    def __init__(self, manager: Manager) -> None:
+        self.manager = manager
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        sessions = GaugeMetricFamily("parrot_sessions", "Live sessions")
+        sessions.add_metric([], len(self.manager.sessions))
+        yield sessions
+        fields = {
+            "blocks_used": "KV blocks in use",
+            "blocks_total": "KV blocks in the cache",
+            "running": "Requests running",
+            "waiting": "Requests waiting",
+            "prefill_tokens_computed": "Prompt tokens computed since start",
+            "decode_tokens_computed": "Generated tokens computed since start",
+        }
+        families = {
+            k: GaugeMetricFamily(f"parrot_engine_{k}", v, labels=["engine"]) for k, v in fields.items()
+        }
+        for i, engine in enumerate(self.manager.engines):
+            stats = engine.stats()
+            for k, family in families.items():
+                family.add_metric([str(i)], getattr(stats, k))
+        yield from families.values()
+
+
+def _session(
+    request: Request, session_id: str, authorization: Annotated[str | None, Header()] = None
+) -> Session:
+    """The authenticated session of a session-scoped route (401/403/404 otherwise)."""
+    token = None
+    if authorization is not None and authorization.lower().startswith("bearer "):
+        token = authorization[7:].strip()
+    return request.app.state.manager.session(session_id, token)
+
+
+SessionDep = Annotated[Session, Depends(_session)]
+
+
+def create_app(manager: Manager, reap_interval: float | None = None) -> FastAPI:
+    """The service app over ``manager``; expired sessions are reaped in the background."""
+    interval = (
+        reap_interval if reap_interval is not None else max(1.0, min(30.0, manager.config.session_ttl / 4))
+    )
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        async def reap() -> None:
+            while True:
+                await asyncio.sleep(interval)
+                await manager.expire_sessions()
+
+        reaper = asyncio.create_task(reap())
+        try:
+            yield
+        finally:
+            reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reaper
+            await manager.shutdown()
+
+    app = FastAPI(title="Parrot serve", version="1", lifespan=lifespan)
+    app.state.manager = manager
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(_ManagerCollector(manager))
+
+    @app.exception_handler(RequestValidationError)
+    async def _schema(_: Request, exc: RequestValidationError) -> JSONResponse:
+        details = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        return error_response(422, "invalid_schema", details)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, "http_error", str(exc.detail))
+
+    @app.exception_handler(TemplateError)
+    @app.exception_handler(CallError)
+    async def _bad_call(_: Request, exc: Exception) -> JSONResponse:
+        return error_response(400, "bad_template" if isinstance(exc, TemplateError) else "bad_call", str(exc))
+
+    for cls in _TYPED:
+
+        @app.exception_handler(cls)
+        async def _typed(_: Request, exc: Any) -> JSONResponse:
+            return error_response(exc.http_status, getattr(exc, "error_type", type(exc).__name__), str(exc))
+
+    @app.middleware("http")
+    async def _limit_body(request: Request, call_next: Any) -> Response:
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+            return error_response(413, "body_too_large", f"request body over {MAX_BODY_BYTES} bytes")
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "engines": len(manager.engines), "sessions": len(manager.sessions)}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(generate_latest(registry).decode(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/engines")
+    async def engines() -> list[EngineStats]:
+        return [e.stats() for e in manager.engines]
+
+    @app.post("/v1/sessions")
+    async def create_session() -> CreateSessionResponse:
+        return manager.create_session()
+
+    @app.delete("/v1/sessions/{session_id}", status_code=204)
+    async def delete_session(s: SessionDep) -> Response:
+        await manager.delete_session(s)
+        return Response(status_code=204)
+
+    @app.post("/v1/sessions/{session_id}/variables")
+    async def create_variable(s: SessionDep, req: CreateVariableRequest) -> VariableCreated:
+        return manager.create_variable(s, req)
+
+    @app.put("/v1/sessions/{session_id}/variables/{var_id}")
+    async def set_variable(s: SessionDep, var_id: str, req: SetVariableRequest) -> GetVariableResponse:
+        return manager.set_variable(s, var_id, req.value)
+
+    @app.get("/v1/sessions/{session_id}/variables/{var_id}")
+    async def get_variable(
+        s: SessionDep,
+        var_id: str,
+        criteria: Criteria | None = None,
+        timeout: Annotated[float | None, Query(ge=0)] = None,
+    ) -> GetVariableResponse:
+        return await manager.get_variable(s, var_id, criteria, timeout)
+
+    @app.post("/v1/sessions/{session_id}/calls")
+    async def submit_call(s: SessionDep, req: SubmitCallRequest) -> SubmitCallResponse:
+        return manager.submit_call(s, req)
+
+    return app

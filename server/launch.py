@@ -1,0 +1,64 @@
+"""`server.launch(...)`: the whole service on 127.0.0.1 in a background thread, for recipes and tests."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import uvicorn
+from fastapi import FastAPI
+
+from server.app import create_app
+from server.engine import EngineConfig, LLMEngine
+from server.serve.manager import Manager, ManagerConfig
+
+
+@dataclass
+class LaunchedServer:
+    """A running server: its base URL, and the objects behind it (for inspection in tests)."""
+
+    url: str
+    app: FastAPI
+    manager: Manager
+    engines: list[LLMEngine]
+
+
+def build_engines(model: str, engines: int, engine_config: EngineConfig | None) -> list[LLMEngine]:
+    if engines < 1:
+        raise ValueError(f"engines must be >= 1, got {engines}")
+    return [LLMEngine.from_pretrained(model, engine_config) for _ in range(engines)]
+
+
+@contextmanager
+def launch(
+    model: str = "tiny",
+    engines: int = 1,
+    port: int = 0,
+    host: str = "127.0.0.1",
+    engine_config: EngineConfig | None = None,
+    manager_config: ManagerConfig | None = None,
+    startup_timeout: float = 60.0,
+) -> Iterator[LaunchedServer]:
+    """Start manager + ``engines`` in-process engines serving ``model``; stop everything on exit."""
+    pool = build_engines(model, engines, engine_config)
+    manager = Manager(pool, manager_config)
+    app = create_app(manager)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, name="parrot-server", daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + startup_timeout
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not start on {host}:{port}")
+            time.sleep(0.01)
+        bound = server.servers[0].sockets[0].getsockname()[1]
+        yield LaunchedServer(f"http://{host}:{bound}", app, manager, pool)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        for engine in pool:
+            engine.shutdown()

@@ -1,0 +1,535 @@
+"""OpenAI-compatible endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``.
+
+Any OpenAI client works against them, and they are the request-centric baseline of the benchmarks: each
+request tokenizes its prompt with the engine's tokenizer, fills a fresh engine context, generates from it and
+frees it (always, also on error or a client that goes away). No prefix sharing happens here on purpose.
+
+The router is built over an `OpenAIBackend` — anything that picks an engine by model name and hands out
+unique context ids — so the manager and the tests plug in their own. Errors answer
+``{"error": {"type", "message"}}``: engine errors with their own status, unsupported options with 400.
+Streaming uses server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, StreamingResponse
+from parrot.protocol import (
+    ErrorBody,
+    ErrorResponse,
+    OpenAIAssistantMessage,
+    OpenAIChatChoice,
+    OpenAIChatChunkChoice,
+    OpenAIChatCompletionChunk,
+    OpenAIChatCompletionRequest,
+    OpenAIChatCompletionResponse,
+    OpenAIChatDelta,
+    OpenAICompletionChoice,
+    OpenAICompletionRequest,
+    OpenAICompletionResponse,
+    OpenAIModelCard,
+    OpenAIModelList,
+    OpenAIUsage,
+)
+from pydantic import BaseModel
+
+from server.engine.api import error_response
+from server.engine.engine import GenerationStream, LLMEngine
+from server.engine.errors import EngineError
+from server.engine.request import GenerateResult
+from server.engine.sampling import SamplingParams
+
+# OpenAI's own default; a client that wants greedy output passes ``temperature=0``.
+DEFAULT_TEMPERATURE = 1.0
+
+
+class OpenAIAPIError(Exception):
+    """An error of the OpenAI layer itself (not the engine's); answered with its status and type."""
+
+    http_status: int = 400
+    error_type: str = "invalid_request_error"
+
+
+class ModelNotFoundError(OpenAIAPIError):
+    """The request names a model no engine serves; `OpenAIBackend.engine_for` raises it."""
+
+    http_status = 404
+    error_type = "model_not_found"
+
+    def __init__(self, model: str | None, available: Sequence[str]) -> None:
+        names = ", ".join(repr(m) for m in available) or "none"
+        what = "no model is being served" if model is None else f"the model {model!r} does not exist"
+        super().__init__(f"{what}; available models: {names}")
+        self.model = model
+        self.available = list(available)
+
+
+class UnsupportedOptionError(OpenAIAPIError):
+    """A request option that would change the result but is not supported (n > 1, echo, logprobs...)."""
+
+    error_type = "unsupported_option"
+
+
+class InvalidPromptError(OpenAIAPIError):
+    """A prompt that cannot be served as given (empty, or no messages to render)."""
+
+    error_type = "invalid_prompt"
+
+
+class OpenAIBackend(Protocol):
+    """What the router needs from the server: engines by model name and fresh context ids."""
+
+    def engine_for(self, model: str | None) -> LLMEngine:
+        """The engine serving ``model`` (None: the default one); raises `ModelNotFoundError`."""
+        ...
+
+    def models(self) -> list[str]:
+        """The names of the models served, for ``GET /v1/models`` and error messages."""
+        ...
+
+    def new_context_id(self) -> int:
+        """A context id no other user of any engine holds (the router frees it after the request)."""
+        ...
+
+
+class StaticBackend:
+    """An `OpenAIBackend` over fixed engines keyed by model name (the first one is the default).
+
+    Context ids come from one counter starting at ``first_context_id``, chosen high so that they do not
+    collide with ids another component hands out on the same engines.
+    """
+
+    def __init__(self, engines: Mapping[str, LLMEngine], first_context_id: int = 1 << 40) -> None:
+        if not engines:
+            raise ValueError("StaticBackend needs at least one engine")
+        self._engines = dict(engines)
+        self._ids = itertools.count(first_context_id)
+
+    def engine_for(self, model: str | None) -> LLMEngine:
+        if model is None:
+            return next(iter(self._engines.values()))
+        try:
+            return self._engines[model]
+        except KeyError:
+            raise ModelNotFoundError(model, self.models()) from None
+
+    def models(self) -> list[str]:
+        return list(self._engines)
+
+    def new_context_id(self) -> int:
+        return next(self._ids)
+
+
+def create_openai_router(backend: OpenAIBackend) -> APIRouter:
+    """The router with the OpenAI-compatible endpoints over ``backend`` (paths start with ``/v1``)."""
+    router = APIRouter(tags=["openai"])
+    started = int(time.time())
+
+    @router.get("/v1/models")
+    async def list_models() -> OpenAIModelList:
+        return OpenAIModelList(data=[OpenAIModelCard(id=m, created=started) for m in backend.models()])
+
+    @router.post(
+        "/v1/completions",
+        response_model=None,
+        responses={200: {"model": OpenAICompletionResponse}, 400: {"model": ErrorResponse}},
+    )
+    async def completions(req: OpenAICompletionRequest) -> JSONResponse | StreamingResponse:
+        try:
+            _reject_unsupported(req)
+            engine = backend.engine_for(req.model)
+            prompts = _completion_prompts(engine, req.prompt)
+            sampling = _sampling(req, req.max_tokens, engine, prompts)
+            return await _serve(backend, engine, prompts, sampling, req, chat=False)
+        except (EngineError, OpenAIAPIError) as e:
+            return _error(e)
+
+    @router.post(
+        "/v1/chat/completions",
+        response_model=None,
+        responses={200: {"model": OpenAIChatCompletionResponse}, 400: {"model": ErrorResponse}},
+    )
+    async def chat_completions(req: OpenAIChatCompletionRequest) -> JSONResponse | StreamingResponse:
+        try:
+            _reject_unsupported(req)
+            engine = backend.engine_for(req.model)
+            prompts = [_chat_prompt(engine, req)]
+            max_tokens = (
+                req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+            )
+            sampling = _sampling(req, max_tokens, engine, prompts)
+            return await _serve(backend, engine, prompts, sampling, req, chat=True)
+        except (EngineError, OpenAIAPIError) as e:
+            return _error(e)
+
+    return router
+
+
+# ------------------------------------------------------------------------------------------ requests
+def _error(e: EngineError | OpenAIAPIError) -> JSONResponse:
+    return error_response(e.http_status, e.error_type, str(e))
+
+
+# option name -> the values that mean "not used" (anything else is rejected with a 400)
+_UNUSED: dict[str, tuple[object, ...]] = {
+    "n": (None, 1),
+    "echo": (None, False),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "presence_penalty": (None, 0.0),
+    "frequency_penalty": (None, 0.0),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+}
+
+
+def _reject_unsupported(req: BaseModel) -> None:
+    """Raise `UnsupportedOptionError` for the first option set to a value this server cannot honour."""
+    for name, unused in _UNUSED.items():
+        if name not in type(req).model_fields:
+            continue
+        value = getattr(req, name)
+        if value not in unused:
+            hint = " (send one request per sample)" if name == "n" else ""
+            raise UnsupportedOptionError(f"{name}={value!r} is not supported by this server{hint}")
+    fmt = getattr(req, "response_format", None)
+    if fmt is not None and fmt.get("type", "text") != "text":
+        raise UnsupportedOptionError(f"response_format {fmt.get('type')!r} is not supported (only 'text')")
+
+
+def _completion_prompts(
+    engine: LLMEngine, prompt: str | list[str] | list[int] | list[list[int]]
+) -> list[list[int]]:
+    """Token ids of each prompt: texts are encoded with special tokens added (BOS), like vLLM does."""
+    if isinstance(prompt, str):
+        batch: list[Any] = [prompt]
+    elif not prompt:
+        raise InvalidPromptError("prompt is an empty list")
+    elif isinstance(prompt[0], int):
+        batch = [prompt]
+    else:
+        batch = list(prompt)
+    out: list[list[int]] = []
+    for i, p in enumerate(batch):
+        ids = engine.tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p)
+        if not ids:
+            raise InvalidPromptError(f"prompt {i} has no tokens")
+        out.append(ids)
+    return out
+
+
+def _chat_prompt(engine: LLMEngine, req: OpenAIChatCompletionRequest) -> list[int]:
+    """The messages rendered by the tokenizer's chat template, then encoded without adding BOS again."""
+    messages = [
+        {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages
+    ]
+    try:
+        text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as e:  # jinja errors: a template that refuses these messages (e.g. role order)
+        raise InvalidPromptError(f"the chat template cannot render these messages: {e}") from e
+    ids: list[int] = engine.tokenizer.encode(text, add_special_tokens=False)
+    if not ids:
+        raise InvalidPromptError("the rendered chat prompt has no tokens")
+    return ids
+
+
+def _sampling(
+    req: OpenAICompletionRequest | OpenAIChatCompletionRequest,
+    max_tokens: int | None,
+    engine: LLMEngine,
+    prompts: list[list[int]],
+) -> SamplingParams:
+    """Engine sampling parameters; no ``max_tokens`` means up to the end of the context window."""
+    if max_tokens is None:
+        max_tokens = max(1, engine.max_model_len - max(len(p) for p in prompts))
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=DEFAULT_TEMPERATURE if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=req.top_k or 0,
+        seed=req.seed,
+        stop=stop,
+        ignore_eos=bool(req.ignore_eos),
+    )
+
+
+# ------------------------------------------------------------------------------------------ serving
+@dataclass
+class _Job:
+    """One prompt in flight: its engine context and its generate."""
+
+    context_id: int
+    prompt_tokens: int
+    stream: GenerationStream | None = None
+
+
+async def _serve(
+    backend: OpenAIBackend,
+    engine: LLMEngine,
+    prompts: list[list[int]],
+    sampling: SamplingParams,
+    req: OpenAICompletionRequest | OpenAIChatCompletionRequest,
+    chat: bool,
+) -> JSONResponse | StreamingResponse:
+    """Fill a fresh context per prompt, generate from each, answer (or stream); contexts are always freed.
+
+    A streaming answer starts only once every generate has produced its first token, so that bad input
+    still answers with a status code rather than an error event inside a 200 stream.
+    """
+    jobs = [_Job(backend.new_context_id(), len(p)) for p in prompts]
+    handed_off = False
+    try:
+        await _gather_all([engine.fill(j.context_id, p) for j, p in zip(jobs, prompts, strict=True)])
+        for j in jobs:
+            j.stream = engine.submit_generate(j.context_id, sampling, stream=bool(req.stream))
+        meta = _Meta(
+            id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            model=engine.model_name,
+        )
+        if not req.stream:
+            results = await _gather_all([j.stream.result() for j in jobs if j.stream is not None])
+            usage = _usage(jobs, results)
+            body: BaseModel = (
+                _chat_response(meta, results, usage) if chat else _text_response(meta, results, usage)
+            )
+            return JSONResponse(body.model_dump())
+        firsts = [await _first_token(j.stream) for j in jobs if j.stream is not None]
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        events = _stream_events(engine, jobs, firsts, sampling, meta, chat, include_usage)
+        handed_off = True
+        # Started here, so that its `finally` (which frees the contexts) runs even if the client is gone
+        # before the response begins: asyncio closes a started async generator when it is collected.
+        head = await anext(events)
+        return StreamingResponse(_prepend(head, events), media_type="text/event-stream")
+    finally:
+        if not handed_off:
+            await _release(engine, jobs)
+
+
+async def _gather_all(aws: Sequence[Any]) -> list[Any]:
+    """Await all; if any failed, raise the first error only after every one has settled."""
+    results = await asyncio.gather(*aws, return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results
+
+
+async def _release(engine: LLMEngine, jobs: list[_Job]) -> None:
+    """Abort what still runs and free every context (a fill that failed may have created none).
+
+    The frees run in shielded tasks: a caller cancelled while waiting (a client that hung up) still frees
+    all of them, not only the first.
+    """
+    for j in jobs:
+        if j.stream is not None:
+            j.stream.cancel()
+    frees = [_free_quietly(engine, j.context_id) for j in jobs]
+    jobs.clear()  # released once, whoever calls first
+    if frees:
+        await asyncio.shield(asyncio.gather(*frees))
+
+
+async def _free_quietly(engine: LLMEngine, context_id: int) -> None:
+    with contextlib.suppress(EngineError):
+        await engine.free_context(context_id)
+
+
+async def _first_token(stream: GenerationStream) -> int | None:
+    """The first token, or None when the generate ended without one; raises the request's error."""
+    try:
+        return await anext(stream)
+    except StopAsyncIteration:
+        await stream.result()
+        return None
+
+
+@dataclass(frozen=True)
+class _Meta:
+    id: str
+    created: int
+    model: str
+
+
+def _usage(jobs: list[_Job], results: list[GenerateResult]) -> OpenAIUsage:
+    prompt = sum(j.prompt_tokens for j in jobs)
+    completion = sum(len(r.token_ids) for r in results)
+    return OpenAIUsage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def _text_response(
+    meta: _Meta, results: list[GenerateResult], usage: OpenAIUsage
+) -> OpenAICompletionResponse:
+    choices = [
+        OpenAICompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason)
+        for i, r in enumerate(results)
+    ]
+    return OpenAICompletionResponse(
+        id=meta.id, created=meta.created, model=meta.model, choices=choices, usage=usage
+    )
+
+
+def _chat_response(
+    meta: _Meta, results: list[GenerateResult], usage: OpenAIUsage
+) -> OpenAIChatCompletionResponse:
+    choices = [
+        OpenAIChatChoice(
+            index=i, message=OpenAIAssistantMessage(content=r.text), finish_reason=r.finish_reason
+        )
+        for i, r in enumerate(results)
+    ]
+    return OpenAIChatCompletionResponse(
+        id=meta.id, created=meta.created, model=meta.model, choices=choices, usage=usage
+    )
+
+
+class _StopSafeDetokenizer:
+    """Text deltas for streaming that never contain (any part of) a stop string.
+
+    What `server.engine.detokenize.IncrementalDetokenizer` does — hold back a trailing incomplete UTF-8
+    sequence and the last ``len(longest stop) - 1`` characters — plus one case it misses: the token that
+    completes a stop string can carry the whole stop string and more in one piece, and the held-back tail
+    alone does not keep that out of the delta. Here the decoded text is searched for the stop strings and
+    nothing from the first one on is ever sent.
+    """
+
+    def __init__(self, tokenizer: Any, stop: list[str]) -> None:
+        self._tokenizer = tokenizer
+        self._stop = stop
+        self._longest = max((len(s) for s in stop), default=0)
+        self._holdback = max(self._longest - 1, 0)
+        self._ids: list[int] = []
+        self._sent = 0
+        self._stopped = False
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text that is now final."""
+        if self._stopped:
+            return ""
+        self._ids.append(token_id)
+        text = self._tokenizer.decode(self._ids, skip_special_tokens=True)
+        start = max(0, self._sent - self._longest)
+        cuts = [i for i in (text.find(s, start) for s in self._stop) if i >= 0]
+        if cuts:
+            self._stopped = True
+            end = min(cuts)
+        else:
+            end = len(text.rstrip("\ufffd")) - self._holdback
+        if end <= self._sent:
+            return ""
+        delta = text[self._sent : end]
+        self._sent = end
+        return delta
+
+    def finish(self, final_text: str) -> str:
+        """The rest of the engine's final text (its stop string already cut)."""
+        return final_text[self._sent :]
+
+
+async def _prepend(head: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
+    yield head
+    async for item in rest:
+        yield item
+
+
+def _sse(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+async def _stream_events(
+    engine: LLMEngine,
+    jobs: list[_Job],
+    firsts: list[int | None],
+    sampling: SamplingParams,
+    meta: _Meta,
+    chat: bool,
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    """The SSE body: each choice's deltas in turn (all generates run concurrently in the engine).
+
+    Deltas come from `_StopSafeDetokenizer`, so a stop string is never sent; the last chunk of a choice
+    carries its ``finish_reason``. The contexts are freed however the stream ends.
+    """
+
+    def chunk(index: int, text: str | None, finish: str | None) -> str:
+        return (
+            _chat_chunk(meta, index, text, finish) if chat else _text_chunk(meta, index, text or "", finish)
+        )
+
+    results: list[GenerateResult] = []
+    try:
+        for index, (job, first) in enumerate(zip(jobs, firsts, strict=True)):
+            assert job.stream is not None
+            detok = _StopSafeDetokenizer(engine.tokenizer, sampling.stop)
+            if chat:
+                yield _sse(_chat_role_chunk(meta, index))
+            if first is not None:
+                if delta := detok.push(first):
+                    yield chunk(index, delta, None)
+                async for token_id in job.stream:
+                    if delta := detok.push(token_id):
+                        yield chunk(index, delta, None)
+            result = await job.stream.result()
+            results.append(result)
+            yield chunk(index, detok.finish(result.text) or None, result.finish_reason)
+        if include_usage:
+            usage = _usage(jobs, results)
+            body: BaseModel = (
+                OpenAIChatCompletionChunk(
+                    id=meta.id, created=meta.created, model=meta.model, choices=[], usage=usage
+                )
+                if chat
+                else OpenAICompletionResponse(
+                    id=meta.id, created=meta.created, model=meta.model, choices=[], usage=usage
+                )
+            )
+            yield _sse(body.model_dump_json())
+        await _release(engine, jobs)  # before [DONE]: a client that saw the end sees the contexts gone
+        yield _sse("[DONE]")
+    except EngineError as e:
+        yield _sse(ErrorResponse(error=ErrorBody(type=e.error_type, message=str(e))).model_dump_json())
+    finally:
+        await _release(engine, jobs)
+
+
+def _text_chunk(meta: _Meta, index: int, text: str, finish: str | None) -> str:
+    body = OpenAICompletionResponse(
+        id=meta.id,
+        created=meta.created,
+        model=meta.model,
+        choices=[
+            OpenAICompletionChoice.model_validate({"index": index, "text": text, "finish_reason": finish})
+        ],
+    )
+    return _sse(body.model_dump_json(exclude={"usage"}))
+
+
+def _chat_role_chunk(meta: _Meta, index: int) -> str:
+    choice = OpenAIChatChunkChoice(index=index, delta=OpenAIChatDelta(role="assistant", content=""))
+    body = OpenAIChatCompletionChunk(id=meta.id, created=meta.created, model=meta.model, choices=[choice])
+    return body.model_dump_json(exclude={"usage"})
+
+
+def _chat_chunk(meta: _Meta, index: int, text: str | None, finish: str | None) -> str:
+    delta = OpenAIChatDelta(content=text)
+    choice = OpenAIChatChunkChoice.model_validate({"index": index, "delta": delta, "finish_reason": finish})
+    body = OpenAIChatCompletionChunk(id=meta.id, created=meta.created, model=meta.model, choices=[choice])
+    data = body.model_dump(exclude={"usage"})
+    data["choices"][0]["delta"] = delta.model_dump(exclude_none=True)  # the last delta is {}
+    return _sse(json.dumps(data))

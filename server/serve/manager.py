@@ -1,0 +1,328 @@
+"""The manager: sessions, variables and calls over the dataflow graph, executed on the engines.
+
+This is the I/O edge of `server.serve`: it owns the asyncio side (step tasks, long-poll waiters, the clock)
+and drives the pure pieces — `SessionTable`, `SessionGraph`, the call IR, transforms — and the engines.
+
+A step runs once it is ready (its inputs have values) and activated (a `get` reaches it, or its call came with
+`criteria`). The executor renders the step's prompt, tokenizes it whole with the engine's tokenizer (so the
+output equals `/v1/completions` on the same text), forks from the longest cached context whose tokens
+prefix it (`PrefixStore`), fills the rest, generates, applies the output's transforms, sets the variable and
+dispatches whatever that made runnable. Any failure fails the variable and everything downstream of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from parrot.protocol import (
+    CreateSessionResponse,
+    CreateVariableRequest,
+    Criteria,
+    GetVariableResponse,
+    SamplingConfig,
+    SubmitCallRequest,
+    SubmitCallResponse,
+    VariableCreated,
+)
+
+from server.engine import EngineError, LLMEngine, SamplingParams
+from server.serve.graph import SessionGraph, StepNode
+from server.serve.ir import CallIR, TextFill, build_call, render_prompt
+from server.serve.prefix_store import Entry, PrefixStore
+from server.serve.sessions import Session, SessionTable
+from server.serve.transforms import TransformError, apply_transforms, render_value
+from server.serve.variables import VariableTable
+
+log = logging.getLogger(__name__)
+
+
+class GetTimeoutError(Exception):
+    """A `get` waited its whole timeout and the variable is still pending (504)."""
+
+    http_status = 504
+    error_type = "get_timeout"
+
+
+class NoEngineError(Exception):
+    http_status = 503
+    error_type = "no_engine"
+
+
+@dataclass
+class ManagerConfig:
+    session_ttl: float = 600.0  # seconds without calls before a session and all it owns are freed
+    default_get_timeout: float = 60.0
+    max_get_timeout: float = 300.0
+    # Constant template prefixes at least this long (tokens) become shared engine contexts.
+    min_shared_prefix_tokens: int = 16
+    max_cached_prefixes: int = 256  # per engine; least recently used go first
+
+
+@dataclass
+class _CallProgress:
+    """What a multi-step call's next step needs from the steps before it."""
+
+    engine: int
+    raw_outputs: dict[str, str]  # var_id -> generated text of every step of the call so far
+
+
+class Manager:
+    """Serves sessions on a fixed set of engines (in-process `LLMEngine`s)."""
+
+    def __init__(
+        self,
+        engines: list[LLMEngine],
+        config: ManagerConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not engines:
+            raise NoEngineError("the manager needs at least one engine")
+        self.engines = engines
+        self.config = config or ManagerConfig()
+        self._clock = clock
+        self.sessions = SessionTable(self.config.session_ttl)
+        self._context_ids = itertools.count(1)
+        # Every context the manager keeps (shared constant prefixes, finished steps) is an entry here, so a
+        # request forks from the longest one its tokens extend; least recently used ones are freed.
+        self._prefixes = PrefixStore(engines[0].block_size)
+        self._prefix_fills: dict[tuple[int, tuple[int, ...]], asyncio.Future[None]] = {}
+        self._tasks: dict[str, set[asyncio.Task[None]]] = {}
+        self._waiters: dict[tuple[str, str], asyncio.Event] = {}
+        self._calls: dict[tuple[str, str], _CallProgress] = {}  # (session, call) of multi-step calls
+
+    # ------------------------------------------------------------------------------------------ sessions
+    def create_session(self) -> CreateSessionResponse:
+        session = self.sessions.create(self._clock())
+        self._tasks[session.session_id] = set()
+        return CreateSessionResponse(session_id=session.session_id, token=session.token)
+
+    def session(self, session_id: str, token: str | None) -> Session:
+        return self.sessions.authenticate(session_id, token, self._clock())
+
+    async def delete_session(self, session: Session) -> None:
+        """Cancel the session's pending work, fail its pending variables and free its engine contexts."""
+        self.sessions.remove(session.session_id)
+        tasks = self._tasks.pop(session.session_id, set())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        session.graph.cancel_all("the session was deleted")
+        for key in [k for k in self._calls if k[0] == session.session_id]:
+            del self._calls[key]
+        for key in [k for k in self._waiters if k[0] == session.session_id]:
+            self._waiters.pop(key).set()
+
+    async def expire_sessions(self) -> int:
+        """Delete every session idle for longer than the TTL; returns how many went."""
+        expired = self.sessions.expired(self._clock())
+        for session in expired:
+            await self.delete_session(session)
+        return len(expired)
+
+    # ------------------------------------------------------------------------------------------ variables
+    def create_variable(self, session: Session, req: CreateVariableRequest) -> VariableCreated:
+        var = session.graph.variables.create(req.name, req.value)
+        return VariableCreated(var_id=var.var_id)
+
+    def set_variable(self, session: Session, var_id: str, value: str) -> GetVariableResponse:
+        session.graph.set_variable(var_id, value)
+        self._settled(session, var_id)
+        self._dispatch(session)
+        return _response(session.graph.variables, var_id)
+
+    async def get_variable(
+        self, session: Session, var_id: str, criteria: Criteria | None, timeout: float | None
+    ) -> GetVariableResponse:
+        """Long poll: activate what ``var_id`` needs, then wait until it is ready or failed."""
+        graph = session.graph
+        graph.activate(var_id, criteria)
+        self._dispatch(session)
+        if not graph.variables.get(var_id).settled:
+            wait = self.config.default_get_timeout if timeout is None else timeout
+            event = self._waiters.setdefault((session.session_id, var_id), asyncio.Event())
+            try:
+                await asyncio.wait_for(event.wait(), min(wait, self.config.max_get_timeout))
+            except TimeoutError:
+                raise GetTimeoutError(
+                    f"variable {var_id!r} is still pending after {wait:g}s: its producer has not finished "
+                    "(or an input it needs was never set); get it again or set the missing input"
+                ) from None
+        return _response(graph.variables, var_id)
+
+    # ------------------------------------------------------------------------------------------ calls
+    def submit_call(self, session: Session, req: SubmitCallRequest) -> SubmitCallResponse:
+        """Register a call's steps in the session graph (validated first: nothing changes on error)."""
+        graph = session.graph
+        outputs = {p.name: VariableTable.new_id() for p in req.placeholders if p.role == "output"}
+        call = build_call(req, outputs)
+        graph.add_call(call)
+        for var_id in call.outputs.values():  # a step whose input had failed fails at once
+            if graph.variables.get(var_id).settled:
+                self._settled(session, var_id)
+        self._dispatch(session)
+        return SubmitCallResponse(call_id=call.call_id, outputs=call.outputs)
+
+    # ------------------------------------------------------------------------------------------ executor
+    def _dispatch(self, session: Session) -> None:
+        for node in session.graph.runnable_steps():
+            session.graph.mark_dispatched(node)
+            task = asyncio.get_running_loop().create_task(self._run_step(session, node))
+            tasks = self._tasks.setdefault(session.session_id, set())
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+
+    async def _run_step(self, session: Session, node: StepNode) -> None:
+        graph = session.graph
+        try:
+            value, kind = await self._execute(session, node)
+        except asyncio.CancelledError:
+            raise
+        except (EngineError, TransformError) as e:
+            self._fail(session, node, str(e))
+            return
+        except Exception as e:  # a bug must not leave the variable pending forever
+            log.exception("step %s failed", node.id)
+            self._fail(session, node, f"internal error: {e!r}")
+            return
+        if session.session_id not in self._tasks:  # deleted while the step ran
+            return
+        graph.complete_step(node, value, kind)
+        self._settled(session, node.output)
+        self._dispatch(session)
+
+    async def _execute(self, session: Session, node: StepNode) -> tuple[str, str]:
+        """Run one step on an engine; returns its output variable's value and kind (after transforms)."""
+        call, step = node.call, node.step
+        key = (session.session_id, call.call_id)
+        progress = self._calls.pop(key, None)
+        values = self._values(session.graph, node, progress)
+        prompt = render_prompt(call, step.index, values)
+        engine_index = progress.engine if progress is not None else self._pick_engine()
+        engine = self.engines[engine_index]
+        token_ids = engine.tokenizer.encode(prompt)
+        if step.index == 0:
+            await self._share_constant_prefix(engine_index, call, token_ids)
+        context_id = next(self._context_ids)
+        match = self._prefixes.longest_prefix(str(engine_index), token_ids)
+        if match is not None:
+            self._prefixes.acquire(match.entry)  # not evicted while the fork is being made
+        try:
+            parent = None if match is None else match.entry.context_id
+            await engine.fill(context_id, token_ids[0 if match is None else match.length :], parent)
+        finally:
+            if match is not None:
+                self._prefixes.release(match.entry)
+        try:
+            result = await engine.generate(context_id, _sampling(step.gen.sampling))
+        except BaseException:
+            await self._free(engine_index, context_id)
+            raise
+        # The finished context stays, as a prefix the call's next step — or any prompt continuing this one
+        # (a consumer that quotes its producer's prompt and output) — forks from.
+        await self._keep(engine_index, context_id, token_ids + result.token_ids)
+        if step.index + 1 < len(call.steps):
+            raw = {**(progress.raw_outputs if progress is not None else {}), step.gen.var_id: result.text}
+            self._calls[key] = _CallProgress(engine_index, raw)
+        transformed = await asyncio.to_thread(apply_transforms, step.gen.transforms, result.text)
+        return transformed.value, transformed.kind
+
+    def _values(self, graph: SessionGraph, node: StepNode, progress: _CallProgress | None) -> dict[str, str]:
+        values: dict[str, str] = {}
+        for var_id in node.inputs:
+            var = graph.variables.get(var_id)
+            assert var.value is not None, "a ready step has every input"
+            values[var_id] = render_value(var.value, var.kind)
+        # Earlier outputs of the same call enter the prompt as generated (before transforms): the prompt
+        # then continues the previous step's context exactly.
+        if progress is not None:
+            values.update(progress.raw_outputs)
+        return values
+
+    async def _share_constant_prefix(self, engine_index: int, call: CallIR, token_ids: list[int]) -> None:
+        """Make the call's leading constant text one shared context, so every call starting with it forks
+        it instead of prefilling it again (across sessions too)."""
+        text = ""
+        for fill in call.steps[0].fills:
+            if not isinstance(fill, TextFill) or fill.name is not None:
+                break
+            text += fill.text
+        engine = self.engines[engine_index]
+        prefix = engine.tokenizer.encode(text) if text else []
+        # Whole-prompt tokenization may merge tokens across the boundary: keep the part that is a true prefix.
+        while prefix and token_ids[: len(prefix)] != prefix:
+            prefix.pop()
+        if len(prefix) < self.config.min_shared_prefix_tokens or len(prefix) == len(token_ids):
+            return
+        match = self._prefixes.longest_prefix(str(engine_index), prefix)
+        if match is not None and match.length == len(prefix):
+            return
+        key = (engine_index, tuple(prefix))
+        pending = self._prefix_fills.get(key)
+        if pending is not None:  # another call is filling this very prefix: wait for it
+            await asyncio.shield(pending)
+            return
+        pending = self._prefix_fills[key] = asyncio.get_running_loop().create_future()
+        context_id = next(self._context_ids)
+        try:
+            await engine.fill(context_id, prefix)
+            await self._keep(engine_index, context_id, prefix)
+        except BaseException:
+            await self._free(engine_index, context_id)
+            raise
+        finally:
+            del self._prefix_fills[key]
+            pending.set_result(None)
+
+    async def _keep(self, engine_index: int, context_id: int, token_ids: list[int]) -> None:
+        """Store a finished context as a shareable prefix; free the least recently used beyond the cap."""
+        engine_id = str(engine_index)
+        entry = self._prefixes.insert(engine_id, context_id, token_ids)
+        if entry.context_id != context_id:  # the same tokens are already held by another context
+            await self._free(engine_index, context_id)
+        excess = len(self._prefixes.entries(engine_id)) - self.config.max_cached_prefixes
+        stale: list[Entry] = self._prefixes.evict_candidates(engine_id)[: max(0, excess)]
+        for old in stale:
+            self._prefixes.remove(old)
+            await self._free(engine_index, old.context_id)
+
+    def _pick_engine(self) -> int:
+        # Least loaded engine; scheduling by application (issue 4) replaces this.
+        loads = [e.stats() for e in self.engines]
+        return min(range(len(loads)), key=lambda i: (loads[i].running + loads[i].waiting, i))
+
+    async def _free(self, engine_index: int, context_id: int) -> None:
+        with contextlib.suppress(EngineError):
+            await self.engines[engine_index].free_context(context_id)
+
+    def _fail(self, session: Session, node: StepNode, message: str) -> None:
+        if session.session_id not in self._tasks or node.id not in session.graph:
+            return
+        for var in session.graph.fail_step(node, message):
+            self._settled(session, var.var_id)
+        self._calls.pop((session.session_id, node.call.call_id), None)
+
+    def _settled(self, session: Session, var_id: str) -> None:
+        event = self._waiters.pop((session.session_id, var_id), None)
+        if event is not None:
+            event.set()
+
+    async def shutdown(self) -> None:
+        for session in list(self.sessions):
+            await self.delete_session(session)
+
+
+def _sampling(sp: SamplingConfig) -> SamplingParams:
+    return SamplingParams(**sp.model_dump())
+
+
+def _response(variables: VariableTable, var_id: str) -> GetVariableResponse:
+    var = variables.get(var_id)
+    return GetVariableResponse(
+        var_id=var_id, status=var.status, value=var.value, kind=var.kind, error=var.error
+    )

@@ -1,0 +1,207 @@
+"""The whole service end to end: parrot client -> HTTP -> manager -> real engine (embedded tiny model)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+import parrot as P
+from server.engine import EngineConfig, LLMEngine, SamplingParams
+from server.launch import LaunchedServer, launch
+
+_ids = itertools.count(10**9)  # engine context ids far from the manager's own
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[LaunchedServer]:
+    with launch(engine_config=EngineConfig(num_kv_blocks=1024)) as s:
+        yield s
+
+
+def reference(engine: LLMEngine, prompt: str, max_tokens: int) -> str:
+    """What the engine alone gives for the same text, tokenized whole (as /v1/completions does)."""
+
+    async def run() -> str:
+        cid = next(_ids)
+        await engine.fill(cid, engine.tokenizer.encode(prompt))
+        out = await engine.generate(cid, SamplingParams(max_tokens=max_tokens))
+        await engine.free_context(cid)
+        return out.text
+
+    return asyncio.run(run())
+
+
+@P.semantic_function(max_tokens=12)
+def write_code(task):  # noqa: ANN001, ANN201
+    """You are an expert software engineer. Write python code for {{input:task}}.
+    Code: {{output:code}}"""
+
+
+@P.semantic_function(max_tokens=10)
+def write_tests(task, code):  # noqa: ANN001, ANN201
+    """You are an experienced QA engineer. Given the task {{input:task}} and the code {{input:code}},
+    write unit tests. Tests: {{output:test}}"""
+
+
+def test_figure_7_runs_server_side(served: LaunchedServer) -> None:
+    with P.Session(served.url) as s:
+        task = s.variable("a snake game")
+        code = write_code(task)
+        test = write_tests(task, code)
+        code_text, test_text = code.get(criteria=P.LATENCY), test.get(criteria=P.LATENCY)
+    engine = served.engines[0]
+    prompt1 = write_code.template.replace("{{input:task}}", "a snake game").split("{{output:code}}")[0]
+    assert code_text == reference(engine, prompt1, 12)
+    prompt2 = (
+        write_tests.template.replace("{{input:task}}", "a snake game")
+        .replace("{{input:code}}", code_text)
+        .split("{{output:test}}")[0]
+    )
+    assert test_text == reference(engine, prompt2, 10)
+
+
+async def test_figure_7_async(served: LaunchedServer) -> None:
+    async with P.Session(served.url) as s:
+        task = s.variable("a todo app")
+        code = write_code(task)
+        test = write_tests(task, code)
+        assert isinstance(await code.aget(criteria=P.LATENCY), str)
+        assert isinstance(await test.aget(), str)
+
+
+@P.semantic_function(max_tokens=6)
+def step(previous):  # noqa: ANN001, ANN201
+    """Continue the story: {{input:previous}} Next: {{output:next}}"""
+
+
+def test_chain_of_10_dependent_calls(served: LaunchedServer) -> None:
+    with P.Session(served.url) as s:
+        v: P.Variable = s.variable("Once upon a time")
+        outs = []
+        for _ in range(10):
+            v = step(v)
+            outs.append(v)
+        last = outs[-1].get()
+        values = [o.get() for o in outs]
+    assert values[-1] == last
+    engine = served.engines[0]
+    text = "Once upon a time"
+    for got in values:
+        text = reference(engine, f"Continue the story: {text} Next: ", 6)
+        assert got == text
+
+
+def test_shared_system_prompt_is_prefilled_once(served: LaunchedServer) -> None:
+    engine = served.engines[0]
+    system = " ".join(f"rule {i}: be precise about item {i}." for i in range(120))
+    prefix_len = len(engine.tokenizer.encode(f"{system} Question: "))
+
+    template = f"{system} Question: {{{{input:q}}}} Answer: {{{{output:a}}}}"
+    fn = P.semantic_function(max_tokens=3)(_with_doc(template))
+    questions = [f"what is item {i}?" for i in range(20)]
+    before = engine.stats().prefill_tokens_computed
+    with P.Session(served.url) as s:
+        answers = [fn(s.variable(q)) for q in questions]
+        got = [a.get() for a in answers]
+    computed = engine.stats().prefill_tokens_computed - before
+    full = [len(engine.tokenizer.encode(f"{system} Question: {q} Answer: ")) for q in questions]
+    assert prefix_len > 1000
+    # The system prompt is computed once, not 20 times; each call computes only its own tail (at most one
+    # token more, where whole-prompt tokenization merges across the boundary).
+    assert prefix_len + sum(n - prefix_len for n in full) <= computed
+    assert computed <= prefix_len + sum(n - prefix_len + 1 for n in full)
+    assert got == [reference(engine, f"{system} Question: {q} Answer: ", 3) for q in questions]
+
+
+def _with_doc(doc: str):  # noqa: ANN202
+    def fn(q):  # noqa: ANN001, ANN202
+        ...
+
+    fn.__doc__ = doc
+    return fn
+
+
+def test_sessions_are_isolated(served: LaunchedServer) -> None:
+    with httpx.Client(base_url=served.url) as c:
+        a = c.post("/v1/sessions").json()
+        b = c.post("/v1/sessions").json()
+        va = c.post(
+            f"/v1/sessions/{a['session_id']}/variables",
+            json={"value": "secret"},
+            headers={"Authorization": f"Bearer {a['token']}"},
+        ).json()["var_id"]
+        as_b = {"Authorization": f"Bearer {b['token']}"}
+        r = c.get(f"/v1/sessions/{a['session_id']}/variables/{va}", headers=as_b)
+        assert r.status_code == 403 and r.json()["error"]["message"]
+        r = c.get(f"/v1/sessions/{b['session_id']}/variables/{va}", headers=as_b, params={"timeout": 0})
+        assert r.status_code == 404
+        assert c.delete(f"/v1/sessions/{a['session_id']}", headers=as_b).status_code == 403
+        assert c.get(f"/v1/sessions/{a['session_id']}/variables/{va}").status_code == 401
+        as_a = {"Authorization": f"Bearer {a['token']}"}
+        assert (
+            c.get(f"/v1/sessions/{a['session_id']}/variables/{va}", headers=as_a).json()["value"] == "secret"
+        )
+        assert c.delete(f"/v1/sessions/{b['session_id']}", headers=as_b).status_code == 204
+        assert c.get(f"/v1/sessions/{a['session_id']}/variables/{va}", headers=as_a).status_code == 200
+
+
+def _session(c: httpx.Client) -> tuple[str, dict[str, str]]:
+    s = c.post("/v1/sessions").json()
+    return s["session_id"], {"Authorization": f"Bearer {s['token']}"}
+
+
+def test_bad_input_gets_typed_errors_and_the_server_keeps_serving(served: LaunchedServer) -> None:
+    with httpx.Client(base_url=served.url) as c:
+        sid, auth = _session(c)
+        base = f"/v1/sessions/{sid}"
+
+        def call(template: str, placeholders: list[dict]) -> httpx.Response:
+            return c.post(
+                f"{base}/calls", headers=auth, json={"template": template, "placeholders": placeholders}
+            )
+
+        out = {"name": "y", "role": "output", "sampling": {"max_tokens": 2}}
+        r = call("Hi {{input:x} {{output:y}}", [{"name": "x", "role": "input", "value": "a"}, out])
+        assert r.status_code == 400 and r.json()["error"]["type"] == "bad_template"
+        r = call("Hi {{input:x}} {{output:y}}", [{"name": "x", "role": "input", "var_id": "nope"}, out])
+        assert r.status_code == 404 and "nope" in r.json()["error"]["message"]
+        var = c.post(f"{base}/variables", headers=auth, json={}).json()["var_id"]
+        assert c.put(f"{base}/variables/{var}", headers=auth, json={"value": "v"}).status_code == 200
+        r = c.put(f"{base}/variables/{var}", headers=auth, json={"value": "w"})
+        assert r.status_code == 409
+        never = c.post(f"{base}/variables", headers=auth, json={}).json()["var_id"]
+        r = call("Hi {{input:x}} {{output:y}}", [{"name": "x", "role": "input", "var_id": never}, out])
+        y = r.json()["outputs"]["y"]
+        r = c.get(f"{base}/variables/{y}", headers=auth, params={"timeout": 0.2})
+        assert r.status_code == 504 and r.json()["error"]["type"] == "get_timeout"
+        # A failing transform fails its variable, and its consumer fails with the cause.
+        bad = {**out, "transforms": [{"type": "json"}]}
+        r = call("Say {{input:x}} {{output:y}}", [{"name": "x", "role": "input", "value": "a"}, bad])
+        y = r.json()["outputs"]["y"]
+        r = call(
+            "Use {{input:x}} {{output:z}}",
+            [{"name": "x", "role": "input", "var_id": y}, {**out, "name": "z"}],
+        )
+        z = r.json()["outputs"]["z"]
+        got = c.get(f"{base}/variables/{z}", headers=auth, params={"criteria": "latency"}).json()
+        assert got["status"] == "failed" and "json transform failed" in got["error"]
+        assert c.get(f"{base}/variables/{y}", headers=auth).json()["status"] == "failed"
+        r = c.get(f"{base}/variables/{y}", headers=auth, params={"criteria": "fastest"})
+        assert r.status_code == 422
+        r = c.post(f"{base}/calls", headers=auth, content=b"x" * (9 * 1024 * 1024))
+        assert r.status_code == 413
+        long_text = "word " * 5000
+        r = call("{{input:x}} {{output:y}}", [{"name": "x", "role": "input", "value": long_text}, out])
+        got = c.get(f"{base}/variables/{r.json()['outputs']['y']}", headers=auth).json()
+        assert got["status"] == "failed" and "context window" in got["error"]
+        assert c.get("/health").json()["status"] == "ok"
+        r = call("Hi {{input:x}} {{output:y}}", [{"name": "x", "role": "input", "value": "ok"}, out])
+        ok = c.get(f"{base}/variables/{r.json()['outputs']['y']}", headers=auth).json()
+        assert ok["status"] == "ready"
+        assert c.get("/v1/sessions/nope/variables/x", headers=auth).status_code in (403, 404)
+        metrics = c.get("/metrics").text
+        assert "parrot_sessions" in metrics and "parrot_engine_blocks_used" in metrics
