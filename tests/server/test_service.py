@@ -7,9 +7,9 @@ import itertools
 from collections.abc import Iterator
 
 import httpx
+import parrot as P
 import pytest
 
-import parrot as P
 from server.engine import EngineConfig, LLMEngine, SamplingParams
 from server.launch import LaunchedServer, launch
 
@@ -36,13 +36,13 @@ def reference(engine: LLMEngine, prompt: str, max_tokens: int) -> str:
 
 
 @P.semantic_function(max_tokens=12)
-def write_code(task):  # noqa: ANN001, ANN201
+def write_code(task):
     """You are an expert software engineer. Write python code for {{input:task}}.
     Code: {{output:code}}"""
 
 
 @P.semantic_function(max_tokens=10)
-def write_tests(task, code):  # noqa: ANN001, ANN201
+def write_tests(task, code):
     """You are an experienced QA engineer. Given the task {{input:task}} and the code {{input:code}},
     write unit tests. Tests: {{output:test}}"""
 
@@ -74,7 +74,7 @@ async def test_figure_7_async(served: LaunchedServer) -> None:
 
 
 @P.semantic_function(max_tokens=6)
-def step(previous):  # noqa: ANN001, ANN201
+def step(previous):
     """Continue the story: {{input:previous}} Next: {{output:next}}"""
 
 
@@ -117,9 +117,8 @@ def test_shared_system_prompt_is_prefilled_once(served: LaunchedServer) -> None:
     assert got == [reference(engine, f"{system} Question: {q} Answer: ", 3) for q in questions]
 
 
-def _with_doc(doc: str):  # noqa: ANN202
-    def fn(q):  # noqa: ANN001, ANN202
-        ...
+def _with_doc(doc: str):
+    def fn(q): ...
 
     fn.__doc__ = doc
     return fn
