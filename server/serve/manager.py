@@ -213,14 +213,14 @@ class Manager:
         if match is not None:
             self._prefixes.acquire(match.entry)  # not evicted while the fork is being made
         try:
-            parent = None if match is None else match.entry.context_id
-            await engine.fill(context_id, token_ids[0 if match is None else match.length :], parent)
-        finally:
-            if match is not None:
-                self._prefixes.release(match.entry)
-        try:
+            try:
+                parent = None if match is None else match.entry.context_id
+                await engine.fill(context_id, token_ids[0 if match is None else match.length :], parent)
+            finally:
+                if match is not None:
+                    self._prefixes.release(match.entry)
             result = await engine.generate(context_id, _sampling(step.gen.sampling))
-        except BaseException:
+        except BaseException:  # failed or cancelled (session deleted): the step's context goes too
             await self._free(engine_index, context_id)
             raise
         # The finished context stays, as a prefix the call's next step — or any prompt continuing this one
