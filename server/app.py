@@ -36,6 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.engine import EngineError
 from server.engine.api import error_response
+from server.openai_api import create_openai_router
 from server.serve.graph import GraphError
 from server.serve.manager import GetTimeoutError, Manager, NoEngineError
 from server.serve.sessions import Session, SessionError
@@ -148,6 +149,8 @@ def create_app(manager: Manager, reap_interval: float | None = None) -> FastAPI:
         if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
             return error_response(413, "body_too_large", f"request body over {MAX_BODY_BYTES} bytes")
         return await call_next(request)
+
+    app.include_router(create_openai_router(manager))
 
     @app.get("/health")
     async def health() -> dict[str, Any]:

@@ -44,6 +44,7 @@ from parrot.protocol import (
 from pydantic import BaseModel
 
 from server.engine.api import error_response
+from server.engine.detokenize import IncrementalDetokenizer
 from server.engine.engine import GenerationStream, LLMEngine
 from server.engine.errors import EngineError
 from server.engine.request import GenerateResult
@@ -203,6 +204,8 @@ def _reject_unsupported(req: BaseModel) -> None:
         if name not in type(req).model_fields:
             continue
         value = getattr(req, name)
+        if name == "logprobs" and value is not None and value is not False:  # `logprobs=0` asks for some too
+            unused = ()
         if value not in unused:
             hint = " (send one request per sample)" if name == "n" else ""
             raise UnsupportedOptionError(f"{name}={value!r} is not supported by this server{hint}")
@@ -399,49 +402,6 @@ def _chat_response(
     )
 
 
-class _StopSafeDetokenizer:
-    """Text deltas for streaming that never contain (any part of) a stop string.
-
-    What `server.engine.detokenize.IncrementalDetokenizer` does — hold back a trailing incomplete UTF-8
-    sequence and the last ``len(longest stop) - 1`` characters — plus one case it misses: the token that
-    completes a stop string can carry the whole stop string and more in one piece, and the held-back tail
-    alone does not keep that out of the delta. Here the decoded text is searched for the stop strings and
-    nothing from the first one on is ever sent.
-    """
-
-    def __init__(self, tokenizer: Any, stop: list[str]) -> None:
-        self._tokenizer = tokenizer
-        self._stop = stop
-        self._longest = max((len(s) for s in stop), default=0)
-        self._holdback = max(self._longest - 1, 0)
-        self._ids: list[int] = []
-        self._sent = 0
-        self._stopped = False
-
-    def push(self, token_id: int) -> str:
-        """Add one token; return the text that is now final."""
-        if self._stopped:
-            return ""
-        self._ids.append(token_id)
-        text = self._tokenizer.decode(self._ids, skip_special_tokens=True)
-        start = max(0, self._sent - self._longest)
-        cuts = [i for i in (text.find(s, start) for s in self._stop) if i >= 0]
-        if cuts:
-            self._stopped = True
-            end = min(cuts)
-        else:
-            end = len(text.rstrip("\ufffd")) - self._holdback
-        if end <= self._sent:
-            return ""
-        delta = text[self._sent : end]
-        self._sent = end
-        return delta
-
-    def finish(self, final_text: str) -> str:
-        """The rest of the engine's final text (its stop string already cut)."""
-        return final_text[self._sent :]
-
-
 async def _prepend(head: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
     yield head
     async for item in rest:
@@ -463,7 +423,7 @@ async def _stream_events(
 ) -> AsyncIterator[str]:
     """The SSE body: each choice's deltas in turn (all generates run concurrently in the engine).
 
-    Deltas come from `_StopSafeDetokenizer`, so a stop string is never sent; the last chunk of a choice
+    Deltas come from `IncrementalDetokenizer`, so a stop string is never sent; the last chunk of a choice
     carries its ``finish_reason``. The contexts are freed however the stream ends.
     """
 
@@ -476,7 +436,7 @@ async def _stream_events(
     try:
         for index, (job, first) in enumerate(zip(jobs, firsts, strict=True)):
             assert job.stream is not None
-            detok = _StopSafeDetokenizer(engine.tokenizer, sampling.stop)
+            detok = IncrementalDetokenizer(engine.tokenizer, sampling.stop)
             if chat:
                 yield _sse(_chat_role_chunk(meta, index))
             if first is not None:

@@ -585,3 +585,171 @@ class GetVariableResponse(BaseModel):
     value: str | None = None
     kind: ValueKind = "text"
     error: str | None = None
+
+
+# ------------------------------------------------------------------------------- OpenAI-compatible API
+# `POST /v1/completions`, `POST /v1/chat/completions` and `GET /v1/models`, in OpenAI's wire format so the
+# official clients work unchanged. Requests ignore fields they do not know (clients send extras such as
+# `user`); options that would change the result but are not supported (n > 1, echo, logprobs, penalties,
+# tools, ...) are declared here so that the server can reject them with a 400 naming the option.
+
+
+class _OpenAIRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class OpenAIStreamOptions(_OpenAIRequest):
+    """``stream_options``: ``include_usage`` adds a last chunk with ``usage`` and no choices."""
+
+    include_usage: bool = False
+
+
+class _OpenAISamplingRequest(_OpenAIRequest):
+    """The sampling fields both endpoints share. ``temperature`` defaults to 1 as in OpenAI's API."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool | None = False
+    stream_options: OpenAIStreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # Extensions (as in vLLM): top-k sampling and ignoring the end-of-sequence token.
+    top_k: int | None = None
+    ignore_eos: bool | None = None
+
+
+class OpenAICompletionRequest(_OpenAISamplingRequest):
+    """``POST /v1/completions``: ``prompt`` is a text, a batch of texts, token ids, or a batch of those.
+
+    ``max_tokens`` defaults to 16 (None: up to the end of the context window).
+    """
+
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    max_tokens: int | None = 16
+    echo: bool | None = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class OpenAITextPart(_OpenAIRequest):
+    """One part of a message's content given as a list; only text parts are supported."""
+
+    type: Literal["text"]
+    text: str
+
+
+class OpenAIChatMessage(_OpenAIRequest):
+    """One chat message; ``developer`` is treated as ``system``, and list content is joined text parts."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[OpenAITextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        """The content as one string."""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class OpenAIChatCompletionRequest(_OpenAISamplingRequest):
+    """``POST /v1/chat/completions``; ``max_completion_tokens`` is the newer name of ``max_tokens``.
+
+    Without either, generation may run to the end of the context window (as vLLM does).
+    """
+
+    messages: list[OpenAIChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict[str, object]] | None = None
+    tool_choice: str | dict[str, object] | None = None
+    functions: list[dict[str, object]] | None = None
+    response_format: dict[str, object] | None = None
+
+
+class OpenAIUsage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class OpenAICompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: FinishReason | None = None
+    logprobs: None = None
+
+
+class OpenAICompletionResponse(BaseModel):
+    """A ``text_completion``; streaming sends the same object per chunk, with ``usage`` None."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[OpenAICompletionChoice]
+    usage: OpenAIUsage | None = None
+
+
+class OpenAIAssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class OpenAIChatChoice(BaseModel):
+    index: int
+    message: OpenAIAssistantMessage
+    finish_reason: FinishReason
+    logprobs: None = None
+
+
+class OpenAIChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[OpenAIChatChoice]
+    usage: OpenAIUsage
+
+
+class OpenAIChatDelta(BaseModel):
+    """A streamed message piece: ``role`` in the first chunk, then ``content``; both absent in the last."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class OpenAIChatChunkChoice(BaseModel):
+    index: int
+    delta: OpenAIChatDelta
+    finish_reason: FinishReason | None = None
+    logprobs: None = None
+
+
+class OpenAIChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[OpenAIChatChunkChoice]
+    usage: OpenAIUsage | None = None
+
+
+class OpenAIModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "parrot"
+
+
+class OpenAIModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[OpenAIModelCard]

@@ -32,6 +32,7 @@ from parrot.protocol import (
 )
 
 from server.engine import EngineError, LLMEngine, SamplingParams
+from server.openai_api import ModelNotFoundError
 from server.serve.graph import SessionGraph, StepNode
 from server.serve.ir import CallIR, TextFill, build_call, render_prompt
 from server.serve.prefix_store import Entry, PrefixStore
@@ -291,10 +292,26 @@ class Manager:
             self._prefixes.remove(old)
             await self._free(engine_index, old.context_id)
 
-    def _pick_engine(self) -> int:
+    # ------------------------------------------------------------------------------------------ OpenAI API
+    # The request-centric endpoints (`server.openai_api`) run on the same engines: the baseline of every
+    # benchmark is served by the same engine code as Parrot.
+    def models(self) -> list[str]:
+        return sorted({e.model_name for e in self.engines})
+
+    def engine_for(self, model: str | None) -> LLMEngine:
+        serving = [i for i, e in enumerate(self.engines) if model is None or e.model_name == model]
+        if not serving:
+            raise ModelNotFoundError(model, self.models())
+        return self.engines[self._pick_engine(serving)]
+
+    def new_context_id(self) -> int:
+        return next(self._context_ids)
+
+    def _pick_engine(self, candidates: list[int] | None = None) -> int:
         # Least loaded engine; scheduling by application (issue 4) replaces this.
-        loads = [e.stats() for e in self.engines]
-        return min(range(len(loads)), key=lambda i: (loads[i].running + loads[i].waiting, i))
+        pool = candidates if candidates is not None else list(range(len(self.engines)))
+        loads = {i: self.engines[i].stats() for i in pool}
+        return min(pool, key=lambda i: (loads[i].running + loads[i].waiting, i))
 
     async def _free(self, engine_index: int, context_id: int) -> None:
         with contextlib.suppress(EngineError):

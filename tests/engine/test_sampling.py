@@ -127,3 +127,16 @@ def test_incremental_detokenizer_reassembles_text(engine: LLMEngine, stop: list[
     assert "\ufffd" not in out
     assert text.startswith(out)
     assert out + detok.finish(text) == text
+
+
+def test_incremental_detokenizer_never_streams_a_stop_string_arriving_in_one_token(engine: LLMEngine) -> None:
+    from server.engine.detokenize import IncrementalDetokenizer
+
+    text = "alpha beta STOP gamma"
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    for stop in (["STOP"], ["a beta S"], ["ST", "gam"]):
+        detok = IncrementalDetokenizer(engine.tokenizer, stop)
+        out = "".join(detok.push(t) for t in ids)
+        cut = min(text.find(s) for s in stop)
+        assert out == text[:cut][: len(out)] and not any(s in out for s in stop)
+        assert out + detok.finish(text[:cut]) == text[:cut]

@@ -204,3 +204,19 @@ def test_bad_input_gets_typed_errors_and_the_server_keeps_serving(served: Launch
         assert c.get("/v1/sessions/nope/variables/x", headers=auth).status_code in (403, 404)
         metrics = c.get("/metrics").text
         assert "parrot_sessions" in metrics and "parrot_engine_blocks_used" in metrics
+
+
+def test_openai_endpoints_on_the_same_server(served: LaunchedServer) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused")
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    prompt = "Continue the story: Once upon a time Next: "
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0)
+    assert out.choices[0].text == reference(served.engines[0], prompt, 6)
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0
+    )
+    assert chat.choices[0].message.role == "assistant"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-9", prompt="x", max_tokens=1)

@@ -1,0 +1,279 @@
+"""The OpenAI-compatible endpoints, driven by the official `openai` client against a real uvicorn server.
+
+Every answer is checked against the engine's own greedy generate on the same tokens, and every request must
+leave no engine context behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+import kernels  # noqa: F401  (before transformers, so TRITON_INTERPRET from conftest applies)
+from server.engine import EngineConfig, LLMEngine, SamplingParams
+from server.engine.api import error_response
+from server.openai_api import StaticBackend, create_openai_router
+
+_ref_ids = itertools.count(1 << 50)  # the reference generates' own context ids
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[LLMEngine]:
+    eng = LLMEngine.from_pretrained("tiny", EngineConfig(num_kv_blocks=256))
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def base_url(engine: LLMEngine) -> Iterator[str]:
+    app = FastAPI()
+    app.include_router(create_openai_router(StaticBackend({"tiny": engine})))
+
+    @app.exception_handler(RequestValidationError)
+    async def _schema_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(422, "invalid_schema", str(exc.errors()))
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}/v1"
+    server.should_exit = True
+    thread.join(5)
+
+
+@pytest.fixture
+def client(base_url: str, engine: LLMEngine) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=30) as c:
+        yield c
+    # No request may leak a context; a stream frees its contexts just after its last event.
+    deadline = time.monotonic() + 2
+    while engine.stats().contexts and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.stats().contexts == 0
+
+
+def reference(engine: LLMEngine, token_ids: list[int], **sampling: object) -> tuple[str, str, int]:
+    """The engine's own (text, finish_reason, completion tokens) for a prompt, under greedy sampling."""
+
+    async def run() -> tuple[str, str, int]:
+        cid = next(_ref_ids)
+        await engine.fill(cid, token_ids)
+        try:
+            r = await engine.generate(cid, SamplingParams(temperature=0.0, **sampling))  # type: ignore[arg-type]
+        finally:
+            await engine.free_context(cid)
+        return r.text, r.finish_reason, len(r.token_ids)
+
+    return asyncio.run(run())
+
+
+def chat_tokens(engine: LLMEngine, messages: list[dict[str, str]]) -> list[int]:
+    text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return engine.tokenizer.encode(text, add_special_tokens=False)
+
+
+PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
+MESSAGES = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "Write a haiku about parrots."},
+]
+
+
+def test_models(client: openai.OpenAI) -> None:
+    models = client.models.list().data
+    assert [m.id for m in models] == ["tiny"]
+    assert models[0].object == "model" and models[0].owned_by == "parrot"
+
+
+def test_completion_equals_engine_generate(client: openai.OpenAI, engine: LLMEngine) -> None:
+    ids = engine.tokenizer.encode(PROMPT)  # with BOS, as the server does
+    text, finish, n = reference(engine, ids, max_tokens=12)
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, user="me")
+    assert r.object == "text_completion" and r.id.startswith("cmpl-") and r.model == "tiny"
+    assert len(r.choices) == 1
+    choice = r.choices[0]
+    assert (choice.text, choice.finish_reason, choice.index) == (text, finish, 0)
+    assert r.usage is not None
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (
+        len(ids),
+        n,
+        len(ids) + n,
+    )
+    # token ids as the prompt: exactly those tokens, no BOS added
+    r2 = client.completions.create(model="tiny", prompt=ids[1:], max_tokens=6, temperature=0)
+    assert r2.choices[0].text == reference(engine, ids[1:], max_tokens=6)[0]
+
+
+def test_batch_prompts(client: openai.OpenAI, engine: LLMEngine) -> None:
+    prompts = ["Hello there", "A parrot is", "def main():"]
+    r = client.completions.create(model="tiny", prompt=prompts, max_tokens=8, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    want = [reference(engine, engine.tokenizer.encode(p), max_tokens=8) for p in prompts]
+    assert [(c.text, c.finish_reason) for c in r.choices] == [(t, f) for t, f, _ in want]
+    assert r.usage is not None and r.usage.completion_tokens == sum(n for _, _, n in want)
+    assert r.usage.prompt_tokens == sum(len(engine.tokenizer.encode(p)) for p in prompts)
+
+
+def test_chat_equals_engine_generate(client: openai.OpenAI, engine: LLMEngine) -> None:
+    ids = chat_tokens(engine, MESSAGES)
+    text, finish, n = reference(engine, ids, max_tokens=10)
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,  # type: ignore[arg-type]
+        max_completion_tokens=10,
+        temperature=0,
+    )
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    msg = r.choices[0].message
+    assert (msg.role, msg.content, r.choices[0].finish_reason) == ("assistant", text, finish)
+    assert r.usage is not None and (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), n)
+    legacy = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=10, temperature=0)  # type: ignore[arg-type]
+    assert legacy.choices[0].message.content == text
+
+
+def test_streaming_completion(client: openai.OpenAI, engine: LLMEngine) -> None:
+    plain = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0)
+    chunks = list(
+        client.completions.create(
+            model="tiny",
+            prompt=PROMPT,
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert all(c.object == "text_completion" for c in chunks)
+    text = "".join(ch.text for c in chunks for ch in c.choices)
+    assert text == plain.choices[0].text
+    finals = [ch.finish_reason for c in chunks for ch in c.choices if ch.finish_reason]
+    assert finals == [plain.choices[0].finish_reason]
+    assert chunks[-1].usage == plain.usage and not chunks[-1].choices
+
+
+def test_streaming_batch(client: openai.OpenAI) -> None:
+    prompts = ["one two three", "four five six"]
+    plain = client.completions.create(model="tiny", prompt=prompts, max_tokens=8, temperature=0)
+    texts = ["", ""]
+    for c in client.completions.create(
+        model="tiny", prompt=prompts, max_tokens=8, temperature=0, stream=True
+    ):
+        for ch in c.choices:
+            texts[ch.index] += ch.text
+    assert texts == [ch.text for ch in plain.choices]
+
+
+def test_streaming_chat(client: openai.OpenAI) -> None:
+    kwargs = {"model": "tiny", "messages": MESSAGES, "max_tokens": 12, "temperature": 0}
+    plain = client.chat.completions.create(**kwargs)  # type: ignore[call-overload]
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))  # type: ignore[call-overload]
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text == plain.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == plain.choices[0].finish_reason
+    assert [c.choices[0].finish_reason for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+
+
+def test_stop_strings_never_streamed(client: openai.OpenAI, engine: LLMEngine) -> None:
+    base = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0)
+    full = base.choices[0].text
+    assert len(full) > 6, full
+    stop = full[4:7]  # cut the output in its middle
+    want = full[: full.index(stop)]
+    for stops in (stop, [stop, "\x00never"]):
+        r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0, stop=stops)
+        assert (r.choices[0].text, r.choices[0].finish_reason) == (want, "stop")
+        streamed = "".join(
+            ch.text
+            for c in client.completions.create(
+                model="tiny", prompt=PROMPT, max_tokens=24, temperature=0, stop=stops, stream=True
+            )
+            for ch in c.choices
+        )
+        assert streamed == want
+
+
+def test_seeded_sampling_is_reproducible(client: openai.OpenAI) -> None:
+    kwargs = {
+        "model": "tiny",
+        "prompt": PROMPT,
+        "max_tokens": 10,
+        "temperature": 1.0,
+        "top_p": 0.9,
+        "seed": 7,
+    }
+    a = client.completions.create(**kwargs)  # type: ignore[call-overload]
+    b = client.completions.create(**kwargs)  # type: ignore[call-overload]
+    assert a.choices[0].text == b.choices[0].text
+
+
+def test_errors(client: openai.OpenAI, engine: LLMEngine) -> None:
+    with pytest.raises(openai.NotFoundError) as nf:
+        client.completions.create(model="nope", prompt="hi", max_tokens=2)
+    assert nf.value.status_code == 404 and "tiny" in str(nf.value)
+    with pytest.raises(openai.BadRequestError, match="n=2"):
+        client.completions.create(model="tiny", prompt="hi", max_tokens=2, n=2)
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client.completions.create(model="tiny", prompt="hi", max_tokens=2, echo=True)
+    with pytest.raises(openai.BadRequestError, match="logprobs"):
+        client.completions.create(model="tiny", prompt="hi", max_tokens=2, logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="n=3"):
+        client.chat.completions.create(model="tiny", messages=MESSAGES, n=3, stream=True)  # type: ignore[arg-type]
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model="tiny", prompt="hi", max_tokens=2, temperature=-1)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=0, stream=True)  # type: ignore[arg-type]
+    too_long = [5] * (engine.max_model_len + 10)
+    for stream in (False, True):
+        with pytest.raises(openai.APIStatusError) as tl:
+            client.completions.create(model="tiny", prompt=too_long, max_tokens=2, stream=stream)
+        assert tl.value.status_code == 413
+        assert tl.value.body is not None and tl.value.body["type"] == "prompt_too_long"  # type: ignore[index]
+    with pytest.raises(openai.UnprocessableEntityError):
+        client.completions.create(model="tiny", prompt={"not": "a prompt"}, max_tokens=2)  # type: ignore[arg-type]
+    with pytest.raises(openai.UnprocessableEntityError):
+        client.chat.completions.create(model="tiny", messages=[{"role": "robot", "content": "x"}])  # type: ignore[list-item]
+    with pytest.raises(openai.BadRequestError, match="empty"):
+        client.completions.create(model="tiny", prompt=[], max_tokens=2)
+    # a bad prompt in a batch fails the request and frees the good prompts' contexts too
+    with pytest.raises(openai.APIStatusError) as batch:
+        client.completions.create(model="tiny", prompt=[[5, 6, 7], too_long], max_tokens=2)
+    assert batch.value.status_code == 413
+    assert client.models.list().data  # still serving
+
+
+def test_error_shape(base_url: str) -> None:
+    r = httpx.post(f"{base_url}/completions", json={"model": "tiny", "prompt": "hi", "n": 2})
+    assert r.status_code == 400
+    assert r.json() == {"error": {"type": "unsupported_option", "message": r.json()["error"]["message"]}}
+
+
+def test_client_gone_mid_stream_frees_context(base_url: str, engine: LLMEngine) -> None:
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 2000, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{base_url}/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        next(r.iter_lines())
+    deadline = time.monotonic() + 5
+    while engine.stats().contexts and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert engine.stats().contexts == 0 and engine.stats().running == 0
