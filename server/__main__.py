@@ -13,7 +13,7 @@ import uvicorn
 
 from server.app import create_app
 from server.engine import EngineConfig
-from server.launch import build_engines
+from server.launcher import build_engines
 from server.serve.manager import Manager, ManagerConfig
 
 

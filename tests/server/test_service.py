@@ -11,7 +11,7 @@ import parrot as P
 import pytest
 
 from server.engine import EngineConfig, LLMEngine, SamplingParams
-from server.launch import LaunchedServer, launch
+from server.launcher import LaunchedServer, launch
 
 _ids = itertools.count(10**9)  # engine context ids far from the manager's own
 
