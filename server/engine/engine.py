@@ -520,7 +520,12 @@ class LLMEngine:
                     ctx.last_hidden = hidden[i].clone()
                     self._finish(req, result=len(ctx.token_ids))
         if to_sample:
-            self._sample(batch, hidden, to_sample)
+            try:
+                self._sample(batch, hidden, to_sample)
+            except Exception as e:  # a sampler failure fails the requests it was sampling, not the engine
+                log.exception("sampling failed")
+                for i in to_sample:
+                    self._finish(batch[i].request, error=EngineError(f"sampling failed: {e!r}"))
 
     def _sample(self, batch: list[ScheduledChunk], hidden: torch.Tensor, rows: list[int]) -> None:
         reqs = [batch[i].request for i in rows]

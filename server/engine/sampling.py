@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 from server.engine.errors import InvalidSamplingParamsError
+
+# What `torch.Generator.manual_seed` takes (a signed or unsigned 64-bit integer); beyond it, it raises.
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+_TINY = torch.finfo(torch.float32).tiny
 
 
 @dataclass(frozen=True)
@@ -26,12 +31,18 @@ class SamplingParams:
         """Raise `InvalidSamplingParamsError` naming the first bad field."""
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise InvalidSamplingParamsError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise InvalidSamplingParamsError(f"temperature must be >= 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise InvalidSamplingParamsError(
+                f"temperature must be a finite number >= 0, got {self.temperature}"
+            )
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidSamplingParamsError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise InvalidSamplingParamsError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise InvalidSamplingParamsError(
+                f"seed must be a 64-bit integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed}"
+            )
         if any(not s for s in self.stop):
             raise InvalidSamplingParamsError("stop strings must be non-empty")
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
@@ -60,10 +71,13 @@ def sample(
     logits = logits.float()
     out = logits.argmax(dim=-1).tolist()
     for i, p in enumerate(params):
-        if p.temperature == 0.0:
+        if p.temperature < _TINY:  # greedy; below float32's range it would divide by zero (the limit: greedy)
             continue
         # Per-request generators live on the CPU; one row of logits is cheap to bring there.
-        row = logits[i].cpu() / p.temperature
+        # Shifted by the max first (softmax does not change): a tiny temperature then sends the others to
+        # -inf instead of overflowing every logit to inf (NaN probabilities).
+        row = logits[i].cpu()
+        row = (row - row.max()) / p.temperature
         if p.top_k > 0 and p.top_k < row.numel():
             kth = torch.topk(row, p.top_k).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))
@@ -72,6 +86,7 @@ def sample(
             sorted_probs, order = torch.sort(probs, descending=True)
             # keep the smallest set whose mass reaches top_p (the token that crosses it stays in)
             drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
+            drop[0] = False  # the most likely token always stays (a top_p below float32's range is 0)
             sorted_probs = sorted_probs.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         out[i] = int(torch.multinomial(probs, 1, generator=generators[i]).item())
