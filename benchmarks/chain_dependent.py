@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -51,7 +50,6 @@ if not __package__:
 
 import httpx
 import parrot as P
-import uvicorn
 from parrot.protocol import TemplatePlaceholder, TemplateText, parse_template
 
 from benchmarks.common import (
@@ -65,11 +63,9 @@ from benchmarks.common import (
     stdlib_text,
     write_json,
 )
-from server.app import create_app
 from server.engine import EngineConfig, LLMEngine
-from server.launcher import build_engines
+from server.launcher import launch
 from server.netdelay import NetworkDelayMiddleware
-from server.serve.manager import Manager
 
 NAME = "chain_dependent"
 
@@ -117,34 +113,18 @@ class Served:
 
 @contextmanager
 def serve(model: str, engine_config: EngineConfig, cfg: BenchConfig) -> Iterator[Served]:
-    """The whole service (as `server.launch` starts it) behind the delay middleware, which starts off.
-
-    `server.launch` cannot put middleware in front of the app (it must be there before startup), so this
-    builds the same pieces — `build_engines`, `Manager`, `create_app` — and runs uvicorn in a thread.
-    """
-    engines = build_engines(model, 1, engine_config)
-    manager = Manager(engines)
-    delay = NetworkDelayMiddleware(
-        create_app(manager), low=cfg.delay_low_s, high=cfg.delay_high_s, seed=cfg.seed, enabled=False
-    )
-    server = uvicorn.Server(
-        uvicorn.Config(delay, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
-    )
-    thread = threading.Thread(target=server.run, name="chain-dependent-server", daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 120
-        while not server.started:
-            if not thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the server did not start")
-            time.sleep(0.01)
-        port = server.servers[0].sockets[0].getsockname()[1]
-        yield Served(f"http://127.0.0.1:{port}", delay, engines[0], engines[0].model_name)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        for engine in engines:
-            engine.shutdown()
+    """The whole service (`server.launch`) behind the delay middleware, which starts switched off."""
+    with launch(
+        model,
+        engine_config=engine_config,
+        startup_timeout=120,
+        network_delay=(cfg.delay_low_s, cfg.delay_high_s),
+        network_delay_seed=cfg.seed,
+    ) as launched:
+        assert launched.network_delay is not None
+        launched.network_delay.enabled = False
+        engine = launched.engines[0]
+        yield Served(launched.url, launched.network_delay, engine, engine.model_name)
 
 
 # ----------------------------------------------------------------------------------------------- workload

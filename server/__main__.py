@@ -10,10 +10,12 @@ import logging
 import sys
 
 import uvicorn
+from starlette.types import ASGIApp
 
 from server.app import create_app
 from server.engine import EngineConfig
 from server.launcher import build_engines
+from server.netdelay import NetworkDelayMiddleware
 from server.serve.manager import Manager, ManagerConfig
 
 
@@ -25,11 +27,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=9000)
     p.add_argument("--session-ttl", type=float, default=600.0)
     p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument(
+        "--network-delay",
+        type=float,
+        nargs=2,
+        metavar=("LOW", "HIGH"),
+        default=None,
+        help="simulate client network delay: each request waits U(LOW, HIGH) seconds (benchmarks)",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     engines = build_engines(args.model, args.engines, EngineConfig(num_kv_blocks=args.num_kv_blocks))
     try:
-        app = create_app(Manager(engines, ManagerConfig(session_ttl=args.session_ttl)))
+        app: ASGIApp = create_app(Manager(engines, ManagerConfig(session_ttl=args.session_ttl)))
+        if args.network_delay is not None:
+            app = NetworkDelayMiddleware(app, *args.network_delay)
         uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     finally:
         for engine in engines:

@@ -13,6 +13,7 @@ from fastapi import FastAPI
 
 from server.app import create_app
 from server.engine import EngineConfig, LLMEngine
+from server.netdelay import NetworkDelayMiddleware
 from server.serve.manager import Manager, ManagerConfig
 
 
@@ -24,6 +25,7 @@ class LaunchedServer:
     app: FastAPI
     manager: Manager
     engines: list[LLMEngine]
+    network_delay: NetworkDelayMiddleware | None = None  # switch with `.enabled` between measurements
 
 
 def build_engines(model: str, engines: int, engine_config: EngineConfig | None) -> list[LLMEngine]:
@@ -41,12 +43,22 @@ def launch(
     engine_config: EngineConfig | None = None,
     manager_config: ManagerConfig | None = None,
     startup_timeout: float = 60.0,
+    network_delay: tuple[float, float] | None = None,
+    network_delay_seed: int = 0,
 ) -> Iterator[LaunchedServer]:
-    """Start manager + ``engines`` in-process engines serving ``model``; stop everything on exit."""
+    """Start manager + ``engines`` in-process engines serving ``model``; stop everything on exit.
+
+    ``network_delay=(low, high)`` puts the simulated client network delay (`server.netdelay`) in front of
+    every request, as benchmarks do for both Parrot and the baseline.
+    """
     pool = build_engines(model, engines, engine_config)
     manager = Manager(pool, manager_config)
     app = create_app(manager)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on"))
+    delay = None
+    if network_delay is not None:
+        delay = NetworkDelayMiddleware(app, *network_delay, seed=network_delay_seed)
+    served = app if delay is None else delay
+    server = uvicorn.Server(uvicorn.Config(served, host=host, port=port, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, name="parrot-server", daemon=True)
     thread.start()
     try:
@@ -56,7 +68,7 @@ def launch(
                 raise RuntimeError(f"the server did not start on {host}:{port}")
             time.sleep(0.01)
         bound = server.servers[0].sockets[0].getsockname()[1]
-        yield LaunchedServer(f"http://{host}:{bound}", app, manager, pool)
+        yield LaunchedServer(f"http://{host}:{bound}", app, manager, pool, delay)
     finally:
         server.should_exit = True
         thread.join(timeout=30)

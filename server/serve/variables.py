@@ -81,6 +81,7 @@ class VariableError(Exception):
     """Base of the variable errors; ``http_status`` is the status code the HTTP layer answers with."""
 
     http_status: ClassVar[int] = 400
+    error_type: ClassVar[str] = "variable_error"
 
     def __init__(self, message: str, var_id: str) -> None:
         super().__init__(message)
@@ -92,12 +93,14 @@ class UnknownVariableError(VariableError, LookupError):
     """No variable with this id in the session (HTTP 404)."""
 
     http_status: ClassVar[int] = 404
+    error_type: ClassVar[str] = "unknown_variable"
 
 
 class VariableConflictError(VariableError):
     """The variable cannot change that way: it is already settled, or a call produces it (HTTP 409)."""
 
     http_status: ClassVar[int] = 409
+    error_type: ClassVar[str] = "variable_conflict"
 
 
 def _check_kind(kind: str) -> None:

@@ -168,10 +168,11 @@ def test_bad_input_gets_typed_errors_and_the_server_keeps_serving(served: Launch
         assert r.status_code == 400 and r.json()["error"]["type"] == "bad_template"
         r = call("Hi {{input:x}} {{output:y}}", [{"name": "x", "role": "input", "var_id": "nope"}, out])
         assert r.status_code == 404 and "nope" in r.json()["error"]["message"]
+        assert r.json()["error"]["type"] == "unknown_variable"
         var = c.post(f"{base}/variables", headers=auth, json={}).json()["var_id"]
         assert c.put(f"{base}/variables/{var}", headers=auth, json={"value": "v"}).status_code == 200
         r = c.put(f"{base}/variables/{var}", headers=auth, json={"value": "w"})
-        assert r.status_code == 409
+        assert r.status_code == 409 and r.json()["error"]["type"] == "variable_conflict"
         never = c.post(f"{base}/variables", headers=auth, json={}).json()["var_id"]
         r = call("Hi {{input:x}} {{output:y}}", [{"name": "x", "role": "input", "var_id": never}, out])
         y = r.json()["outputs"]["y"]
