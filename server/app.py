@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import Counter
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
@@ -30,7 +31,7 @@ from parrot.protocol import (
     VariableCreated,
 )
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -58,10 +59,17 @@ _TYPED: tuple[type[Exception], ...] = (
 class _ManagerCollector(Collector):
     """Prometheus gauges read from the manager and engines at scrape time (no global registry)."""
 
-    def __init__(self, manager: Manager) -> None:
+    def __init__(self, manager: Manager, requests: Counter[tuple[str, str]]) -> None:
         self.manager = manager
+        self.requests = requests
 
-    def collect(self) -> Iterable[GaugeMetricFamily]:
+    def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
+        served = CounterMetricFamily(
+            "parrot_http_requests", "HTTP requests answered, by method and route", labels=["method", "route"]
+        )
+        for (method, route), n in sorted(self.requests.items()):
+            served.add_metric([method, route], n)
+        yield served
         sessions = GaugeMetricFamily("parrot_sessions", "Live sessions")
         sessions.add_metric([], len(self.manager.sessions))
         yield sessions
@@ -120,8 +128,10 @@ def create_app(manager: Manager, reap_interval: float | None = None) -> FastAPI:
 
     app = FastAPI(title="Parrot serve", version="1", lifespan=lifespan)
     app.state.manager = manager
+    # Requests answered per (method, route template): what "one round trip per get" is counted with.
+    app.state.request_counts = requests = Counter[tuple[str, str]]()
     registry = CollectorRegistry(auto_describe=True)
-    registry.register(_ManagerCollector(manager))
+    registry.register(_ManagerCollector(manager, requests))
 
     @app.exception_handler(RequestValidationError)
     async def _schema(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -148,7 +158,10 @@ def create_app(manager: Manager, reap_interval: float | None = None) -> FastAPI:
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
             return error_response(413, "body_too_large", f"request body over {MAX_BODY_BYTES} bytes")
-        return await call_next(request)
+        response = await call_next(request)
+        route = request.scope.get("route")
+        requests[request.method, getattr(route, "path", "<unrouted>")] += 1
+        return response
 
     app.include_router(create_openai_router(manager))
 

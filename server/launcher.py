@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections import Counter
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,6 +27,12 @@ class LaunchedServer:
     manager: Manager
     engines: list[LLMEngine]
     network_delay: NetworkDelayMiddleware | None = None  # switch with `.enabled` between measurements
+
+    @property
+    def request_counts(self) -> Counter[tuple[str, str]]:
+        """Requests the server has answered, by ``(method, route template)``, e.g.
+        ``("POST", "/v1/sessions/{session_id}/batch")`` — live, so take a copy to diff."""
+        return self.app.state.request_counts
 
 
 def build_engines(model: str, engines: int, engine_config: EngineConfig | None) -> list[LLMEngine]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import keyword
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -55,23 +56,27 @@ class SemanticFunction:
         transforms: Transforms,
         model: str | None,
         criteria: Criteria | None,
+        template: str | None = None,
+        signature: inspect.Signature | None = None,
     ) -> None:
         self.func = func
         self.name = func.__name__
         functools.update_wrapper(self, func)
-        if not func.__doc__ or not func.__doc__.strip():
-            raise TypeError(
-                f"semantic function {self.name}() has no docstring: its docstring is the prompt template, "
-                "e.g. '''Summarize {{input:text}}. Summary: {{output:summary}}'''"
-            )
-        self.template = inspect.cleandoc(func.__doc__)
+        if template is None:
+            if not func.__doc__ or not func.__doc__.strip():
+                raise TypeError(
+                    f"semantic function {self.name}() has no docstring: its docstring is the prompt "
+                    "template, e.g. '''Summarize {{input:text}}. Summary: {{output:summary}}'''"
+                )
+            template = inspect.cleandoc(func.__doc__)
+        self.template = template
         try:
             pieces = parse_template(self.template)
         except TemplateError as e:
             raise _definition_error(self.name, e.reason, self.template, e.offset) from None
         self.inputs = placeholder_names(pieces, "input")
         self.outputs = placeholder_names(pieces, "output")
-        self.signature = inspect.signature(func)
+        self.signature = signature if signature is not None else inspect.signature(func)
         self._check_signature(pieces)
         self.model = model
         self.criteria = criteria
@@ -79,6 +84,49 @@ class SemanticFunction:
         self.sampling = self._check_sampling(sampling, output_sampling)
         # Placeholder specs in order of first appearance; inputs are bound at call time.
         self._order = list(dict.fromkeys(p.name for p in pieces if isinstance(p, TemplatePlaceholder)))
+
+    @classmethod
+    def from_template(
+        cls,
+        template: str,
+        *,
+        name: str = "template",
+        sampling: SamplingConfig | None = None,
+        output_sampling: Mapping[str, SamplingConfig | Mapping[str, Any]] | None = None,
+        transforms: Transforms | None = None,
+        model: str | None = None,
+        criteria: Criteria | None = None,
+    ) -> SemanticFunction:
+        """A semantic function from template text (taken verbatim, not dedented), for code that builds
+        prompts at run time (the LangChain and LlamaIndex adapters). Its parameters are the template's
+        inputs in order of first appearance (call it with keywords); ``name`` names it in errors."""
+        if not name.isidentifier() or keyword.iskeyword(name):
+            raise ValueError(f"a semantic function's name is a Python identifier, got {name!r}")
+        try:
+            inputs = placeholder_names(parse_template(template), "input")
+        except TemplateError as e:
+            raise _definition_error(name, e.reason, template, e.offset) from None
+        if bad := [n for n in inputs if keyword.iskeyword(n)]:
+            raise _definition_error(
+                name, f"input name(s) {', '.join(map(repr, bad))} are Python keywords: rename them", template
+            )
+        params = [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in inputs]
+
+        def call(*args: Any, **kwargs: Any) -> Any:  # names the function; calls go through __call__
+            raise NotImplementedError
+
+        call.__name__ = call.__qualname__ = name
+        call.__doc__ = None
+        return cls(
+            call,
+            sampling=sampling or SamplingConfig(),
+            output_sampling=output_sampling or {},
+            transforms=transforms or {},
+            model=model,
+            criteria=criteria,
+            template=template,
+            signature=inspect.Signature(params),
+        )
 
     def _check_signature(self, pieces: list[Any]) -> None:
         params = self.signature.parameters
