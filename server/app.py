@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections import Counter
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
@@ -16,8 +17,10 @@ from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Header, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from parrot.protocol import (
+    BatchGetAnswer,
+    BatchRequest,
     CallError,
     CreateSessionResponse,
     CreateVariableRequest,
@@ -37,15 +40,20 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.engine import EngineError
 from server.engine.api import error_response
-from server.openai_api import create_openai_router
+from server.openai_api import OpenAIAPIError, create_openai_router
 from server.serve.graph import GraphError
-from server.serve.manager import GetTimeoutError, Manager, NoEngineError
+from server.serve.manager import BatchOpError, GetTimeoutError, Manager, NoEngineError
 from server.serve.sessions import Session, SessionError
 from server.serve.variables import VariableError
 
-MAX_BODY_BYTES = 8 * 1024 * 1024
+log = logging.getLogger(__name__)
 
-# Each error class knows its status; one table maps the rest.
+MAX_BODY_BYTES = 8 * 1024 * 1024
+_BATCH_ANSWER = (
+    "NDJSON: a BatchApplied line once every operation is applied, then (with a get) a BatchGetAnswer line"
+)
+
+# Each error class knows its status (``http_status``, ``error_type``); the template errors get theirs here.
 _TYPED: tuple[type[Exception], ...] = (
     SessionError,
     VariableError,
@@ -53,7 +61,21 @@ _TYPED: tuple[type[Exception], ...] = (
     EngineError,
     GetTimeoutError,
     NoEngineError,
+    OpenAIAPIError,
+    TemplateError,
+    CallError,
 )
+
+
+def _classify(exc: Exception) -> tuple[int, str]:
+    """The status code and error type answering ``exc`` (500 for anything untyped: a server bug)."""
+    if isinstance(exc, TemplateError):
+        return 400, "bad_template"
+    if isinstance(exc, CallError):
+        return 400, "bad_call"
+    if isinstance(exc, _TYPED):
+        return exc.http_status, getattr(exc, "error_type", type(exc).__name__)  # type: ignore[attr-defined]
+    return 500, "internal_error"
 
 
 class _ManagerCollector(Collector):
@@ -142,16 +164,18 @@ def create_app(manager: Manager, reap_interval: float | None = None) -> FastAPI:
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(exc.status_code, "http_error", str(exc.detail))
 
-    @app.exception_handler(TemplateError)
-    @app.exception_handler(CallError)
-    async def _bad_call(_: Request, exc: Exception) -> JSONResponse:
-        return error_response(400, "bad_template" if isinstance(exc, TemplateError) else "bad_call", str(exc))
-
     for cls in _TYPED:
 
         @app.exception_handler(cls)
-        async def _typed(_: Request, exc: Any) -> JSONResponse:
-            return error_response(exc.http_status, getattr(exc, "error_type", type(exc).__name__), str(exc))
+        async def _typed(_: Request, exc: Exception) -> JSONResponse:
+            return error_response(*_classify(exc), str(exc))
+
+    @app.exception_handler(BatchOpError)
+    async def _batch_op(_: Request, exc: BatchOpError) -> JSONResponse:
+        status, error_type = _classify(exc.cause)
+        if status >= 500:  # not the client's fault: keep the traceback in the server log
+            log.error("batch operation %d failed", exc.index, exc_info=exc.cause)
+        return error_response(status, error_type, str(exc), op_index=exc.index)
 
     @app.middleware("http")
     async def _limit_body(request: Request, call_next: Any) -> Response:
@@ -206,5 +230,22 @@ def create_app(manager: Manager, reap_interval: float | None = None) -> FastAPI:
     @app.post("/v1/sessions/{session_id}/calls")
     async def submit_call(s: SessionDep, req: SubmitCallRequest) -> SubmitCallResponse:
         return manager.submit_call(s, req)
+
+    @app.post(
+        "/v1/sessions/{session_id}/batch",
+        response_class=StreamingResponse,
+        responses={200: {"content": {"application/x-ndjson": {}}, "description": _BATCH_ANSWER}},
+    )
+    async def batch(s: SessionDep, req: BatchRequest) -> StreamingResponse:
+        """Apply operations in order, then wait for one variable: a whole DAG in one round trip."""
+        applied = manager.apply_batch(s, req)  # before the answer starts: an error gets its own status
+
+        async def lines() -> AsyncIterator[str]:
+            yield applied.model_dump_json() + "\n"  # the client may send more as soon as it reads this
+            if req.get is not None:
+                answer = await manager.answer_get(s, req.get)
+                yield BatchGetAnswer(get=answer).model_dump_json() + "\n"
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
 
     return app

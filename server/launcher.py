@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import threading
-from collections import Counter
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass

@@ -34,15 +34,19 @@ class ParrotError(Exception):
     """Base of every error the client raises about the service.
 
     ``status`` is the HTTP status code (None when the client itself detected the problem), ``type`` the
-    server's error type (e.g. ``"bad_template"``) and ``message`` its human-readable explanation.
+    server's error type (e.g. ``"bad_template"``), ``message`` its human-readable explanation and
+    ``op_index`` the failing operation of a batch.
     """
 
     default_type = "error"
 
-    def __init__(self, message: str, *, status: int | None = None, type: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, status: int | None = None, type: str | None = None, op_index: int | None = None
+    ) -> None:
         self.message = message
         self.status = status
         self.type = type or self.default_type
+        self.op_index = op_index  # which operation of a batch failed (see `parrot.protocol.BatchRequest`)
         prefix = f"{status} " if status is not None else ""
         super().__init__(f"{prefix}{self.type}: {message}")
 
@@ -133,7 +137,7 @@ def error_from_response(response: httpx.Response) -> ParrotError:
     cls = _BY_STATUS.get(status, ParrotError)
     try:
         body = ErrorResponse.model_validate_json(response.content)
-        return cls(body.error.message, status=status, type=body.error.type)
+        return cls(body.error.message, status=status, type=body.error.type, op_index=body.error.op_index)
     except ValueError:
         pass
     try:  # FastAPI's default `{"detail": ...}` or anything else JSON

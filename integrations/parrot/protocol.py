@@ -10,7 +10,7 @@ import difflib
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
 
@@ -24,6 +24,8 @@ class _Strict(BaseModel):
 class ErrorBody(BaseModel):
     type: str
     message: str
+    # In the answer to a batch: the index of the operation that failed (the ones before it were applied).
+    op_index: int | None = None
 
 
 class ErrorResponse(BaseModel):
@@ -429,13 +431,19 @@ def placeholder_names(pieces: Sequence[TemplatePiece], role: Role) -> list[str]:
 Criteria = Literal["latency", "throughput"]
 
 
+# Ids a client may choose for its variables (so a whole DAG can be sent in one request, see `BatchRequest`).
+VAR_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+
+
 class PlaceholderSpec(_Strict):
     """What one template placeholder is bound to in a call.
 
     An input gives exactly one of ``var_id`` (an existing variable of the session, possibly still pending)
-    or ``value`` (literal text, inserted verbatim: never parsed as template text). An output gives neither:
-    the server creates a fresh variable for it and returns its id in `SubmitCallResponse.outputs`; only
-    outputs take ``transforms`` (applied to the generated text in order) and ``sampling``.
+    or ``value`` (literal text, inserted verbatim: never parsed as template text). An output never gives
+    ``value``; its optional ``var_id`` is the id of the variable it produces — a new id the client chose
+    (`VAR_ID_PATTERN`), or a pending variable the client created unset — and without one the server makes
+    a fresh variable; either way its id comes back in `SubmitCallResponse.outputs`. Only outputs take
+    ``transforms`` (applied to the generated text in order) and ``sampling``.
     The cross-checks live in `check_call` (a 400 on the server), not here (a 422 is for malformed JSON).
     """
 
@@ -480,8 +488,8 @@ def check_call(template: str, placeholders: Sequence[PlaceholderSpec]) -> list[T
 
     Raises `TemplateError` for the template and `CallError` when: a name has two specs; a template
     placeholder has no spec, or a spec no placeholder; the roles differ; an input does not give exactly one
-    of ``var_id``/``value``; an output gives ``var_id`` or ``value`` (outputs get fresh variables from the
-    server); an input carries ``transforms`` or ``sampling`` (they describe generation).
+    of ``var_id``/``value``; an output gives ``value`` or a ``var_id`` that is not a valid id
+    (`VAR_ID_PATTERN`); an input carries ``transforms`` or ``sampling`` (they describe generation).
     """
     pieces = parse_template(template)
     used = {p.name: p.role for p in pieces if isinstance(p, TemplatePlaceholder)}
@@ -499,6 +507,9 @@ def check_call(template: str, placeholders: Sequence[PlaceholderSpec]) -> list[T
             f"placeholder spec(s) {_names(unused)} do not appear in the template: remove them, or add "
             f"{{{{{specs[unused[0]].role}:{unused[0]}}}}} to the template"
         )
+    chosen = [spec.var_id for spec in specs.values() if spec.role == "output" and spec.var_id is not None]
+    if len(set(chosen)) != len(chosen):
+        raise CallError(f"two outputs ask for the same var_id ({chosen}): each output is its own variable")
     for name, spec in specs.items():
         if spec.role != used[name]:
             raise CallError(
@@ -518,10 +529,15 @@ def check_call(template: str, placeholders: Sequence[PlaceholderSpec]) -> list[T
                     f"input {name!r} has transforms or sampling: those apply to outputs only; "
                     "transform the producing call's output instead"
                 )
-        elif spec.var_id is not None or spec.value is not None:
+        elif spec.value is not None:
             raise CallError(
-                f"output {name!r} gives var_id or value: outputs get fresh variables from the server "
-                "(their ids come back in the response's 'outputs'); remove them"
+                f"output {name!r} gives a value: the call generates it; remove 'value' (an output may give "
+                "the 'var_id' it should get)"
+            )
+        elif spec.var_id is not None and not re.fullmatch(VAR_ID_PATTERN, spec.var_id):
+            raise CallError(
+                f"output {name!r} asks for var_id {spec.var_id!r}: a variable id is 1-64 characters among "
+                "A-Z a-z 0-9 _ -"
             )
     return pieces
 
@@ -544,10 +560,15 @@ class CreateSessionResponse(BaseModel):
 
 
 class CreateVariableRequest(_Strict):
-    """``POST /v1/sessions/{sid}/variables``: a new variable, set when ``value`` is given, else pending."""
+    """``POST /v1/sessions/{sid}/variables``: a new variable, set when ``value`` is given, else pending.
+
+    ``var_id`` is the id the client wants for it (409 if the session already has it); the server picks
+    one when it is omitted.
+    """
 
     name: str | None = None
     value: str | None = None
+    var_id: str | None = Field(default=None, pattern=VAR_ID_PATTERN)
 
 
 class VariableCreated(BaseModel):
@@ -585,6 +606,58 @@ class GetVariableResponse(BaseModel):
     value: str | None = None
     kind: ValueKind = "text"
     error: str | None = None
+
+
+# ------------------------------------------------------------------------------------------------ batches
+class BatchCreateVariable(CreateVariableRequest):
+    op: Literal["create_variable"] = "create_variable"
+
+
+class BatchSetVariable(SetVariableRequest):
+    op: Literal["set_variable"] = "set_variable"
+    var_id: str
+
+
+class BatchSubmitCall(SubmitCallRequest):
+    op: Literal["submit_call"] = "submit_call"
+
+
+BatchOp = Annotated[BatchCreateVariable | BatchSetVariable | BatchSubmitCall, Field(discriminator="op")]
+
+
+class BatchGet(GetVariableQuery):
+    """The variable a batch waits for once its operations are applied (a long poll, as a GET)."""
+
+    var_id: str
+
+
+class BatchRequest(_Strict):
+    """``POST /v1/sessions/{sid}/batch``: operations applied in order, then optionally one ``get``.
+
+    With client-chosen variable ids (``var_id`` on created variables and outputs) a whole DAG — inputs,
+    calls consuming each other's outputs, and the get of its result — is one round trip. Operations are
+    applied one by one: if one fails, the answer is that operation's error with its ``op_index`` (an
+    index equal to ``len(ops)`` is the get's own error): the ones before it stay applied, the ones after
+    it are not. On success the answer is NDJSON, sent as it happens: a `BatchApplied` line as soon as the
+    operations are applied, then — with a get — a `BatchGetAnswer` line when the variable is settled or
+    the get's timeout has passed.
+    """
+
+    ops: list[BatchOp] = Field(default_factory=list, max_length=10_000)
+    get: BatchGet | None = None
+
+
+class BatchApplied(BaseModel):
+    """First line of a batch's answer: every operation was applied; their answers in order."""
+
+    results: list[VariableCreated | GetVariableResponse | SubmitCallResponse]
+
+
+class BatchGetAnswer(BaseModel):
+    """Second line of a batch's answer, with a get: the variable (``status == "pending"`` if the get's
+    timeout passed first: get it again)."""
+
+    get: GetVariableResponse
 
 
 # ------------------------------------------------------------------------------- OpenAI-compatible API

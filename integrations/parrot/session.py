@@ -1,17 +1,20 @@
 """`Session`: one server session, its HTTP client, and the queue of work not yet sent.
 
 Creating variables, setting them and calling semantic functions never block: each becomes an operation in
-the session's queue, sent in order (one request each) by the next ``get`` or by `Session.flush`. A call's
-inputs that are outputs of earlier calls travel as variable ids, so dependent calls run server-side and the
-client waits only where it asks for a value.
+the session's queue. Variable ids are chosen here, so the whole queue — inputs, calls consuming each other's
+outputs, and the ``get`` that wants a value — goes to the server as one ``POST /v1/sessions/{sid}/batch``:
+a DAG of dependent calls costs one round trip per ``get``, and the calls run server-side.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import threading
 import time
 from collections import deque
+from collections.abc import AsyncIterator, Iterator
 from contextvars import ContextVar, Token
 from dataclasses import dataclass
 from types import TracebackType
@@ -29,16 +32,17 @@ from parrot.errors import (
 )
 from parrot.protocol import (
     CRITERIA,
+    BatchApplied,
+    BatchCreateVariable,
+    BatchGet,
+    BatchGetAnswer,
+    BatchSetVariable,
+    BatchSubmitCall,
     CreateSessionResponse,
-    CreateVariableRequest,
     Criteria,
     GetVariableQuery,
     GetVariableResponse,
-    PlaceholderSpec,
-    SetVariableRequest,
     SubmitCallRequest,
-    SubmitCallResponse,
-    VariableCreated,
 )
 from parrot.variable import Variable
 
@@ -48,6 +52,9 @@ _CURRENT: ContextVar[Session | None] = ContextVar("parrot_current_session", defa
 
 # When a 200 "pending" answer comes back early (a server wait shorter than asked), poll again after this.
 _REPOLL_S = 0.05
+# One batch request carries at most this many operations / JSON bytes (the server takes 10k ops, 8 MiB).
+_MAX_BATCH_OPS = 1000
+_MAX_BATCH_BYTES = 4 * 1024 * 1024
 
 
 def current_session() -> Session:
@@ -143,39 +150,21 @@ class Session:
         return var
 
     def flush(self) -> None:
-        """Send every queued operation now, in order (sync sessions). ``get`` does this itself.
+        """Send every queued operation now (sync sessions); ``get`` does this itself, in the same request.
 
-        An operation the server rejects is dropped and its error raised (and raised again by ``get`` on
-        the variables it would have made); after a connection error the queue is kept for a retry.
+        An operation the server rejects is dropped and its error raised (and raised again by ``get`` on the
+        variables it would have made, and on those of queued calls consuming them); the operations before
+        it are applied, the ones after it stay queued. After a connection error the queue is kept.
         """
         self._check_open("sync")
-        with self._lock:
-            while self._pending:
-                op = self._pending[0]
-                try:
-                    method, path, body = self._prepare(op)
-                    data = self._request(method, path, body)
-                except ParrotError as e:
-                    self._drop(op, e)
-                    raise
-                self._pending.popleft()
-                self._complete(op, data)
+        while self._pending:
+            self._send_batch(None)
 
     async def aflush(self) -> None:
         """``await`` form of `flush` (async sessions)."""
         self._check_open("async")
-        assert self._alock is not None
-        async with self._alock:
-            while self._pending:
-                op = self._pending[0]
-                try:
-                    method, path, body = self._prepare(op)
-                    data = await self._arequest(method, path, body)
-                except ParrotError as e:
-                    self._drop(op, e)
-                    raise
-                self._pending.popleft()
-                self._complete(op, data)
+        while self._pending:
+            await self._asend_batch(None)
 
     # --------------------------------------------------------------------------------- context managers
     def __enter__(self) -> Session:
@@ -289,51 +278,132 @@ class Session:
                     f"{func_name}(): input {name!r} comes from a request the server rejected: {var._error}"
                 )
         made = {name: Variable(self, name=name, producer=func_name) for name in outputs}
+        placeholders = []
+        for spec in request.placeholders:
+            var = inputs.get(spec.name) if spec.role == "input" else made.get(spec.name)
+            placeholders.append(spec if var is None else spec.model_copy(update={"var_id": var.var_id}))
+        request = request.model_copy(update={"placeholders": placeholders})
         self._pending.append(_SubmitCall(func_name, request, dict(inputs), made))
         return made
 
-    def _prepare(self, op: _Op) -> tuple[str, str, dict[str, Any]]:
-        """The request that sends ``op``: method, path under the server URL, JSON body."""
-        base = f"/v1/sessions/{self._session_id}"
+    def _batch_path(self) -> str:
+        return f"/v1/sessions/{self._session_id}/batch"
+
+    def _next_batch(self, get: BatchGet | None) -> tuple[int, dict[str, Any]]:
+        """The body of the next batch: the first queued operations that fit (count, body). ``get`` rides
+        along only when the batch empties the queue (it must come after every operation)."""
+        ops: list[dict[str, Any]] = []
+        size = 0
+        for op in self._pending:
+            body = self._op_body(op)
+            # Large queues go in several requests, each under the server's body limit.
+            n = len(json.dumps(body))
+            if ops and (len(ops) >= _MAX_BATCH_OPS or size + n > _MAX_BATCH_BYTES):
+                break
+            ops.append(body)
+            size += n
+        request: dict[str, Any] = {"ops": ops}
+        if get is not None and len(ops) == len(self._pending):
+            request["get"] = get.model_dump(exclude_none=True)
+        return len(ops), request
+
+    @staticmethod
+    def _op_body(op: _Op) -> dict[str, Any]:
         if isinstance(op, _CreateVariable):
-            body = CreateVariableRequest(name=op.var.name, value=op.value)
-            return "POST", f"{base}/variables", body.model_dump(exclude_none=True)
+            created = BatchCreateVariable(var_id=op.var.var_id, name=op.var.name, value=op.value)
+            return created.model_dump(exclude_none=True)
         if isinstance(op, _SetVariable):
-            return "PUT", f"{base}/variables/{op.var.var_id}", SetVariableRequest(value=op.value).model_dump()
-        placeholders: list[PlaceholderSpec] = []
-        for spec in op.request.placeholders:
-            var = op.inputs.get(spec.name)
-            if var is not None:
-                if var._error is not None or var.var_id is None:
-                    raise ParrotError(
-                        f"{op.func_name}(): input {spec.name!r} comes from a request the server "
-                        f"rejected: {var._error}"
-                    )
-                spec = spec.model_copy(update={"var_id": var.var_id})
-            placeholders.append(spec)
-        request = op.request.model_copy(update={"placeholders": placeholders})
-        return "POST", f"{base}/calls", request.model_dump(mode="json", exclude_none=True)
+            return BatchSetVariable(var_id=op.var.var_id, value=op.value).model_dump()
+        call = BatchSubmitCall(**op.request.model_dump())
+        return call.model_dump(mode="json", exclude_none=True)
 
-    def _complete(self, op: _Op, data: Any) -> None:
-        if isinstance(op, _CreateVariable):
-            op.var._var_id = VariableCreated.model_validate(data).var_id
-        elif isinstance(op, _SubmitCall):
-            outputs = SubmitCallResponse.model_validate(data).outputs
-            for name, var in op.outputs.items():
-                if name not in outputs:
-                    raise ParrotError(f"the server's answer to {op.func_name}() lacks output {name!r}")
-                var._var_id = outputs[name]
+    def _send_batch(self, get: tuple[Variable, BatchGet] | None) -> None:
+        """Send the next batch of queued operations (and ``get``, when it empties the queue); sync.
 
-    def _drop(self, op: _Op, error: ParrotError) -> None:
-        """Remove a rejected operation (kept after a connection error, to retry) and mark what it makes."""
+        The session lock is held only until the server's first answer line says the operations are
+        applied — not while the get waits — so other threads' operations are never stuck behind a get.
+        """
+        with contextlib.ExitStack() as stack:
+            with self._lock:
+                if not self._pending:
+                    return
+                count, body = self._next_batch(get[1] if get is not None else None)
+                try:
+                    lines = stack.enter_context(self._stream(self._batch_path(), body))
+                    _batch_applied(next(lines, None))
+                except ParrotError as e:
+                    self._batch_failed(count, e)
+                    raise
+                self._batch_done(count)
+            if get is not None and "get" in body:
+                self._batch_answer(get[0], next(lines, None))
+
+    async def _asend_batch(self, get: tuple[Variable, BatchGet] | None) -> None:
+        """``async`` form of `_send_batch`."""
+        assert self._alock is not None
+        async with contextlib.AsyncExitStack() as stack:
+            async with self._alock:
+                if not self._pending:
+                    return
+                count, body = self._next_batch(get[1] if get is not None else None)
+                try:
+                    lines = await stack.enter_async_context(self._astream(self._batch_path(), body))
+                    _batch_applied(await anext(lines, None))
+                except ParrotError as e:
+                    self._batch_failed(count, e)
+                    raise
+                self._batch_done(count)
+            if get is not None and "get" in body:
+                self._batch_answer(get[0], await anext(lines, None))
+
+    def _batch_done(self, count: int) -> None:
+        """The first ``count`` queued operations were applied by the server."""
+        for _ in range(count):
+            op = self._pending.popleft()
+            if isinstance(op, _CreateVariable):
+                op.var._sent = True
+            elif isinstance(op, _SubmitCall):
+                for var in op.outputs.values():
+                    var._sent = True
+
+    def _batch_failed(self, count: int, error: ParrotError) -> None:
+        """Update the queue after a batch of ``count`` operations failed with ``error``."""
         if isinstance(error, ParrotConnectionError):
+            return  # maybe not applied: keep everything for a retry
+        index = error.op_index
+        if index is None:
+            if count != 1:
+                return  # the batch as a whole was refused (auth, size): nothing was applied
+            index = 0
+        if index >= count:  # every operation was applied; the get itself was refused
+            self._batch_done(count)
             return
-        self._pending.popleft()
+        self._batch_done(index)  # applied before the failing one
+        failed = self._pending.popleft()
+        self._mark_failed(failed, error)
+
+    def _mark_failed(self, op: _Op, error: ParrotError) -> None:
+        """Record ``error`` on what ``op`` makes, and drop the queued calls that consume it (transitively):
+        the server would only reject them for naming a variable that does not exist."""
+        lost: set[int] = set()
         if isinstance(op, _CreateVariable):
             op.var._error = error
+            lost.add(id(op.var))
         elif isinstance(op, _SubmitCall):
             for var in op.outputs.values():
                 var._error = error
+                lost.add(id(var))
+        kept: deque[_Op] = deque()
+        for queued in self._pending:
+            consumes = isinstance(queued, _SubmitCall) and any(id(v) in lost for v in queued.inputs.values())
+            touches = isinstance(queued, _SetVariable) and id(queued.var) in lost
+            if not (consumes or touches):
+                kept.append(queued)
+            elif isinstance(queued, _SubmitCall):
+                for var in queued.outputs.values():
+                    var._error = error
+                    lost.add(id(var))
+        self._pending = kept
 
     # --------------------------------------------------------------------------------------- get
     def _poll_plan(self, criteria: Criteria | None, timeout: float | None) -> float | None:
@@ -354,6 +424,22 @@ class Session:
         path = f"/v1/sessions/{self._session_id}/variables/{var.var_id}"
         return path, query.model_dump(exclude_none=True), wait
 
+    def _batch_get(self, var: Variable, criteria: Criteria | None, deadline: float | None) -> BatchGet:
+        """The ``get`` a batch carries for ``var`` (after checking the variable can be got at all)."""
+        if var._error is not None:
+            raise var._error
+        wait = self.poll_timeout if deadline is None else max(0.0, deadline - time.monotonic())
+        return BatchGet(var_id=var.var_id, criteria=criteria, timeout=round(wait, 3))
+
+    @staticmethod
+    def _batch_answer(var: Variable, line: str | None) -> None:
+        """Settle ``var`` from the batch's get line (missing or pending: the caller polls with GETs)."""
+        if line is None:
+            return
+        answer = BatchGetAnswer.model_validate_json(line).get
+        if answer.var_id == var.var_id and answer.status != "pending":
+            var._settle(answer)
+
     @staticmethod
     def _timed_out(var: Variable, deadline: float | None) -> GetTimeoutError | None:
         if deadline is not None and time.monotonic() >= deadline:
@@ -363,8 +449,8 @@ class Session:
     def _get(self, var: Variable, criteria: Criteria | None, timeout: float | None) -> Any:
         self._check_open("sync")
         deadline = self._poll_plan(criteria, timeout)
-        if var._settled is None:
-            self.flush()
+        while var._settled is None and self._pending:  # the queue and this get: one request
+            self._send_batch((var, self._batch_get(var, criteria, deadline)))
         while var._settled is None:
             path, params, wait = self._poll_request(var, criteria, deadline)
             try:
@@ -387,8 +473,8 @@ class Session:
             return await asyncio.to_thread(self._get, var, criteria, timeout)
         self._check_open("async")
         deadline = self._poll_plan(criteria, timeout)
-        if var._settled is None:
-            await self.aflush()
+        while var._settled is None and self._pending:
+            await self._asend_batch((var, self._batch_get(var, criteria, deadline)))
         while var._settled is None:
             path, params, wait = self._poll_request(var, criteria, deadline)
             try:
@@ -432,6 +518,37 @@ class Session:
             raise error_from_transport(e, url) from e
         return _answer(response)
 
+    @contextlib.contextmanager
+    def _stream(self, path: str, body: dict[str, Any]) -> Iterator[Iterator[str]]:
+        """POST ``body`` and yield the answer's lines as they arrive (a typed error for a non-2xx)."""
+        assert isinstance(self._client, httpx.Client)
+        url = self.url + path
+        wait = body.get("get", {}).get("timeout", 0.0)
+        try:
+            with self._client.stream("POST", url, **self._request_args(body, None, wait, True)) as response:
+                if not response.is_success:
+                    response.read()
+                    raise error_from_response(response)
+                yield (line for line in response.iter_lines() if line)
+        except httpx.TransportError as e:
+            raise error_from_transport(e, url) from e
+
+    @contextlib.asynccontextmanager
+    async def _astream(self, path: str, body: dict[str, Any]) -> AsyncIterator[AsyncIterator[str]]:
+        """``async`` form of `_stream`."""
+        assert isinstance(self._client, httpx.AsyncClient)
+        url = self.url + path
+        wait = body.get("get", {}).get("timeout", 0.0)
+        try:
+            args = self._request_args(body, None, wait, True)
+            async with self._client.stream("POST", url, **args) as response:
+                if not response.is_success:
+                    await response.aread()
+                    raise error_from_response(response)
+                yield (line async for line in response.aiter_lines() if line)
+        except httpx.TransportError as e:
+            raise error_from_transport(e, url) from e
+
     async def _arequest(
         self,
         method: str,
@@ -449,6 +566,12 @@ class Session:
         except httpx.TransportError as e:
             raise error_from_transport(e, url) from e
         return _answer(response)
+
+
+def _batch_applied(line: str | None) -> BatchApplied:
+    if line is None:
+        raise ParrotError("the server's answer to a batch ended before saying its operations were applied")
+    return BatchApplied.model_validate_json(line)
 
 
 def _answer(response: httpx.Response) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import uuid
 from typing import TYPE_CHECKING, Any
 
 from parrot.errors import ConflictError, ParrotError, VariableFailedError
@@ -22,21 +23,23 @@ class Variable:
 
     Made by `Session.variable` or returned by calling a semantic function; never constructed by hand.
     Creating and calling are lazy: the session sends them to the server, in order, on the next ``get``
-    (or `Session.flush`). Until then ``var_id`` is None.
+    (or `Session.flush`), in one request with that get.
     """
 
     def __init__(self, session: Session, *, name: str | None = None, producer: str | None = None) -> None:
         self._session = session
         self._name = name
         self._producer = producer  # the semantic function producing it, for an output
-        self._var_id: str | None = None
+        # Chosen here (the server accepts client ids): later calls can name it before it is sent.
+        self._var_id = uuid.uuid4().hex
+        self._sent = False  # the server has it
         self._has_value = False  # a value was given (at creation or by `set`)
         self._settled: GetVariableResponse | None = None  # the server's final answer, ready or failed
         self._error: ParrotError | None = None  # why the session could not submit what makes it
 
     @property
-    def var_id(self) -> str | None:
-        """The server's id of the variable, or None until the session has sent it (see `Session.flush`)."""
+    def var_id(self) -> str:
+        """The variable's id in its session (chosen by the client; the server has it once sent)."""
         return self._var_id
 
     @property
@@ -91,9 +94,8 @@ class Variable:
         return json.loads(value) if self._settled.kind == "json" else value
 
     def _describe(self) -> str:
-        what = f"variable {self._var_id!r}" if self._var_id else "variable"
-        return what + (f" ({self._name!r})" if self._name else "")
+        return f"variable {self._var_id!r}" + (f" ({self._name!r})" if self._name else "")
 
     def __repr__(self) -> str:
-        state = self._settled.status if self._settled else ("unsent" if self._var_id is None else "pending")
-        return f"<parrot.Variable {self._var_id or '?'} name={self._name!r} {state}>"
+        state = self._settled.status if self._settled else ("pending" if self._sent else "unsent")
+        return f"<parrot.Variable {self._var_id} name={self._name!r} {state}>"

@@ -33,9 +33,9 @@ from server.engine.request import GenerateResult
 from server.engine.sampling import SamplingParams
 
 
-def error_response(status: int, error_type: str, message: str) -> JSONResponse:
-    body = ErrorResponse(error=ErrorBody(type=error_type, message=message))
-    return JSONResponse(body.model_dump(), status_code=status)
+def error_response(status: int, error_type: str, message: str, op_index: int | None = None) -> JSONResponse:
+    body = ErrorResponse(error=ErrorBody(type=error_type, message=message, op_index=op_index))
+    return JSONResponse(body.model_dump(exclude_none=True), status_code=status)
 
 
 def _sse(payload: str) -> str:

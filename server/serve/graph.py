@@ -108,11 +108,14 @@ class GraphError(Exception):
     """Base of the graph's errors; ``http_status`` is the status code the HTTP layer answers with."""
 
     http_status: ClassVar[int] = 400
+    error_type: ClassVar[str] = "graph_error"
 
 
 class CycleError(GraphError):
     """A submitted call would make the session's graph cyclic (HTTP 400). ``path`` lists the variable ids
     of the cycle, from the call's output to the input that depends on it."""
+
+    error_type: ClassVar[str] = "cycle"
 
     def __init__(self, message: str, path: list[str]) -> None:
         super().__init__(message)
@@ -123,12 +126,14 @@ class DuplicateCallError(GraphError):
     """A call id that is still pending in the session was submitted again (HTTP 409)."""
 
     http_status: ClassVar[int] = 409
+    error_type: ClassVar[str] = "duplicate_call"
 
 
 class UnknownStepError(GraphError, LookupError):
     """No pending step by that id: it finished, failed or was cancelled, or never existed."""
 
     http_status: ClassVar[int] = 404
+    error_type: ClassVar[str] = "unknown_step"
 
 
 class StepStateError(GraphError):
@@ -136,6 +141,7 @@ class StepStateError(GraphError):
     caller, never a user error."""
 
     http_status: ClassVar[int] = 500
+    error_type: ClassVar[str] = "internal_error"
 
 
 def _downstream_error(error: str | None) -> str:

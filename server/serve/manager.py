@@ -21,6 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from parrot.protocol import (
+    BatchApplied,
+    BatchCreateVariable,
+    BatchGet,
+    BatchRequest,
+    BatchSetVariable,
     CreateSessionResponse,
     CreateVariableRequest,
     Criteria,
@@ -48,6 +53,15 @@ class GetTimeoutError(Exception):
 
     http_status = 504
     error_type = "get_timeout"
+
+
+class BatchOpError(Exception):
+    """Operation ``index`` of a batch failed with ``cause`` (the answer carries the cause's status)."""
+
+    def __init__(self, index: int, op: str, cause: Exception) -> None:
+        super().__init__(f"batch operation {index} ({op}) failed: {cause}")
+        self.index = index
+        self.cause = cause
 
 
 class NoEngineError(Exception):
@@ -128,7 +142,7 @@ class Manager:
 
     # ------------------------------------------------------------------------------------------ variables
     def create_variable(self, session: Session, req: CreateVariableRequest) -> VariableCreated:
-        var = session.graph.variables.create(req.name, req.value)
+        var = session.graph.variables.create(req.name, req.value, var_id=req.var_id)
         return VariableCreated(var_id=var.var_id)
 
     def set_variable(self, session: Session, var_id: str, value: str) -> GetVariableResponse:
@@ -160,7 +174,8 @@ class Manager:
     def submit_call(self, session: Session, req: SubmitCallRequest) -> SubmitCallResponse:
         """Register a call's steps in the session graph (validated first: nothing changes on error)."""
         graph = session.graph
-        outputs = {p.name: VariableTable.new_id() for p in req.placeholders if p.role == "output"}
+        self._serving(req.model)  # an unknown model is the submitter's error, not a failed variable
+        outputs = {p.name: p.var_id or VariableTable.new_id() for p in req.placeholders if p.role == "output"}
         call = build_call(req, outputs)
         graph.add_call(call)
         for var_id in call.outputs.values():  # a step whose input had failed fails at once
@@ -168,6 +183,38 @@ class Manager:
                 self._settled(session, var_id)
         self._dispatch(session)
         return SubmitCallResponse(call_id=call.call_id, outputs=call.outputs)
+
+    def apply_batch(self, session: Session, req: BatchRequest) -> BatchApplied:
+        """Apply ``req``'s operations in order and check its ``get`` names a variable (`answer_get` waits).
+
+        The first operation that fails stops the batch: `BatchOpError` carries its index (``len(ops)`` for
+        the get) and cause; the operations before it stay applied (their ids are the client's, so it knows
+        what exists).
+        """
+        results: list[VariableCreated | GetVariableResponse | SubmitCallResponse] = []
+        for index, op in enumerate(req.ops):
+            try:
+                if isinstance(op, BatchCreateVariable):
+                    results.append(self.create_variable(session, op))
+                elif isinstance(op, BatchSetVariable):
+                    results.append(self.set_variable(session, op.var_id, op.value))
+                else:
+                    results.append(self.submit_call(session, op))
+            except Exception as e:
+                raise BatchOpError(index, op.op, e) from e
+        if req.get is not None:
+            try:
+                session.graph.variables.get(req.get.var_id)
+            except Exception as e:
+                raise BatchOpError(len(req.ops), "get", e) from e
+        return BatchApplied(results=results)
+
+    async def answer_get(self, session: Session, get: BatchGet) -> GetVariableResponse:
+        """A batch's get: `get_variable`, but a timeout answers the pending variable instead of a 504."""
+        try:
+            return await self.get_variable(session, get.var_id, get.criteria, get.timeout)
+        except GetTimeoutError:
+            return _response(session.graph.variables, get.var_id)
 
     # ------------------------------------------------------------------------------------------ executor
     def _dispatch(self, session: Session) -> None:
@@ -204,7 +251,10 @@ class Manager:
         progress = self._calls.pop(key, None)
         values = self._values(session.graph, node, progress)
         prompt = render_prompt(call, step.index, values)
-        engine_index = progress.engine if progress is not None else self._pick_engine()
+        if progress is not None:  # a call's steps share one context chain, so one engine
+            engine_index = progress.engine
+        else:
+            engine_index = self._pick_engine(self._serving(call.model))
         engine = self.engines[engine_index]
         token_ids = engine.tokenizer.encode(prompt)
         if step.index == 0:
@@ -299,10 +349,14 @@ class Manager:
         return sorted({e.model_name for e in self.engines})
 
     def engine_for(self, model: str | None) -> LLMEngine:
+        return self.engines[self._pick_engine(self._serving(model))]
+
+    def _serving(self, model: str | None) -> list[int]:
+        """The engines serving ``model`` (None: any); `ModelNotFoundError` when none does."""
         serving = [i for i, e in enumerate(self.engines) if model is None or e.model_name == model]
         if not serving:
             raise ModelNotFoundError(model, self.models())
-        return self.engines[self._pick_engine(serving)]
+        return serving
 
     def new_context_id(self) -> int:
         return next(self._context_ids)

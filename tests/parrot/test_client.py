@@ -14,7 +14,7 @@ import parrot as P
 import pytest
 from parrot.protocol import SamplingConfig, TransformSpec
 
-from tests.parrot.fake_server import URL, FakeServer
+from tests.parrot.fake_server import URL, FakeServer, HTTPError
 
 
 @P.semantic_function(max_tokens=64)
@@ -40,40 +40,43 @@ def server() -> FakeServer:
 def check_figure7_requests(server: FakeServer) -> None:
     sid = server.deleted[0]
     methods = [(r.method, r.url.path) for r in server.requests]
+    # The whole DAG and the first get are one request; the second get finds its answer with a GET.
     assert methods == [
         ("POST", "/v1/sessions"),
-        ("POST", f"/v1/sessions/{sid}/variables"),
-        ("POST", f"/v1/sessions/{sid}/calls"),
-        ("POST", f"/v1/sessions/{sid}/calls"),
-        *[("GET", path) for _, path in methods[4:-1]],
+        ("POST", f"/v1/sessions/{sid}/batch"),
+        ("GET", methods[2][1]),
         ("DELETE", f"/v1/sessions/{sid}"),
     ]
-    assert len(methods) == 7  # two gets
     token = f"Bearer {'tok' + str(int(sid[1:]) + 1)}"
     assert "authorization" not in server.requests[0].headers
     assert all(r.headers["authorization"] == token for r in server.requests[1:])
 
-    assert server.bodies("POST", "/variables") == [{"value": "a snake game"}]
+    (batch,) = server.bodies("POST", "/batch")
+    assert [op["op"] for op in batch["ops"]] == ["create_variable", "submit_call", "submit_call"]
     (task_id,) = [v.var_id for v in server.variables.values() if v.producer is None]
-    first, second = server.bodies("POST", "/calls")
+    assert server.ops("create_variable") == [{"var_id": task_id, "value": "a snake game"}]
+    first, second = server.ops("submit_call")
+    (code_id,) = [v.var_id for v in server.variables.values() if v.name == "code"]
+    (test_id,) = [v.var_id for v in server.variables.values() if v.name == "test"]
     sampling = SamplingConfig(max_tokens=64).model_dump(exclude_none=True)
     assert first == {
         "template": "You are an expert software engineer.\nWrite python code of {{input:task}}.\n"
         "Code: {{output:code}}",
         "placeholders": [
             {"name": "task", "role": "input", "var_id": task_id, "transforms": []},
-            {"name": "code", "role": "output", "transforms": [], "sampling": sampling},
+            {"name": "code", "role": "output", "var_id": code_id, "transforms": [], "sampling": sampling},
         ],
         "func_name": "write_code",
     }
-    (code_id,) = [v.var_id for v in server.variables.values() if v.name == "code"]
     assert second["placeholders"] == [
         {"name": "task", "role": "input", "var_id": task_id, "transforms": []},
         {"name": "code", "role": "input", "var_id": code_id, "transforms": []},  # the first call's output
-        {"name": "test", "role": "output", "transforms": [], "sampling": sampling},
+        {"name": "test", "role": "output", "var_id": test_id, "transforms": [], "sampling": sampling},
     ]
-    gets = [r for r in server.requests if r.method == "GET"]
-    assert [dict(r.url.params) for r in gets] == [{"criteria": "latency", "timeout": "30.0"}] * 2
+    assert batch["get"] == {"var_id": batch["get"]["var_id"], "criteria": "latency", "timeout": 30.0}
+    (get,) = [r for r in server.requests if r.method == "GET"]
+    assert {batch["get"]["var_id"], get.url.path.rsplit("/", 1)[1]} == {code_id, test_id}
+    assert dict(get.url.params) == {"criteria": "latency", "timeout": "30.0"}
 
 
 def test_figure7_sync(server: FakeServer) -> None:
@@ -82,7 +85,7 @@ def test_figure7_sync(server: FakeServer) -> None:
         task = s.variable("a snake game")
         code = write_code(task)
         test = write_tests(task, code)
-        assert isinstance(code, P.Variable) and code.var_id is None and code.name == "code"
+        assert isinstance(code, P.Variable) and code.name == "code" and "unsent" in repr(code)
         assert len(server.requests) == 1  # nothing is sent until a value is wanted
         assert code.get(criteria=P.LATENCY) == "<code:a snake game>"
         assert test.get(criteria=P.LATENCY) == "<test:a snake game,<code:a snake game>>"
@@ -140,7 +143,7 @@ def test_several_outputs_transforms_and_per_output_sampling(server: FakeServer) 
         assert (answer.name, why.name) == ("answer", "why")
         assert answer.get() == {"x": [1, 2]}
         assert why.get(timeout=5) == "<why:2+2?>"
-    (body,) = server.bodies("POST", "/calls")
+    (body,) = server.ops("submit_call")
     assert (body["model"], body["criteria"], body["func_name"]) == ("tiny", "throughput", qa.name)
     answer_spec, why_spec = body["placeholders"][1], body["placeholders"][2]
     assert [t["type"] for t in answer_spec["transforms"]] == ["strip", "json"]
@@ -157,9 +160,10 @@ def test_values_are_sent_verbatim_never_as_template(server: FakeServer) -> None:
     with P.Session(URL, client=server.sync_client()) as s:
         code = write_code(tricky)
         write_tests(s.variable(tricky, name="t"), code).get()
-    first, _ = server.bodies("POST", "/calls")
+    first, _ = server.ops("submit_call")
     assert first["placeholders"][0] == {"name": "task", "role": "input", "value": tricky, "transforms": []}
-    assert server.bodies("POST", "/variables") == [{"name": "t", "value": tricky}]
+    (created,) = server.ops("create_variable")
+    assert (created["name"], created["value"]) == ("t", tricky)
 
 
 def test_inputs_take_str_variable_or_rendered_values(server: FakeServer) -> None:
@@ -175,7 +179,7 @@ def test_inputs_take_str_variable_or_rendered_values(server: FakeServer) -> None
         assert count([1, "a"]).get() == "<n:[1, 'a']>"  # str(), as LangChain renders it
         with pytest.raises(TypeError, match="write_code"):
             write_code("a", "b")
-    (body,) = server.bodies("POST", "/calls")
+    (body,) = server.ops("submit_call")
     assert body["placeholders"][0] == {
         "name": "items",
         "role": "input",
@@ -197,7 +201,7 @@ def test_pending_variables_are_set_later(server: FakeServer) -> None:
             task.set("again")
         with pytest.raises(P.ConflictError, match="output of write_code"):
             code.set("mine")
-    assert server.bodies("PUT", task.var_id or "?") == [{"value": "a calculator"}]
+    assert server.ops("set_variable") == [{"var_id": task.var_id, "value": "a calculator"}]
 
 
 def test_failed_variables_and_their_consumers(server: FakeServer) -> None:
@@ -222,10 +226,62 @@ def test_a_rejected_call_fails_its_outputs_and_consumers(server: FakeServer) -> 
         server.sessions[sid] = token
         with pytest.raises(P.AuthError) as again:
             code.get()  # the rejected submission's error sticks to its outputs
-        assert again.value is info.value and code.var_id is None
+        assert again.value is info.value and "unsent" in repr(code)
         with pytest.raises(P.ParrotError, match="comes from a request the server rejected: 401 auth"):
             write_tests("x", code)
         assert write_code("y").get() == "<code:y>"  # the session goes on
+
+
+def test_a_batch_stops_at_the_rejected_call_and_keeps_what_follows(server: FakeServer) -> None:
+    @P.semantic_function()
+    def refused(task):  # type: ignore[no-untyped-def]
+        """Refused {{input:task}}: {{output:out}}"""
+
+    server.reject["refused"] = HTTPError(503, "no_engine", "no engine serves this")
+    with P.Session(URL, client=server.sync_client()):
+        before = write_code("a")
+        bad = refused("b")
+        downstream = write_tests("c", bad)  # consumes the refused call's output
+        after = write_code("d")
+        with pytest.raises(P.ServiceUnavailableError, match="no engine serves this") as info:
+            after.get()
+        assert info.value.op_index == 1
+        with pytest.raises(P.ServiceUnavailableError):
+            downstream.get()  # dropped with the refused call: the server never sees it
+        assert after.get() == "<code:d>" and before.get() == "<code:a>"
+    batches = server.bodies("POST", "/batch")
+    assert [[op["func_name"] for op in b["ops"]] for b in batches] == [
+        ["write_code", "refused", "write_tests", "write_code"],
+        ["write_code"],  # what followed the refused call, sent with the next get
+    ]
+
+
+def test_large_queues_go_in_several_batches_with_the_get_last(server: FakeServer) -> None:
+    with P.Session(URL, client=server.sync_client()) as s:
+        for i in range(2500):
+            s.variable(str(i))
+        last = write_code(s.variable("x"))
+        assert last.get() == "<code:x>"
+    batches = server.bodies("POST", "/batch")
+    assert [len(b["ops"]) for b in batches] == [1000, 1000, 502]
+    assert ["get" in b for b in batches] == [False, False, True]
+
+
+def test_a_connection_error_keeps_the_queue_for_a_retry(server: FakeServer) -> None:
+    down = {"now": False}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if down["now"]:
+            raise httpx.ConnectError("connection refused", request=request)
+        return server.handle(request)
+
+    with P.Session(URL, client=httpx.Client(transport=httpx.MockTransport(handler))):
+        code = write_code("x")
+        down["now"] = True
+        with pytest.raises(P.ConnectionError, match="/batch failed: connection refused"):
+            code.get()
+        down["now"] = False
+        assert code.get() == "<code:x>"
 
 
 ERRORS = [

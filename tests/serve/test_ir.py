@@ -273,10 +273,13 @@ OK_TEMPLATE = "Task: {{input:t}}\nCode: {{output:code}}"
         ),
         ([spec("t", var_id="v", sampling=SamplingConfig()), spec("code", "output")], "outputs only"),
         (
-            [spec("t", value="x"), spec("code", "output", var_id="v")],
-            "outputs get fresh variables from the server",
+            [spec("t", value="x"), spec("code", "output", value="v")],
+            "output 'code' gives a value: the call generates it",
         ),
-        ([spec("t", value="x"), spec("code", "output", value="v")], "output 'code' gives var_id or value"),
+        (
+            [spec("t", value="x"), spec("code", "output", var_id="no spaces")],
+            "a variable id is 1-64 characters",
+        ),
     ],
 )
 def test_check_call_errors(specs: list[PlaceholderSpec], message: str) -> None:
@@ -284,6 +287,15 @@ def test_check_call_errors(specs: list[PlaceholderSpec], message: str) -> None:
         check_call(OK_TEMPLATE, specs)
     with pytest.raises(CallError, match=message):  # build_call checks the same way
         build_call(SubmitCallRequest(template=OK_TEMPLATE, placeholders=specs), {"code": "v"})
+
+
+def test_outputs_may_choose_their_var_ids_but_not_the_same_one() -> None:
+    template = "{{input:t}} {{output:a}} {{output:b}}"
+    chosen = [spec("t", value="x"), spec("a", "output", var_id="out-a"), spec("b", "output", var_id="out_b")]
+    check_call(template, chosen)
+    same = [spec("t", value="x"), spec("a", "output", var_id="v"), spec("b", "output", var_id="v")]
+    with pytest.raises(CallError, match="two outputs ask for the same var_id"):
+        check_call(template, same)
 
 
 def test_check_call_returns_the_pieces_and_checks_the_template_first() -> None:

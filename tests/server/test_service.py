@@ -80,13 +80,20 @@ def step(previous):
 
 def test_chain_of_10_dependent_calls(served: LaunchedServer) -> None:
     with P.Session(served.url) as s:
+        before = served.request_counts.copy()
         v: P.Variable = s.variable("Once upon a time")
         outs = []
         for _ in range(10):
             v = step(v)
             outs.append(v)
         last = outs[-1].get()
+        # The input, the 10 calls and the get: one round trip, counted at the server.
+        assert served.request_counts - before == {("POST", "/v1/sessions/{session_id}/batch"): 1}
         values = [o.get() for o in outs]
+        assert served.request_counts - before == {
+            ("POST", "/v1/sessions/{session_id}/batch"): 1,
+            ("GET", "/v1/sessions/{session_id}/variables/{var_id}"): 9,  # one per get; the last was cached
+        }
     assert values[-1] == last
     engine = served.engines[0]
     text = "Once upon a time"
@@ -101,8 +108,8 @@ def test_shared_system_prompt_is_prefilled_once(served: LaunchedServer) -> None:
     prefix_len = len(engine.tokenizer.encode(f"{system} Question: "))
 
     template = f"{system} Question: {{{{input:q}}}} Answer: {{{{output:a}}}}"
-    fn = P.semantic_function(max_tokens=3)(_with_doc(template))
-    questions = [f"what is item {i}?" for i in range(20)]
+    fn = P.SemanticFunction.from_template(template, name="ask", sampling=P.SamplingConfig(max_tokens=3))
+    questions = [f"what is item {i}?" for i in range(50)]
     before = engine.stats().prefill_tokens_computed
     with P.Session(served.url) as s:
         answers = [fn(s.variable(q)) for q in questions]
@@ -110,18 +117,11 @@ def test_shared_system_prompt_is_prefilled_once(served: LaunchedServer) -> None:
     computed = engine.stats().prefill_tokens_computed - before
     full = [len(engine.tokenizer.encode(f"{system} Question: {q} Answer: ")) for q in questions]
     assert prefix_len > 1000
-    # The system prompt is computed once, not 20 times; each call computes only its own tail (at most one
+    # The system prompt is computed once, not 50 times; each call computes only its own tail (at most one
     # token more, where whole-prompt tokenization merges across the boundary).
     assert prefix_len + sum(n - prefix_len for n in full) <= computed
     assert computed <= prefix_len + sum(n - prefix_len + 1 for n in full)
     assert got == [reference(engine, f"{system} Question: {q} Answer: ", 3) for q in questions]
-
-
-def _with_doc(doc: str):
-    def fn(q): ...
-
-    fn.__doc__ = doc
-    return fn
 
 
 def test_sessions_are_isolated(served: LaunchedServer) -> None:
@@ -221,3 +221,108 @@ def test_openai_endpoints_on_the_same_server(served: LaunchedServer) -> None:
     assert chat.choices[0].message.role == "assistant"
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-9", prompt="x", max_tokens=1)
+
+
+def test_batches_apply_in_order_and_stop_at_the_first_error(served: LaunchedServer) -> None:
+    with httpx.Client(base_url=served.url) as c:
+        sid, auth = _session(c)
+        base = f"/v1/sessions/{sid}"
+        out = {"name": "y", "role": "output", "sampling": {"max_tokens": 2}}
+
+        def batch(ops: list[dict], get: dict | None = None) -> httpx.Response:
+            body = {"ops": ops, **({"get": get} if get is not None else {})}
+            return c.post(f"{base}/batch", headers=auth, json=body)
+
+        ops = [
+            {"op": "create_variable", "var_id": "a", "value": "x"},
+            {"op": "submit_call", "template": "Hi {{input:x} {{output:y}}", "placeholders": []},
+            {"op": "create_variable", "var_id": "b", "value": "x"},
+        ]
+        r = batch(ops)
+        assert r.status_code == 400
+        assert r.json()["error"]["type"] == "bad_template" and r.json()["error"]["op_index"] == 1
+        assert c.get(f"{base}/variables/a", headers=auth).json()["value"] == "x"  # applied before
+        assert c.get(f"{base}/variables/b", headers=auth).status_code == 404  # not applied after
+        r = batch([{"op": "create_variable", "var_id": "a"}])
+        assert r.status_code == 409 and r.json()["error"]["op_index"] == 0
+        r = batch([{"op": "create_variable", "var_id": "c"}], get={"var_id": "nope"})
+        assert r.status_code == 404 and r.json()["error"]["op_index"] == 1  # the get is after every op
+        # A cycle needs an output adopting a variable that is already consumed: x -> y -> x.
+        r = batch(
+            [
+                {"op": "create_variable", "var_id": "x"},
+                {
+                    "op": "submit_call",
+                    "template": "{{input:x}} {{output:y}}",
+                    "placeholders": [{"name": "x", "role": "input", "var_id": "x"}, {**out, "var_id": "y"}],
+                },
+                {
+                    "op": "submit_call",
+                    "template": "{{input:y}} {{output:x}}",
+                    "placeholders": [
+                        {"name": "y", "role": "input", "var_id": "y"},
+                        {**out, "name": "x", "var_id": "x"},
+                    ],
+                },
+            ]
+        )
+        assert r.status_code == 400 and r.json()["error"]["type"] == "cycle"
+        assert r.json()["error"]["op_index"] == 2
+        r = c.post(
+            f"{base}/calls",
+            headers=auth,
+            json={"template": "{{output:y}}", "placeholders": [out], "model": "gpt-9"},
+        )
+        assert r.status_code == 404 and r.json()["error"]["type"] == "model_not_found"
+        # A good batch answers NDJSON: the operations applied, then the get's answer.
+        r = batch(
+            [
+                {
+                    "op": "submit_call",
+                    "template": "Say {{output:y}}",
+                    "placeholders": [{**out, "var_id": "said"}],
+                    "model": "tiny",
+                }
+            ],
+            get={"var_id": "said", "criteria": "latency"},
+        )
+        applied, answer = (line for line in r.text.splitlines() if line)
+        assert r.status_code == 200 and r.headers["content-type"].startswith("application/x-ndjson")
+        assert httpx.Response(200, content=applied).json()["results"][0]["outputs"] == {"y": "said"}
+        assert httpx.Response(200, content=answer).json()["get"]["status"] == "ready"
+        assert c.get("/health").json()["status"] == "ok"
+
+
+async def test_a_failing_or_deleted_session_never_disturbs_another(served: LaunchedServer) -> None:
+    engine = served.engines[0]
+    async with P.Session(served.url) as a:
+        v: P.Variable = a.variable("In a land far away")
+        chain = []
+        for _ in range(5):
+            v = step(v)
+            chain.append(v)
+        first = asyncio.create_task(chain[-1].aget(criteria=P.LATENCY))
+        b = P.Session(served.url)
+        await b.__aenter__()
+        # Work of B that runs at once (criteria at submit), so it is in flight when B goes.
+        busy = P.SemanticFunction.from_template(
+            "Doomed {{input:q}}: {{output:o}}",
+            name="busy",
+            sampling=P.SamplingConfig(max_tokens=40, ignore_eos=True),
+            criteria=P.LATENCY,
+        )
+        doomed = [busy(q="x " * i) for i in range(1, 6)]
+        failing = P.SemanticFunction.from_template(
+            "{{input:q}} {{output:o}}", name="failing", transforms={"o": [P.transforms.json()]}
+        )(q="not json")
+        with pytest.raises(P.VariableFailedError):
+            await failing.aget()
+        assert len(doomed) == 5 and engine.stats().running > 0  # 40 tokens each vs the failing call's 16
+        await b.__aexit__(None, None, None)  # deleted while its other calls still run
+        values = [await first] + [await c.aget() for c in chain[:-1]]
+    text = "In a land far away"
+    expected = []
+    for _ in range(5):
+        text = await asyncio.to_thread(reference, engine, f"Continue the story: {text} Next: ", 6)
+        expected.append(text)
+    assert values[0] == expected[-1] and values[1:] == expected[:-1]

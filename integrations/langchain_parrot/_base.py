@@ -1,0 +1,189 @@
+"""What `ParrotLLM` and `ChatParrot` share: connection settings, sampling parameters, request bodies.
+
+A call's parameters are resolved once (`ParrotModelBase.call_params`): the model's fields, overridden by
+what the call or a ``.bind(...)`` gives. The same `CallParams` becomes an OpenAI-style request body for the
+server's ``/v1/completions`` or ``/v1/chat/completions`` (the model used directly) and a
+`parrot.SamplingConfig` for a semantic function call (the model inside a compiled chain), so both paths
+sample alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from langchain_core.language_models import LangSmithParams
+from langchain_core.utils import from_env, secret_from_env
+from parrot.protocol import SamplingConfig
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr
+
+from langchain_parrot._http import ServerConnection
+
+__all__ = ["DEFAULT_BASE_URL", "UNBOUNDED_MAX_TOKENS", "CallParams", "ParrotModelBase"]
+
+DEFAULT_BASE_URL = "http://127.0.0.1:9000"
+
+# ``max_tokens=None`` means "until EOS or the end of the context window", as OpenAI-style servers do; a
+# semantic call needs a number, and the engine stops at the window's end anyway.
+UNBOUNDED_MAX_TOKENS = 2**31 - 1
+
+# The call-time keywords a model takes (from ``invoke(..., **kwargs)`` or ``.bind(**kwargs)``).
+_CALL_KWARGS = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos"})
+
+
+@dataclass(frozen=True)
+class CallParams:
+    """The resolved parameters of one model call."""
+
+    model: str | None
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def body(self) -> dict[str, Any]:
+        """The sampling part of an OpenAI-style request body (``max_tokens`` null: up to the window)."""
+        body: dict[str, Any] = {
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+        }
+        if self.model is not None:
+            body["model"] = self.model
+        if self.top_k:
+            body["top_k"] = self.top_k
+        if self.seed is not None:
+            body["seed"] = self.seed
+        if self.stop:
+            body["stop"] = list(self.stop)
+        if self.ignore_eos:
+            body["ignore_eos"] = True
+        return body
+
+    def sampling(self) -> SamplingConfig:
+        """The same parameters for a semantic function call."""
+        return SamplingConfig(
+            max_tokens=UNBOUNDED_MAX_TOKENS if self.max_tokens is None else self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop=list(self.stop),
+            ignore_eos=self.ignore_eos,
+        )
+
+
+class ParrotModelBase(BaseModel):
+    """Fields and helpers of the Parrot models (mixed into `ParrotLLM` and `ChatParrot`).
+
+    Constructing a model never touches the network: the HTTP client is made on first use and reused.
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
+
+    base_url: str = Field(default_factory=from_env("PARROT_BASE_URL", default=DEFAULT_BASE_URL))
+    """The Parrot server (env ``PARROT_BASE_URL``; default ``http://127.0.0.1:9000``)."""
+    model: str = Field(default="tiny", alias="model_name")
+    """The served model's name (``GET /v1/models``); ``"tiny"`` is the embedded default model."""
+    temperature: float = 0.0
+    """Sampling temperature; 0 is greedy (deterministic), the default."""
+    max_tokens: int | None = None
+    """Most tokens to generate; None: until EOS or the end of the context window."""
+    top_p: float = 1.0
+    top_k: int = 0
+    """Top-k sampling (0 disables it)."""
+    seed: int | None = None
+    stop: list[str] | None = None
+    """Stop sequences (a call's own ``stop`` replaces them); the output ends before the first one."""
+    ignore_eos: bool = False
+    """Keep generating past the end-of-sequence token (benchmarks use it for fixed output lengths)."""
+    timeout: float | None = 120.0
+    """Seconds each HTTP attempt may take (connect, each read, each write); None waits forever."""
+    max_retries: int = 2
+    """Retries (with exponential backoff) after a connection failure, a timeout or a 429/502/503/504."""
+    api_key: SecretStr | None = Field(default_factory=secret_from_env("PARROT_API_KEY", default=None))
+    """Sent as ``Authorization: Bearer`` (env ``PARROT_API_KEY``), for a proxy in front of the server."""
+    streaming: bool = False
+    """Use the streaming endpoint even for ``invoke`` (tokens reach callbacks as they are generated)."""
+    http_client: httpx.Client | None = Field(default=None, exclude=True)
+    """A sync httpx client of your own (proxies, transports); the model makes one otherwise."""
+    http_async_client: httpx.AsyncClient | None = Field(default=None, exclude=True)
+    """An async httpx client of your own; the model makes one per event loop otherwise."""
+
+    _connection: ServerConnection | None = PrivateAttr(default=None)
+
+    @property
+    def connection(self) -> ServerConnection:
+        """The model's `ServerConnection` (made on first use, then reused)."""
+        if self._connection is None:
+            headers = {}
+            if self.api_key is not None:
+                headers["Authorization"] = f"Bearer {self.api_key.get_secret_value()}"
+            self._connection = ServerConnection(
+                self.base_url,
+                timeout=self.timeout,
+                max_retries=self.max_retries,
+                headers=headers,
+                client=self.http_client,
+                async_client=self.http_async_client,
+            )
+        return self._connection
+
+    def call_params(self, stop: list[str] | None = None, **kwargs: Any) -> CallParams:
+        """The parameters of one call: the fields, overridden by ``stop`` and the call's ``kwargs``.
+
+        Raises `TypeError` for a keyword the server has no use for (say, ``tools``).
+        """
+        unknown = sorted(k for k in kwargs if k not in _CALL_KWARGS and not k.startswith("ls_"))
+        if unknown:
+            raise TypeError(
+                f"{type(self).__name__} got unsupported call argument(s) {unknown}; it takes "
+                f"{sorted(_CALL_KWARGS)}"
+            )
+        given = {k: v for k, v in kwargs.items() if k in _CALL_KWARGS}
+        if stop is None:
+            stop = given.get("stop")
+        if isinstance(stop, str):
+            stop = [stop]
+        return CallParams(
+            model=given.get("model", self.model),
+            max_tokens=given.get("max_tokens", self.max_tokens),
+            temperature=given.get("temperature", self.temperature),
+            top_p=given.get("top_p", self.top_p),
+            top_k=given.get("top_k", self.top_k),
+            seed=given.get("seed", self.seed),
+            stop=list(stop if stop is not None else (self.stop or [])),
+            ignore_eos=given.get("ignore_eos", self.ignore_eos),
+        )
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {
+            "base_url": self.base_url,
+            "model": self.model,
+            "temperature": self.temperature,
+            "max_tokens": self.max_tokens,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "seed": self.seed,
+            "stop": self.stop,
+            "ignore_eos": self.ignore_eos,
+        }
+
+    def _parrot_ls_params(self, kind: str, stop: list[str] | None, kwargs: dict[str, Any]) -> LangSmithParams:
+        params = self.call_params(stop, **{k: v for k, v in kwargs.items() if k in _CALL_KWARGS})
+        ls = LangSmithParams(
+            ls_provider="parrot",
+            ls_model_name=params.model or self.model,
+            ls_model_type=kind,  # type: ignore[typeddict-item]
+            ls_temperature=params.temperature,
+        )
+        if params.max_tokens is not None:
+            ls["ls_max_tokens"] = params.max_tokens
+        if params.stop:
+            ls["ls_stop"] = params.stop
+        return ls

@@ -1,0 +1,395 @@
+"""`ParrotLLM`: a LlamaIndex `LLM` served by Parrot, which sends prompt templates unrendered.
+
+LlamaIndex's query engines call ``llm.predict(prompt_template, **values)``. Instead of rendering the text
+on the client, `ParrotLLM.predict` (and ``apredict``, ``stream``, ``astream``, ``structured_predict``)
+turns the template into a Parrot semantic function — constant text plus ``{{input:...}}`` placeholders
+bound to the values, see `llamaindex_parrot.unrendered` — and submits it in a session of its own, so the
+server sees the prompt's structure (shared prefixes across calls and sessions). The text the server
+renders is LlamaIndex's rendering, checked on every call.
+
+``complete`` / ``chat`` (and streams) receive text LlamaIndex already rendered; they use the server's
+OpenAI-compatible endpoints. Every method has a truly asynchronous version (``httpx.AsyncClient`` or an
+``async with`` `parrot.Session`); nothing blocking runs on the event loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import llama_index.core.instrumentation as instrument
+import parrot as P
+from llama_index.core.base.llms.types import (
+    ChatMessage,
+    ChatResponse,
+    ChatResponseAsyncGen,
+    ChatResponseGen,
+    CompletionResponse,
+    CompletionResponseAsyncGen,
+    CompletionResponseGen,
+    LLMMetadata,
+    MessageRole,
+)
+from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.indices.prompt_helper import PromptHelper
+from llama_index.core.instrumentation.events.llm import (
+    LLMPredictEndEvent,
+    LLMPredictStartEvent,
+    LLMStructuredPredictEndEvent,
+    LLMStructuredPredictStartEvent,
+)
+from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
+from llama_index.core.llms.llm import LLM
+from llama_index.core.output_parsers.pydantic import PydanticOutputParser
+from llama_index.core.program.llm_program import LLMTextCompletionProgram
+from llama_index.core.prompts import BasePromptTemplate
+from llama_index.core.types import Model, PydanticProgramMode, TokenAsyncGen, TokenGen
+from parrot.protocol import SamplingConfig
+
+from llamaindex_parrot.completions import OpenAIEndpoint, chat_body, choice_text, completion_body, delta_text
+from llamaindex_parrot.server_info import served_model
+from llamaindex_parrot.unrendered import UnrenderedCall, Value, unrender
+
+__all__ = ["ParrotLLM"]
+
+dispatcher = instrument.get_dispatcher(__name__)
+
+# Per-call keyword arguments that `complete` / `chat` / `structured_predict(llm_kwargs=...)` accept.
+SAMPLING_OPTIONS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+
+# LlamaIndex's own default for num_output (llama_index.core.constants.DEFAULT_NUM_OUTPUTS).
+DEFAULT_MAX_TOKENS = 256
+
+
+class ParrotLLM(LLM):
+    """A LlamaIndex LLM on a Parrot server (``base_url``, e.g. ``server.launch(...).url``).
+
+    ``model`` names the served model (None: the server's choice). ``context_window`` defaults to the
+    server's (``GET /v1/engines``, asked once at construction: an unreachable server raises
+    `parrot.ConnectionError` naming the URL); give it to skip the request or to pack prompts for a smaller
+    window. ``max_tokens`` is the output length of every call and the ``num_output`` LlamaIndex reserves
+    for it. Sampling defaults to greedy (``temperature=0``), so outputs are reproducible.
+
+    ``unrendered=False`` makes ``predict`` & co. render on the client and send one ``/v1/completions``
+    request per call, like any OpenAI-style LLM (the request-centric baseline of the benchmarks).
+    ``tokenizer`` (``text -> token ids``, e.g. `llamaindex_parrot.load_tokenizer`) is what
+    `prompt_helper` counts with; use the engine's so LlamaIndex packs prompts by the server's tokens.
+    ``timeout`` bounds each HTTP request, ``get_timeout`` the wait for a call's value (None: no bound).
+    """
+
+    base_url: str = Field(description="The Parrot server's base URL, e.g. http://127.0.0.1:9000.")
+    model: str | None = Field(default=None, description="The served model to use (None: the server's).")
+    model_name: str = Field(default="parrot", description="The model's name as the server reports it.")
+    context_window: int = Field(gt=0, description="Tokens of prompt plus output the model takes.")
+    max_tokens: int = Field(default=DEFAULT_MAX_TOKENS, gt=0, description="Tokens generated per call.")
+    temperature: float = Field(default=0.0, ge=0.0, description="Sampling temperature; 0 is greedy.")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0, description="Top-k sampling (0: off).")
+    seed: int | None = Field(default=None, description="Sampling seed (for temperature > 0).")
+    stop: list[str] = Field(default_factory=list, description="Stop strings.")
+    timeout: float = Field(default=60.0, gt=0, description="Seconds for each HTTP request.")
+    get_timeout: float | None = Field(default=600.0, description="Seconds to wait for a call's value.")
+    unrendered: bool = Field(default=True, description="Send prompt templates unrendered (semantic calls).")
+    tokenizer: Callable[[str], list] | None = Field(
+        default=None, exclude=True, description="Token counter for LlamaIndex's prompt packing."
+    )
+
+    _endpoint: OpenAIEndpoint = PrivateAttr()
+
+    def __init__(self, base_url: str, *, context_window: int | None = None, **kwargs: Any) -> None:
+        if not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}")
+        base_url = base_url.rstrip("/")
+        model = kwargs.get("model")
+        if context_window is None:
+            served = served_model(base_url, model, kwargs.get("timeout", 60.0))
+            context_window = served.context_window
+            kwargs.setdefault("model_name", served.name)
+        elif model is not None:
+            kwargs.setdefault("model_name", model)
+        super().__init__(base_url=base_url, context_window=context_window, **kwargs)
+        self._endpoint = OpenAIEndpoint(self.base_url, self.timeout)
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "ParrotLLM"
+
+    @property
+    def metadata(self) -> LLMMetadata:
+        """The server's context window and model; ``num_output`` is ``max_tokens``. Not a chat model:
+        LlamaIndex picks its text prompts, which `predict` sends unrendered."""
+        return LLMMetadata(
+            context_window=self.context_window,
+            num_output=self.max_tokens,
+            is_chat_model=False,
+            is_function_calling_model=False,
+            model_name=self.model_name,
+        )
+
+    def prompt_helper(self, **kwargs: Any) -> PromptHelper:
+        """LlamaIndex's `PromptHelper` for this LLM: its window and output length, counting tokens with
+        ``tokenizer`` (LlamaIndex's global tokenizer when None). ``kwargs`` go to
+        `PromptHelper.from_llm_metadata` (``chunk_overlap_ratio``, ``chunk_size_limit``, ...)."""
+        return PromptHelper.from_llm_metadata(self.metadata, tokenizer=self.tokenizer, **kwargs)
+
+    def sampling(self, **overrides: Any) -> SamplingConfig:
+        """The sampling of a call: this LLM's settings with per-call ``overrides`` (see SAMPLING_OPTIONS)."""
+        if unknown := sorted(set(overrides) - set(SAMPLING_OPTIONS)):
+            raise TypeError(
+                f"ParrotLLM does not take {unknown}; per-call options are {list(SAMPLING_OPTIONS)}"
+            )
+        options: dict[str, Any] = {name: getattr(self, name) for name in SAMPLING_OPTIONS}
+        options.update(overrides)
+        if isinstance(options["stop"], str):
+            options["stop"] = [options["stop"]]
+        return SamplingConfig(**options)
+
+    # ------------------------------------------------------------------------------- unrendered calls
+    def unrendered_call(
+        self, prompt: BasePromptTemplate, values: Mapping[str, Value], *, allow_rendered: bool = True
+    ) -> UnrenderedCall:
+        """``prompt`` with ``values`` as the semantic call `predict` submits (LlamaIndex's rendering,
+        unrendered). Values may be `parrot.Variable`s of the current session (the synthesizers' DAGs).
+        Raises `MissingTemplateVariableError` when a template variable has no value."""
+        return unrender(
+            lambda kw: self._get_prompt(prompt, **kw), prompt, values, llm=self, allow_rendered=allow_rendered
+        )
+
+    def _session(self) -> P.Session:
+        return P.Session(self.base_url, timeout=self.timeout)
+
+    def _run(self, call: UnrenderedCall, sampling: SamplingConfig) -> str:
+        with self._session():
+            out = call.submit(sampling, model=self.model)
+            return str(out.get(criteria=P.LATENCY, timeout=self.get_timeout))
+
+    async def _arun(self, call: UnrenderedCall, sampling: SamplingConfig) -> str:
+        async with self._session():
+            out = call.submit(sampling, model=self.model)
+            return str(await out.aget(criteria=P.LATENCY, timeout=self.get_timeout))
+
+    @dispatcher.span
+    def predict(self, prompt: BasePromptTemplate, **prompt_args: Any) -> str:
+        """Answer ``prompt`` filled with ``prompt_args``: one unrendered semantic call (greedy by default)."""
+        if not self.unrendered:
+            return super().predict(prompt, **prompt_args)
+        dispatcher.event(LLMPredictStartEvent(template=prompt, template_args=prompt_args))
+        self._log_template_data(prompt, **prompt_args)
+        output = self._parse_output(self._run(self.unrendered_call(prompt, prompt_args), self.sampling()))
+        dispatcher.event(LLMPredictEndEvent(output=output))
+        return output
+
+    @dispatcher.span
+    async def apredict(self, prompt: BasePromptTemplate, **prompt_args: Any) -> str:
+        """``async`` form of `predict`."""
+        if not self.unrendered:
+            return await super().apredict(prompt, **prompt_args)
+        dispatcher.event(LLMPredictStartEvent(template=prompt, template_args=prompt_args))
+        self._log_template_data(prompt, **prompt_args)
+        text = await self._arun(self.unrendered_call(prompt, prompt_args), self.sampling())
+        output = self._parse_output(text)
+        dispatcher.event(LLMPredictEndEvent(output=output))
+        return output
+
+    # A semantic variable's value arrives whole (the service streams /v1/completions, not variables), so
+    # the unrendered streams yield the answer as one chunk; `unrendered=False` streams token by token.
+    @dispatcher.span
+    def stream(self, prompt: BasePromptTemplate, **prompt_args: Any) -> TokenGen:
+        """`predict` as a token stream: the unrendered call's answer as one chunk (see the class notes)."""
+        if not self.unrendered:
+            return super().stream(prompt, **prompt_args)
+        if prompt.output_parser is not None or self.output_parser is not None:
+            raise NotImplementedError("Output parser is not supported for streaming.")  # as LlamaIndex
+        call = self.unrendered_call(prompt, prompt_args)
+
+        def gen() -> TokenGen:
+            yield self._run(call, self.sampling())
+
+        return gen()
+
+    @dispatcher.span
+    async def astream(self, prompt: BasePromptTemplate, **prompt_args: Any) -> TokenAsyncGen:
+        """``async`` form of `stream`."""
+        if not self.unrendered:
+            return await super().astream(prompt, **prompt_args)
+        if prompt.output_parser is not None or self.output_parser is not None:
+            raise NotImplementedError("Output parser is not supported for streaming.")
+        call = self.unrendered_call(prompt, prompt_args)
+
+        async def gen() -> TokenAsyncGen:
+            yield await self._arun(call, self.sampling())
+
+        return gen()
+
+    def _structured_call(
+        self, output_cls: type[Model], prompt: BasePromptTemplate, prompt_args: dict[str, Any]
+    ) -> tuple[UnrenderedCall, PydanticOutputParser]:
+        """The call LlamaIndex's text-completion program makes: the prompt with the output class's JSON
+        format instructions (its output parser), through ``completion_to_prompt`` and without the system
+        prompt, exactly as `LLMTextCompletionProgram` renders it for ``complete``."""
+        parser = PydanticOutputParser(output_cls=output_cls)
+        program = LLMTextCompletionProgram.from_defaults(output_parser=parser, prompt=prompt, llm=self)
+        template = program.prompt
+
+        def render(kw: dict[str, Any]) -> str:
+            return self.completion_to_prompt(template.format(llm=self, **kw))
+
+        return unrender(render, template, prompt_args, llm=self), parser
+
+    def _uses_program(self) -> bool:
+        """Whether structured predictions go through LlamaIndex's own programs instead (by mode)."""
+        modes = (PydanticProgramMode.DEFAULT, PydanticProgramMode.LLM)
+        return not self.unrendered or self.pydantic_program_mode not in modes
+
+    @staticmethod
+    def _parsed(parser: PydanticOutputParser, output_cls: type[Model], text: str) -> Model:
+        # Parsed here with LlamaIndex's own parser (its JSON extraction), so results and errors match it.
+        result = parser.parse(text)
+        if not isinstance(result, output_cls):
+            raise TypeError(
+                f"structured_predict expected a {output_cls.__name__}, got {type(result).__name__}"
+            )
+        return result
+
+    @dispatcher.span
+    def structured_predict(
+        self,
+        output_cls: type[Model],
+        prompt: BasePromptTemplate,
+        llm_kwargs: dict[str, Any] | None = None,
+        **prompt_args: Any,
+    ) -> Model:
+        """An ``output_cls`` instance: the prompt with LlamaIndex's JSON format instructions, sent as one
+        unrendered call; the answer is parsed on the client by LlamaIndex's `PydanticOutputParser`.
+        ``llm_kwargs`` are per-call sampling options."""
+        if self._uses_program():
+            return super().structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
+        dispatcher.event(
+            LLMStructuredPredictStartEvent(output_cls=output_cls, template=prompt, template_args=prompt_args)
+        )
+        call, parser = self._structured_call(output_cls, prompt, prompt_args)
+        result = self._parsed(parser, output_cls, self._run(call, self.sampling(**(llm_kwargs or {}))))
+        dispatcher.event(LLMStructuredPredictEndEvent(output=result))
+        return result
+
+    @dispatcher.span
+    async def astructured_predict(
+        self,
+        output_cls: type[Model],
+        prompt: BasePromptTemplate,
+        llm_kwargs: dict[str, Any] | None = None,
+        **prompt_args: Any,
+    ) -> Model:
+        """``async`` form of `structured_predict`."""
+        if self._uses_program():
+            return await super().astructured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
+        dispatcher.event(
+            LLMStructuredPredictStartEvent(output_cls=output_cls, template=prompt, template_args=prompt_args)
+        )
+        call, parser = self._structured_call(output_cls, prompt, prompt_args)
+        text = await self._arun(call, self.sampling(**(llm_kwargs or {})))
+        result = self._parsed(parser, output_cls, text)
+        dispatcher.event(LLMStructuredPredictEndEvent(output=result))
+        return result
+
+    # ------------------------------------------------------------------------- OpenAI-compatible calls
+    def _completion(
+        self, prompt: str, formatted: bool, stream: bool, kwargs: dict[str, Any]
+    ) -> dict[str, Any]:
+        text = prompt if formatted else self.completion_to_prompt(prompt)
+        return completion_body(self.model, text, self.sampling(**kwargs), stream)
+
+    def _chat(self, messages: Sequence[ChatMessage], stream: bool, kwargs: dict[str, Any]) -> dict[str, Any]:
+        return chat_body(self.model, messages, self.sampling(**kwargs), stream)
+
+    @staticmethod
+    def _chat_response(text: str, raw: dict[str, Any], delta: str | None = None) -> ChatResponse:
+        return ChatResponse(
+            message=ChatMessage(role=MessageRole.ASSISTANT, content=text), raw=raw, delta=delta
+        )
+
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        """Complete rendered text (``completion_to_prompt`` applied unless ``formatted``): one
+        ``/v1/completions`` request. ``kwargs``: per-call sampling options."""
+        data = self._endpoint.post("/v1/completions", self._completion(prompt, formatted, False, kwargs))
+        return CompletionResponse(text=choice_text(data, chat=False), raw=data)
+
+    @llm_completion_callback()
+    async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        """``async`` form of `complete`."""
+        data = await self._endpoint.apost(
+            "/v1/completions", self._completion(prompt, formatted, False, kwargs)
+        )
+        return CompletionResponse(text=choice_text(data, chat=False), raw=data)
+
+    @llm_completion_callback()
+    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+        """`complete`, streamed token by token (server-sent events)."""
+        body = self._completion(prompt, formatted, True, kwargs)
+
+        def gen() -> CompletionResponseGen:
+            text = ""
+            for chunk in self._endpoint.stream("/v1/completions", body):
+                if delta := delta_text(chunk, chat=False):
+                    text += delta
+                    yield CompletionResponse(text=text, delta=delta, raw=chunk)
+
+        return gen()
+
+    @llm_completion_callback()
+    async def astream_complete(
+        self, prompt: str, formatted: bool = False, **kwargs: Any
+    ) -> CompletionResponseAsyncGen:
+        """``async`` form of `stream_complete`."""
+        body = self._completion(prompt, formatted, True, kwargs)
+
+        async def gen() -> CompletionResponseAsyncGen:
+            text = ""
+            async for chunk in self._endpoint.astream("/v1/completions", body):
+                if delta := delta_text(chunk, chat=False):
+                    text += delta
+                    yield CompletionResponse(text=text, delta=delta, raw=chunk)
+
+        return gen()
+
+    @llm_chat_callback()
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        """Answer a conversation (the model's chat template applies on the server): one
+        ``/v1/chat/completions`` request."""
+        data = self._endpoint.post("/v1/chat/completions", self._chat(messages, False, kwargs))
+        return self._chat_response(choice_text(data, chat=True), data)
+
+    @llm_chat_callback()
+    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        """``async`` form of `chat`."""
+        data = await self._endpoint.apost("/v1/chat/completions", self._chat(messages, False, kwargs))
+        return self._chat_response(choice_text(data, chat=True), data)
+
+    @llm_chat_callback()
+    def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        """`chat`, streamed token by token."""
+        body = self._chat(messages, True, kwargs)
+
+        def gen() -> ChatResponseGen:
+            text = ""
+            for chunk in self._endpoint.stream("/v1/chat/completions", body):
+                if delta := delta_text(chunk, chat=True):
+                    text += delta
+                    yield self._chat_response(text, chunk, delta)
+
+        return gen()
+
+    @llm_chat_callback()
+    async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
+        """``async`` form of `stream_chat`."""
+        body = self._chat(messages, True, kwargs)
+
+        async def gen() -> ChatResponseAsyncGen:
+            text = ""
+            async for chunk in self._endpoint.astream("/v1/chat/completions", body):
+                if delta := delta_text(chunk, chat=True):
+                    text += delta
+                    yield self._chat_response(text, chunk, delta)
+
+        return gen()
