@@ -1,6 +1,7 @@
 """`python -m server`: the manager with N in-process engines, serving the Parrot API over HTTP.
 
 python -m server --model tiny --engines 1 --port 9000
+python -m server --engines 0 --port 9000      # only remote engines: python -m server.engine --manager URL
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from server.serve.manager import Manager, ManagerConfig
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m server", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="tiny", help='"tiny" (embedded default) or a local Hugging Face folder')
-    p.add_argument("--engines", type=int, default=1)
+    p.add_argument("--engines", type=int, default=1, help="in-process engines (remote ones may also join)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=9000)
     p.add_argument("--session-ttl", type=float, default=600.0)

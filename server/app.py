@@ -25,7 +25,10 @@ from parrot.protocol import (
     CreateSessionResponse,
     CreateVariableRequest,
     Criteria,
-    EngineStats,
+    EngineHeartbeat,
+    EngineRegistered,
+    EngineRegistration,
+    EngineStatus,
     GetVariableResponse,
     SetVariableRequest,
     SubmitCallRequest,
@@ -42,7 +45,14 @@ from server.engine import EngineError
 from server.engine.api import error_response
 from server.openai_api import OpenAIAPIError, create_openai_router
 from server.serve.graph import GraphError
-from server.serve.manager import BatchOpError, GetTimeoutError, Manager, NoEngineError
+from server.serve.manager import (
+    BatchOpError,
+    EngineRegistrationError,
+    GetTimeoutError,
+    Manager,
+    NoEngineError,
+    UnknownEngineError,
+)
 from server.serve.sessions import Session, SessionError
 from server.serve.variables import VariableError
 
@@ -61,6 +71,8 @@ _TYPED: tuple[type[Exception], ...] = (
     EngineError,
     GetTimeoutError,
     NoEngineError,
+    UnknownEngineError,
+    EngineRegistrationError,
     OpenAIAPIError,
     TemplateError,
     CallError,
@@ -139,13 +151,19 @@ def create_app(manager: Manager, reap_interval: float | None = None) -> FastAPI:
                 await asyncio.sleep(interval)
                 await manager.expire_sessions()
 
-        reaper = asyncio.create_task(reap())
+        async def watch_engines() -> None:
+            while True:
+                await asyncio.sleep(manager.config.heartbeat_interval)
+                await manager.check_engines()
+
+        background = [asyncio.create_task(reap()), asyncio.create_task(watch_engines())]
         try:
             yield
         finally:
-            reaper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await reaper
+            for task in background:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             await manager.shutdown()
 
     app = FastAPI(title="Parrot serve", version="1", lifespan=lifespan)
@@ -198,8 +216,23 @@ def create_app(manager: Manager, reap_interval: float | None = None) -> FastAPI:
         return PlainTextResponse(generate_latest(registry).decode(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/engines")
-    async def engines() -> list[EngineStats]:
-        return [e.stats() for e in manager.engines]
+    async def engines() -> list[EngineStatus]:
+        return manager.engine_status()
+
+    @app.post("/v1/engines")
+    async def register_engine(req: EngineRegistration) -> EngineRegistered:
+        """A remote engine joins (``python -m server.engine --manager URL``); the manager calls it back."""
+        return await manager.register_engine(req)
+
+    @app.post("/v1/engines/{engine_id}/heartbeat", status_code=204)
+    async def heartbeat(engine_id: int, req: EngineHeartbeat) -> Response:
+        manager.heartbeat(engine_id, req.stats)
+        return Response(status_code=204)
+
+    @app.delete("/v1/engines/{engine_id}", status_code=204)
+    async def unregister_engine(engine_id: int) -> Response:
+        await manager.unregister_engine(engine_id)
+        return Response(status_code=204)
 
     @app.post("/v1/sessions")
     async def create_session() -> CreateSessionResponse:

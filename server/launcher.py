@@ -36,8 +36,8 @@ class LaunchedServer:
 
 
 def build_engines(model: str, engines: int, engine_config: EngineConfig | None) -> list[LLMEngine]:
-    if engines < 1:
-        raise ValueError(f"engines must be >= 1, got {engines}")
+    if engines < 0:
+        raise ValueError(f"engines must be >= 0 (0: only remote engines that register), got {engines}")
     return [LLMEngine.from_pretrained(model, engine_config) for _ in range(engines)]
 
 

@@ -1,3 +1,48 @@
-"""LangChain integration of Parrot serve (placeholder while building)."""
+"""LangChain integration of Parrot serve: swap-in models and `compile_chain`.
+
+* `ChatParrot` and `ParrotLLM` are LangChain models on a Parrot server's OpenAI-compatible endpoints:
+  change one import and a chain runs on Parrot, request by request.
+* `compile_chain(chain)` turns the chain's ``prompt -> model -> parser`` runs into semantic function
+  calls with server-side transforms, so the whole chain reaches the server as one submission and values
+  flow between its steps as semantic variables, never through the client.
+
+```python
+from langchain_core.output_parsers import StrOutputParser
+from langchain_core.prompts import ChatPromptTemplate
+from langchain_parrot import ChatFormat, ChatParrot, compile_chain
+
+chat = ChatParrot(base_url="http://127.0.0.1:9000", chat_format=ChatFormat.from_pretrained(model_dir))
+prompt = ChatPromptTemplate.from_messages([("system", "You are terse."), ("human", "Summarize: {text}")])
+chain = compile_chain(prompt | chat | StrOutputParser())
+chain.invoke({"text": "..."})
+```
+"""
+
+from langchain_parrot.chat_format import TINY_MODEL_DIR, ChatFormat
 from langchain_parrot.chat_models import ChatParrot
+from langchain_parrot.compile import ClientSideStepWarning, CompiledChain, compile_chain
+from langchain_parrot.errors import (
+    CompileError,
+    MissingVariableError,
+    ParrotLangChainError,
+    UnsupportedInputError,
+    UnsupportedParserError,
+)
 from langchain_parrot.llms import ParrotLLM
+
+__all__ = [
+    "TINY_MODEL_DIR",
+    "ChatFormat",
+    "ChatParrot",
+    "ClientSideStepWarning",
+    "CompileError",
+    "CompiledChain",
+    "MissingVariableError",
+    "ParrotLLM",
+    "ParrotLangChainError",
+    "UnsupportedInputError",
+    "UnsupportedParserError",
+    "compile_chain",
+]
+
+__version__ = "0.1.0"

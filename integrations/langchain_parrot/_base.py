@@ -29,7 +29,9 @@ DEFAULT_BASE_URL = "http://127.0.0.1:9000"
 UNBOUNDED_MAX_TOKENS = 2**31 - 1
 
 # The call-time keywords a model takes (from ``invoke(..., **kwargs)`` or ``.bind(**kwargs)``).
-_CALL_KWARGS = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos"})
+_CALL_KWARGS = frozenset(
+    {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos"}
+)
 
 
 @dataclass(frozen=True)

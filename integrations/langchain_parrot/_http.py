@@ -252,7 +252,9 @@ def _event(line: str, url: str) -> dict[str, Any] | None:
     try:
         event = json.loads(data)
     except ValueError:
-        raise ParrotError(f"the server at {url} sent a stream event that is not JSON: {data[:200]!r}") from None
+        raise ParrotError(
+            f"the server at {url} sent a stream event that is not JSON: {data[:200]!r}"
+        ) from None
     if isinstance(event, dict) and "error" in event and "choices" not in event:
         # An error after the stream began (the status was already 200): the server's error body.
         try:

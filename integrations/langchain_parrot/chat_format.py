@@ -63,14 +63,18 @@ class ChatFormat:
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ChatFormat:
-        """From a local Hugging Face model or tokenizer folder (needs ``transformers``; nothing downloaded)."""
+        """From a local Hugging Face model or tokenizer folder (needs ``transformers``; no download)."""
         folder = Path(path)
         if not folder.is_dir():
-            raise FileNotFoundError(f"no tokenizer folder at {folder}: give a local Hugging Face model folder")
+            raise FileNotFoundError(
+                f"no tokenizer folder at {folder}: give a local Hugging Face model folder"
+            )
         try:
             from transformers import AutoTokenizer
         except ImportError as e:  # pragma: no cover - transformers ships with the server extra
-            raise ImportError("ChatFormat.from_pretrained needs `transformers`: pip install transformers") from e
+            raise ImportError(
+                "ChatFormat.from_pretrained needs `transformers`: pip install transformers"
+            ) from e
         return cls.from_tokenizer(AutoTokenizer.from_pretrained(str(folder), local_files_only=True))
 
     def render(self, messages: Sequence[dict[str, Any]]) -> str:

@@ -118,9 +118,12 @@ class ChatParrot(ParrotModelBase, BaseChatModel):
             response_metadata=metadata,
             usage_metadata=usage_metadata(data.get("usage")),
         )
-        generation = ChatGeneration(message=message, generation_info={"finish_reason": metadata["finish_reason"]})
+        generation = ChatGeneration(
+            message=message, generation_info={"finish_reason": metadata["finish_reason"]}
+        )
         return ChatResult(
-            generations=[generation], llm_output={"token_usage": data.get("usage"), "model_name": data.get("model")}
+            generations=[generation],
+            llm_output={"token_usage": data.get("usage"), "model_name": data.get("model")},
         )
 
     def _generate(

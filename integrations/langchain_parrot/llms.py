@@ -57,7 +57,9 @@ class ParrotLLM(ParrotModelBase, BaseLLM):
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         return self._parrot_ls_params("llm", stop, kwargs)
 
-    def _body(self, prompt: str | list[str], stop: list[str] | None, kwargs: dict[str, Any], stream: bool) -> dict:
+    def _body(
+        self, prompt: str | list[str], stop: list[str] | None, kwargs: dict[str, Any], stream: bool
+    ) -> dict:
         body = {"prompt": prompt, **self.call_params(stop, **kwargs).body(), "stream": stream}
         if stream:
             body["stream_options"] = {"include_usage": True}
@@ -73,7 +75,8 @@ class ParrotLLM(ParrotModelBase, BaseLLM):
             for c in choices
         ]
         return LLMResult(
-            generations=generations, llm_output={"token_usage": data.get("usage"), "model_name": data.get("model")}
+            generations=generations,
+            llm_output={"token_usage": data.get("usage"), "model_name": data.get("model")},
         )
 
     def _generate(
@@ -97,7 +100,9 @@ class ParrotLLM(ParrotModelBase, BaseLLM):
         **kwargs: Any,
     ) -> LLMResult:
         if self.streaming and len(prompts) == 1:
-            return self._from_chunks([c async for c in self._astream(prompts[0], stop, run_manager, **kwargs)])
+            return self._from_chunks(
+                [c async for c in self._astream(prompts[0], stop, run_manager, **kwargs)]
+            )
         data = await self.connection.apost(_COMPLETIONS_PATH, self._body(prompts, stop, kwargs, stream=False))
         return self._result(data, len(prompts))
 

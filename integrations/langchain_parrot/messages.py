@@ -58,7 +58,9 @@ def _role(message: BaseMessage) -> str:
         return "user"
     if isinstance(message, AIMessage):
         if message.tool_calls or message.invalid_tool_calls:
-            raise UnsupportedInputError("an AI message with tool calls: the Parrot server has no tool calling")
+            raise UnsupportedInputError(
+                "an AI message with tool calls: the Parrot server has no tool calling"
+            )
         return "assistant"
     if isinstance(message, ChatMessage):
         role = "user" if message.role == "human" else "assistant" if message.role == "ai" else message.role

@@ -172,4 +172,3 @@ def plan_output(parsers: Sequence[Any], *, chat: bool) -> OutputPlan:
     if kind == "message":
         post = _wrap_message
     return OutputPlan(kind=kind, transforms=transforms, post=post)
-

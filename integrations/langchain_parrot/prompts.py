@@ -23,15 +23,15 @@ warns about it at compile time).
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from string import Formatter
 from typing import Any
 
+from langchain_core.prompt_values import PromptValue
 from langchain_core.prompts import BasePromptTemplate, ChatPromptTemplate, PromptTemplate
 from langchain_core.prompts.chat import BaseStringMessagePromptTemplate, MessagesPlaceholder
 from langchain_core.prompts.string import StringPromptTemplate
-from langchain_core.prompt_values import PromptValue
 from langchain_core.utils.mustache import tokenize as mustache_tokens
 
 from langchain_parrot.chat_format import ChatFormat
@@ -165,8 +165,9 @@ def prompt_inputs(prompt: BasePromptTemplate[Any], value: Any, label: str) -> di
 class _Marker:
     """Stands for one value while LangChain renders: formats as its marker text, and only plainly."""
 
-    def __init__(self, text: str, name: str) -> None:
+    def __init__(self, text: str, nonce: str, name: str) -> None:
         self._text = text
+        self._nonce = nonce
         self._name = name
 
     def __format__(self, spec: str) -> str:
@@ -178,8 +179,8 @@ class _Marker:
         return self._text
 
     def __repr__(self) -> str:
-        # Never the marker itself: a repr in the text (a value inside a list) must fail the split below.
-        return f"<value of {self._name!r} {_OPEN}>"
+        # Not the marker, but with its nonce: a repr in the text (the value inside a list) fails the split.
+        return f"<value of {self._name!r} {self._nonce}>"
 
 
 @dataclass
@@ -188,25 +189,28 @@ class Rendered:
 
     pieces: list[str | int] = field(default_factory=list)  # text, or the index of an item
     items: list[Any] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)  # the variable each item was given for
 
 
 class _Markers:
     def __init__(self) -> None:
-        self.nonce = secrets.token_hex(4)
+        # Digits only: case changes and most text filters leave them alone, so a marker that went through
+        # one is still found (and the analysis in `plain_variables` keeps markers out of those uses).
+        self.nonce = "".join(secrets.choice("0123456789") for _ in range(12))
         self.items: list[Any] = []
+        self.names: list[str] = []
 
     def marker(self, item: Any, name: str) -> _Marker:
         self.items.append(item)
-        return _Marker(f"{_OPEN}{self.nonce}:{len(self.items) - 1}{_CLOSE}", name)
+        self.names.append(name)
+        return _Marker(f"{_OPEN}{self.nonce}:{len(self.items) - 1}{_CLOSE}", self.nonce, name)
 
     def split(self, text: str) -> Rendered:
-        out = Rendered(items=self.items)
+        """Cut the markers out of ``text``; `NotExpressibleError` if one was altered or moved."""
+        out = Rendered(items=self.items, names=self.names)
         head = f"{_OPEN}{self.nonce}:"
         rest = text
-        while True:
-            start = rest.find(head)
-            if start < 0:
-                break
+        while (start := rest.find(head)) >= 0:
             end = rest.find(_CLOSE, start)
             index = rest[start + len(head) : end] if end > 0 else ""
             if not index.isdigit() or int(index) >= len(self.items):
@@ -217,7 +221,7 @@ class _Markers:
             rest = rest[end + 1 :]
         if rest:
             out.pieces.append(rest)
-        if any(isinstance(p, str) and (_OPEN in p or _CLOSE in p) for p in out.pieces):
+        if any(isinstance(p, str) and self.nonce in p for p in out.pieces):
             raise NotExpressibleError("a marker was altered while rendering")
         return out
 
@@ -254,7 +258,3 @@ def render_prompt(
 def identity_prompt() -> PromptTemplate:
     """The prompt a bare model step applies to a text input (what LangChain does with a ``str``)."""
     return PromptTemplate.from_template("{input}")
-
-
-def variables_of(prompt: BasePromptTemplate[Any]) -> Sequence[str]:
-    return list(prompt.input_variables)

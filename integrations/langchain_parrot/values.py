@@ -22,8 +22,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Concat",
-    "Pending",
     "PathStep",
+    "Pending",
     "apply_path",
     "contains_symbolic",
     "is_symbolic",

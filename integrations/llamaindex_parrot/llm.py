@@ -65,10 +65,10 @@ class ParrotLLM(LLM):
     """A LlamaIndex LLM on a Parrot server (``base_url``, e.g. ``server.launch(...).url``).
 
     ``model`` names the served model (None: the server's choice). ``context_window`` defaults to the
-    server's (``GET /v1/engines``, asked once at construction: an unreachable server raises
-    `parrot.ConnectionError` naming the URL); give it to skip the request or to pack prompts for a smaller
-    window. ``max_tokens`` is the output length of every call and the ``num_output`` LlamaIndex reserves
-    for it. Sampling defaults to greedy (``temperature=0``), so outputs are reproducible.
+    server's; a smaller one packs prompts for a smaller window. Unless both are given, the LLM asks the
+    server once, at construction (``GET /v1/engines``: an unreachable server raises
+    `parrot.ConnectionError` naming the URL, a window over the server's raises `ValueError`).
+    ``max_tokens`` is the output length of every call and the ``num_output`` LlamaIndex reserves for it. Sampling defaults to greedy (``temperature=0``), so outputs are reproducible.
 
     ``unrendered=False`` makes ``predict`` & co. render on the client and send one ``/v1/completions``
     request per call, like any OpenAI-style LLM (the request-centric baseline of the benchmarks).
@@ -101,11 +101,17 @@ class ParrotLLM(LLM):
             raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}")
         base_url = base_url.rstrip("/")
         model = kwargs.get("model")
-        if context_window is None:
+        if context_window is None or model is None:
             served = served_model(base_url, model, kwargs.get("timeout", 60.0))
-            context_window = served.context_window
+            if context_window is None:
+                context_window = served.context_window
+            elif context_window > served.context_window:
+                raise ValueError(
+                    f"context_window={context_window} is over the {served.context_window} tokens that "
+                    f"{served.name!r} takes at {base_url}: pass at most {served.context_window}"
+                )
             kwargs.setdefault("model_name", served.name)
-        elif model is not None:
+        else:
             kwargs.setdefault("model_name", model)
         super().__init__(base_url=base_url, context_window=context_window, **kwargs)
         self._endpoint = OpenAIEndpoint(self.base_url, self.timeout)

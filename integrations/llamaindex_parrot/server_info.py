@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
-from parrot.errors import error_from_response, error_from_transport
+from parrot.errors import ParrotError, error_from_response, error_from_transport
 from parrot.protocol import EngineStats
-from pydantic import TypeAdapter
+from pydantic import ValidationError
 
 __all__ = ["ServedModel", "served_model"]
-
-_ENGINES = TypeAdapter(list[EngineStats])
 
 
 @dataclass(frozen=True)
@@ -36,9 +35,9 @@ def served_model(base_url: str, model: str | None, timeout: float) -> ServedMode
         raise error_from_transport(e, url) from e
     if not response.is_success:
         raise error_from_response(response)
-    engines = _ENGINES.validate_json(response.content)
+    engines = _live_engines(response.json(), url)
     if not engines:
-        raise ValueError(f"the Parrot server at {base_url} has no engine registered yet; start one first")
+        raise ValueError(f"the Parrot server at {base_url} has no live engine; start one first")
     if model is None:  # the server may route an unnamed model's calls to any engine
         names = sorted({e.model for e in engines})
         name = names[0] if len(names) == 1 else "|".join(names)
@@ -50,3 +49,21 @@ def served_model(base_url: str, model: str | None, timeout: float) -> ServedMode
             f"the Parrot server at {base_url} does not serve model {model!r}; it serves {served}"
         )
     return ServedModel(model, min(e.max_model_len for e in serving))
+
+
+def _live_engines(data: Any, url: str) -> list[EngineStats]:
+    """The stats of the engines that serve: each item of the list is an engine's status (its ``stats`` and
+    whether it is ``alive``) or, from servers before engine registration, the stats themselves."""
+    if not isinstance(data, list):
+        raise ParrotError(f"GET {url} answered {type(data).__name__}, not a list of engines")
+    engines = []
+    try:
+        for item in data:
+            if isinstance(item, dict) and "stats" in item:
+                if item.get("alive", True):
+                    engines.append(EngineStats.model_validate(item["stats"]))
+            else:
+                engines.append(EngineStats.model_validate(item))
+    except ValidationError as e:
+        raise ParrotError(f"GET {url} answered engines this client cannot read: {e}") from None
+    return engines

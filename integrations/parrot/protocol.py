@@ -135,6 +135,49 @@ class EngineInfo(BaseModel):
     eos_token_ids: list[int]
 
 
+class EngineTokenizerFiles(BaseModel):
+    """``GET /tokenizer`` of an engine: its Hugging Face tokenizer as the text files ``save_pretrained``
+    writes (tokenizer.json, tokenizer_config.json, ...), so a manager tokenizes prompts exactly as it does."""
+
+    files: dict[str, str]
+
+
+class EngineRegistration(_Strict):
+    """``POST /v1/engines``: a remote engine (``python -m server.engine --manager URL``) joins a manager.
+
+    ``url`` is where the manager reaches the engine's HTTP API; the manager reads the model, window and
+    tokenizer from it (``GET /info``, ``GET /tokenizer``) before answering.
+    """
+
+    name: str = Field(min_length=1, max_length=128)
+    url: str = Field(pattern=r"^https?://")
+
+
+class EngineRegistered(BaseModel):
+    """The manager's answer to a registration: the engine's id and how often it must send heartbeats
+    (an engine silent for ``timeout_s`` is taken out of service)."""
+
+    engine_id: int
+    heartbeat_interval_s: float
+    timeout_s: float
+
+
+class EngineHeartbeat(_Strict):
+    """``POST /v1/engines/{engine_id}/heartbeat``: the engine is alive; its current load."""
+
+    stats: EngineStats
+
+
+class EngineStatus(BaseModel):
+    """One engine of ``GET /v1/engines``: where it runs, whether it serves, and its stats."""
+
+    engine_id: int
+    name: str
+    url: str | None  # None: in the manager's process
+    alive: bool
+    stats: EngineStats
+
+
 # ----------------------------------------------------------------------------------------- transforms
 class TransformSpec(_Strict):
     """One declarative output transform, applied server-side to a call's output text (in list order).

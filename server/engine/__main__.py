@@ -1,6 +1,7 @@
 """`python -m server.engine`: serve one engine over HTTP, or answer one prompt and exit.
 
 python -m server.engine --model tiny --port 9100
+python -m server.engine --model tiny --port 9100 --manager http://127.0.0.1:9000   # join a manager
 python -m server.engine --model tiny --prompt "Once upon a time" --max-tokens 32
 """
 
@@ -13,6 +14,7 @@ import sys
 
 from server.engine.config import EngineConfig
 from server.engine.engine import LLMEngine
+from server.engine.manager_link import ManagerLink
 from server.engine.sampling import SamplingParams
 
 
@@ -29,6 +31,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--shared-prefix-decode", default="auto", choices=["auto", "always", "never"])
+    join = p.add_argument_group("joining a manager")
+    join.add_argument("--manager", default=None, help="register with the manager at this URL and heartbeat")
+    join.add_argument("--name", default=None, help="the engine's name at the manager (default: host:port)")
+    join.add_argument(
+        "--public-url",
+        default=None,
+        help="the URL the manager reaches this engine at (default: http://host:port)",
+    )
     one = p.add_argument_group("one-shot mode")
     one.add_argument("--prompt", default=None, help="generate a completion of this text, print it, exit")
     one.add_argument("--chat", action="store_true", help="wrap --prompt in the model's chat template")
@@ -69,6 +79,7 @@ async def one_shot(engine: LLMEngine, args: argparse.Namespace) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per heartbeat
     engine = LLMEngine.from_pretrained(args.model, engine_config(args))
     try:
         if args.prompt is not None:
@@ -79,7 +90,12 @@ def main(argv: list[str] | None = None) -> int:
 
         from server.engine.api import create_engine_app
 
-        uvicorn.run(create_engine_app(engine), host=args.host, port=args.port, log_level="info")
+        link = None
+        if args.manager is not None:
+            url = args.public_url or f"http://{args.host}:{args.port}"
+            name = args.name or f"{args.host}:{args.port}"
+            link = ManagerLink(args.manager, url, name, engine.stats)
+        uvicorn.run(create_engine_app(engine, link), host=args.host, port=args.port, log_level="info")
         return 0
     finally:
         engine.shutdown()

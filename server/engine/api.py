@@ -1,4 +1,4 @@
-"""The engine's HTTP API (FastAPI): fill / generate (+ streaming) / free_context / stats.
+"""The engine's HTTP API (FastAPI): fill / generate (+ streaming) / free_context / stats / info / tokenizer.
 
 Bodies are the pydantic models of `parrot.protocol`. Engine errors become
 `{"error": {"type", "message"}}` with the status code of their class; other requests are unaffected.
@@ -6,8 +6,14 @@ Bodies are the pydantic models of `parrot.protocol`. Engine errors become
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import tempfile
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -22,6 +28,7 @@ from parrot.protocol import (
     EngineInfo,
     EngineStats,
     EngineStreamChunk,
+    EngineTokenizerFiles,
     ErrorBody,
     ErrorResponse,
 )
@@ -29,6 +36,7 @@ from parrot.protocol import (
 from server.engine.detokenize import IncrementalDetokenizer
 from server.engine.engine import GenerationStream, LLMEngine
 from server.engine.errors import EngineError
+from server.engine.manager_link import ManagerLink
 from server.engine.request import GenerateResult
 from server.engine.sampling import SamplingParams
 
@@ -42,9 +50,25 @@ def _sse(payload: str) -> str:
     return f"data: {payload}\n\n"
 
 
-def create_engine_app(engine: LLMEngine) -> FastAPI:
-    """The HTTP app serving one engine (the caller owns the engine's lifetime)."""
-    app = FastAPI(title="Parrot engine", version="1")
+def create_engine_app(engine: LLMEngine, link: ManagerLink | None = None) -> FastAPI:
+    """The HTTP app serving one engine (the caller owns the engine's lifetime). With ``link``, the app
+    registers the engine with that manager while it serves, and unregisters when it stops."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if link is None:
+            yield
+            return
+        task = asyncio.create_task(link.run())
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await link.leave()
+
+    app = FastAPI(title="Parrot engine", version="1", lifespan=lifespan)
 
     @app.exception_handler(EngineError)
     async def _engine_error(_: Request, exc: EngineError) -> JSONResponse:
@@ -70,6 +94,11 @@ def create_engine_app(engine: LLMEngine) -> FastAPI:
             blocks_total=stats.blocks_total,
             eos_token_ids=sorted(engine.eos_token_ids),
         )
+
+    @app.get("/tokenizer")
+    async def tokenizer() -> EngineTokenizerFiles:
+        """The tokenizer's files, for a manager that tokenizes prompts for this engine."""
+        return EngineTokenizerFiles(files=await asyncio.to_thread(tokenizer_files, engine.tokenizer))
 
     @app.get("/stats")
     async def stats() -> EngineStats:
@@ -101,6 +130,18 @@ def create_engine_app(engine: LLMEngine) -> FastAPI:
         return EngineFreeContextResponse(context_id=req.context_id)
 
     return app
+
+
+def tokenizer_files(tokenizer: Any) -> dict[str, str]:
+    """A Hugging Face tokenizer as the text files ``save_pretrained`` writes (binary files are skipped:
+    fast tokenizers need none)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save_pretrained(tmp)
+        files = {}
+        for path in sorted(Path(tmp).iterdir()):
+            with contextlib.suppress(UnicodeDecodeError):
+                files[path.name] = path.read_text(encoding="utf-8")
+        return files
 
 
 def _response(context_id: int, result: GenerateResult) -> EngineGenerateResponse:

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import httpx
 from parrot.protocol import (
     BatchApplied,
     BatchCreateVariable,
@@ -29,6 +30,10 @@ from parrot.protocol import (
     CreateSessionResponse,
     CreateVariableRequest,
     Criteria,
+    EngineRegistered,
+    EngineRegistration,
+    EngineStats,
+    EngineStatus,
     GetVariableResponse,
     SamplingConfig,
     SubmitCallRequest,
@@ -41,6 +46,7 @@ from server.openai_api import ModelNotFoundError
 from server.serve.graph import SessionGraph, StepNode
 from server.serve.ir import CallIR, TextFill, build_call, render_prompt
 from server.serve.prefix_store import Entry, PrefixStore
+from server.serve.remote_engine import RemoteEngine
 from server.serve.sessions import Session, SessionTable
 from server.serve.transforms import TransformError, apply_transforms, render_value
 from server.serve.variables import VariableTable
@@ -69,6 +75,20 @@ class NoEngineError(Exception):
     error_type = "no_engine"
 
 
+class EngineRegistrationError(Exception):
+    """A remote engine cannot be registered: its URL is not reachable or does not serve an engine."""
+
+    http_status = 400
+    error_type = "engine_registration"
+
+
+class UnknownEngineError(Exception):
+    """No engine by that id, or one taken out of service (the engine registers again)."""
+
+    http_status = 404
+    error_type = "unknown_engine"
+
+
 @dataclass
 class ManagerConfig:
     session_ttl: float = 600.0  # seconds without calls before a session and all it owns are freed
@@ -77,6 +97,22 @@ class ManagerConfig:
     # Constant template prefixes at least this long (tokens) become shared engine contexts.
     min_shared_prefix_tokens: int = 16
     max_cached_prefixes: int = 256  # per engine; least recently used go first
+    # Remote engines send a heartbeat this often; one silent for `engine_timeout` is out of service.
+    heartbeat_interval: float = 2.0
+    engine_timeout: float = 10.0
+
+
+Engine = LLMEngine | RemoteEngine
+
+
+@dataclass
+class _RemoteLink:
+    """A registered remote engine's liveness."""
+
+    name: str
+    url: str
+    last_heartbeat: float
+    alive: bool = True
 
 
 @dataclass
@@ -88,7 +124,9 @@ class _CallProgress:
 
 
 class Manager:
-    """Serves sessions on a fixed set of engines (in-process `LLMEngine`s)."""
+    """Serves sessions on its engines: in-process `LLMEngine`s given at construction, and `RemoteEngine`s
+    that register over HTTP (`register_engine`). An engine's id is its index in ``engines``; a remote
+    engine that stops sending heartbeats stays in the list, out of service."""
 
     def __init__(
         self,
@@ -96,20 +134,100 @@ class Manager:
         config: ManagerConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if not engines:
-            raise NoEngineError("the manager needs at least one engine")
-        self.engines = engines
+        self.engines: list[Engine] = list(engines)
+        self._remote: dict[int, _RemoteLink] = {}
         self.config = config or ManagerConfig()
         self._clock = clock
         self.sessions = SessionTable(self.config.session_ttl)
         self._context_ids = itertools.count(1)
         # Every context the manager keeps (shared constant prefixes, finished steps) is an entry here, so a
         # request forks from the longest one its tokens extend; least recently used ones are freed.
-        self._prefixes = PrefixStore(engines[0].block_size)
+        self._prefixes = PrefixStore(engines[0].block_size if engines else 16)
         self._prefix_fills: dict[tuple[int, tuple[int, ...]], asyncio.Future[None]] = {}
         self._tasks: dict[str, set[asyncio.Task[None]]] = {}
         self._waiters: dict[tuple[str, str], asyncio.Event] = {}
         self._calls: dict[tuple[str, str], _CallProgress] = {}  # (session, call) of multi-step calls
+
+    # ------------------------------------------------------------------------------------------ engines
+    async def register_engine(self, req: EngineRegistration) -> EngineRegistered:
+        """Add the remote engine at ``req.url`` (its model and tokenizer are read from it first). An engine
+        registering again under its name (restarted) replaces its old entry, which goes out of service."""
+        try:
+            engine = await RemoteEngine.connect(req.url, req.name)
+        except (EngineError, httpx.InvalidURL, httpx.UnsupportedProtocol, ValueError) as e:
+            raise EngineRegistrationError(
+                f"cannot register engine {req.name!r}: {e} — give a URL where this manager reaches the "
+                "engine's HTTP API (python -m server.engine --public-url)"
+            ) from e
+        for engine_id, link in self._remote.items():
+            if link.name == req.name and link.alive:
+                await self._retire(engine_id, "it registered again")
+        self.engines.append(engine)
+        engine_id = len(self.engines) - 1
+        self._remote[engine_id] = _RemoteLink(req.name, engine.url, self._clock())
+        log.info("engine %d (%s, %s) registered from %s", engine_id, req.name, engine.model_name, req.url)
+        return EngineRegistered(
+            engine_id=engine_id,
+            heartbeat_interval_s=self.config.heartbeat_interval,
+            timeout_s=self.config.engine_timeout,
+        )
+
+    def heartbeat(self, engine_id: int, stats: EngineStats) -> None:
+        """A remote engine is alive; record its load. An engine out of service must register again."""
+        link = self._remote.get(engine_id)
+        if link is None or not link.alive:
+            raise UnknownEngineError(
+                f"engine {engine_id} is not registered (or was taken out of service): register again "
+                "with POST /v1/engines"
+            )
+        link.last_heartbeat = self._clock()
+        engine = self.engines[engine_id]
+        assert isinstance(engine, RemoteEngine)
+        engine.update_stats(stats)
+
+    async def unregister_engine(self, engine_id: int) -> None:
+        """A remote engine leaves (it is shutting down)."""
+        link = self._remote.get(engine_id)
+        if link is None or not link.alive:
+            raise UnknownEngineError(f"engine {engine_id} is not a registered remote engine in service")
+        await self._retire(engine_id, "it unregistered")
+
+    async def check_engines(self) -> list[int]:
+        """Take out of service every remote engine silent for longer than the timeout; returns their ids."""
+        now = self._clock()
+        silent = [
+            i
+            for i, link in self._remote.items()
+            if link.alive and now - link.last_heartbeat > self.config.engine_timeout
+        ]
+        for engine_id in silent:
+            await self._retire(engine_id, f"no heartbeat for {self.config.engine_timeout:g}s")
+        return silent
+
+    def engine_status(self) -> list[EngineStatus]:
+        """Every engine, local or remote, with its liveness and stats (``GET /v1/engines``)."""
+        out = []
+        for i, engine in enumerate(self.engines):
+            link = self._remote.get(i)
+            name = link.name if link is not None else f"local-{i}"
+            url = link.url if link is not None else None
+            alive = link.alive if link is not None else True
+            out.append(EngineStatus(engine_id=i, name=name, url=url, alive=alive, stats=engine.stats()))
+        return out
+
+    def _in_service(self, engine_id: int) -> bool:
+        link = self._remote.get(engine_id)
+        return link is None or link.alive
+
+    async def _retire(self, engine_id: int, why: str) -> None:
+        link = self._remote[engine_id]
+        link.alive = False
+        log.warning("engine %d (%s) is out of service: %s", engine_id, link.name, why)
+        for entry in self._prefixes.entries(str(engine_id)):  # its contexts are unreachable now
+            self._prefixes.remove(entry)
+        engine = self.engines[engine_id]
+        assert isinstance(engine, RemoteEngine)
+        await engine.aclose()
 
     # ------------------------------------------------------------------------------------------ sessions
     def create_session(self) -> CreateSessionResponse:
@@ -346,14 +464,21 @@ class Manager:
     # The request-centric endpoints (`server.openai_api`) run on the same engines: the baseline of every
     # benchmark is served by the same engine code as Parrot.
     def models(self) -> list[str]:
-        return sorted({e.model_name for e in self.engines})
+        return sorted({e.model_name for i, e in enumerate(self.engines) if self._in_service(i)})
 
-    def engine_for(self, model: str | None) -> LLMEngine:
+    def engine_for(self, model: str | None) -> Engine:
         return self.engines[self._pick_engine(self._serving(model))]
 
     def _serving(self, model: str | None) -> list[int]:
-        """The engines serving ``model`` (None: any); `ModelNotFoundError` when none does."""
-        serving = [i for i, e in enumerate(self.engines) if model is None or e.model_name == model]
+        """The engines in service for ``model`` (None: any); `ModelNotFoundError` when none serves it,
+        `NoEngineError` when there is no engine at all."""
+        live = [i for i in range(len(self.engines)) if self._in_service(i)]
+        if not live:
+            raise NoEngineError(
+                "no engine is in service: start one (python -m server.engine --manager URL) or run the "
+                "server with --engines N"
+            )
+        serving = [i for i in live if model is None or self.engines[i].model_name == model]
         if not serving:
             raise ModelNotFoundError(model, self.models())
         return serving
@@ -361,9 +486,9 @@ class Manager:
     def new_context_id(self) -> int:
         return next(self._context_ids)
 
-    def _pick_engine(self, candidates: list[int] | None = None) -> int:
+    def _pick_engine(self, candidates: list[int]) -> int:
         # Least loaded engine; scheduling by application (issue 4) replaces this.
-        pool = candidates if candidates is not None else list(range(len(self.engines)))
+        pool = candidates
         loads = {i: self.engines[i].stats() for i in pool}
         return min(pool, key=lambda i: (loads[i].running + loads[i].waiting, i))
 
@@ -386,6 +511,9 @@ class Manager:
     async def shutdown(self) -> None:
         for session in list(self.sessions):
             await self.delete_session(session)
+        for engine_id, link in self._remote.items():
+            if link.alive:
+                await self._retire(engine_id, "the manager is shutting down")
 
 
 def _sampling(sp: SamplingConfig) -> SamplingParams:

@@ -1,4 +1,4 @@
-"""LlamaIndex prompts -> Parrot templates, without a server: the converted prompt is LlamaIndex's rendering."""
+"""LlamaIndex prompts -> Parrot templates (no server): the converted prompt is LlamaIndex's rendering."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from parrot.protocol import TemplatePlaceholder, parse_template
 
 
 def offline_llm(**kwargs: object) -> ParrotLLM:
-    # With a context window given, the LLM asks the server nothing: a URL nobody serves is fine here.
-    return ParrotLLM("http://127.0.0.1:9", context_window=2048, max_tokens=16, **kwargs)
+    # With the model and its window given, the LLM asks the server nothing: a URL nobody serves is fine.
+    return ParrotLLM("http://127.0.0.1:9", model="m", context_window=2048, max_tokens=16, **kwargs)
 
 
 def placeholders(template: str) -> list[tuple[str, str]]:
@@ -54,7 +54,9 @@ def test_partials_merge_with_call_arguments() -> None:
     )
     values = {"context_str": "ctx", "query_str": "Why?"}
     call = llm.unrendered_call(prompt, values)
-    assert call.prompt_text() == llm._get_prompt(prompt, **values) == "Tone: terse. Context: ctx\nQ: Why?\nA: "
+    assert (
+        call.prompt_text() == llm._get_prompt(prompt, **values) == "Tone: terse. Context: ctx\nQ: Why?\nA: "
+    )
     assert call.inputs == {"tone": "terse", "context_str": "ctx", "query_str": "Why?"}
 
 

@@ -1,0 +1,277 @@
+"""`RemoteEngine`: an engine in another process (``python -m server.engine --manager URL``), over HTTP.
+
+It offers the manager and the OpenAI layer the same interface as an in-process `LLMEngine` — ``fill``,
+``generate``, ``submit_generate`` (a stream of token ids), ``free_context``, ``stats()``, ``tokenizer``,
+``model_name``, ``max_model_len``, ``block_size`` — by calling the engine's HTTP API (`server.engine.api`).
+The tokenizer is the engine's own, fetched once (``GET /tokenizer``), so prompts are tokenized exactly as
+the engine would. ``stats()`` answers from the last heartbeat the engine sent
+(``POST /v1/engines/{id}/heartbeat``) without I/O, since the scheduler reads it synchronously.
+
+Every generate is streamed from the engine, even when the caller wants only the result: if the caller goes
+away, closing the stream aborts the request on the engine (a plain request would keep generating there).
+Errors keep their engine type and status (`RemoteEngineError`); an engine that cannot be reached is an
+`EngineDeadError` naming its URL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import httpx
+from parrot.protocol import (
+    EngineFillRequest,
+    EngineFillResponse,
+    EngineFreeContextRequest,
+    EngineGenerateRequest,
+    EngineGenerateResponse,
+    EngineInfo,
+    EngineStats,
+    EngineStreamChunk,
+    EngineTokenizerFiles,
+    ErrorResponse,
+    SamplingConfig,
+)
+
+from server.engine.errors import ContextBusyError, EngineDeadError, EngineError
+from server.engine.request import GenerateResult
+from server.engine.sampling import SamplingParams
+
+__all__ = ["RemoteEngine", "RemoteEngineError", "RemoteGenerationStream"]
+
+# A context is busy for a moment after its generate was aborted; its free is retried this long.
+_FREE_RETRY_S = 5.0
+
+
+class RemoteEngineError(EngineError):
+    """An error the remote engine answered, with its status and type (e.g. 413 ``prompt_too_long``)."""
+
+    def __init__(self, message: str, http_status: int, error_type: str) -> None:
+        super().__init__(message)
+        self.http_status = http_status
+        self.error_type = error_type
+
+
+class RemoteEngine:
+    """A remote engine's HTTP API behind the `LLMEngine` interface the manager uses. Make one with
+    `connect`; `aclose` closes its HTTP client."""
+
+    def __init__(
+        self, url: str, name: str, info: EngineInfo, tokenizer: Any, client: httpx.AsyncClient
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.name = name
+        self.model_name = info.model
+        self.max_model_len = info.max_model_len
+        self.block_size = info.block_size
+        self.vocab_size = info.vocab_size
+        self.eos_token_ids = frozenset(info.eos_token_ids)
+        self.tokenizer = tokenizer
+        self._client = client
+        self._stats = EngineStats(
+            model=info.model,
+            block_size=info.block_size,
+            blocks_total=info.blocks_total,
+            blocks_used=0,
+            blocks_free=info.blocks_total,
+            contexts=0,
+            running=0,
+            waiting=0,
+            tokens_in_last_step=0,
+            prefill_tokens_computed=0,
+            decode_tokens_computed=0,
+            steps=0,
+            preemptions=0,
+            evictions=0,
+            grouped_decode_steps=0,
+            max_model_len=info.max_model_len,
+        )
+
+    @classmethod
+    async def connect(cls, url: str, name: str, timeout: float = 30.0) -> RemoteEngine:
+        """Read the engine's model and tokenizer from ``url``; `EngineDeadError` if it cannot be reached."""
+        client = httpx.AsyncClient(base_url=url.rstrip("/"), timeout=httpx.Timeout(timeout, read=None))
+        try:
+            info = EngineInfo.model_validate(await _call(client, url, "GET", "/info"))
+            files = EngineTokenizerFiles.model_validate(await _call(client, url, "GET", "/tokenizer"))
+            tokenizer = await asyncio.to_thread(_load_tokenizer, files.files)
+        except BaseException:
+            await client.aclose()
+            raise
+        return cls(url, name, info, tokenizer, client)
+
+    # ---------------------------------------------------------------------------- the engine interface
+    async def fill(self, context_id: int, token_ids: list[int], parent_context_id: int | None = None) -> int:
+        body = EngineFillRequest(
+            context_id=context_id, token_ids=token_ids, parent_context_id=parent_context_id
+        )
+        data = await _call(self._client, self.url, "POST", "/fill", body.model_dump(exclude_none=True))
+        return EngineFillResponse.model_validate(data).num_tokens
+
+    async def generate(
+        self, context_id: int, sampling: SamplingParams, parent_context_id: int | None = None
+    ) -> GenerateResult:
+        return await self.submit_generate(context_id, sampling, parent_context_id).result()
+
+    def submit_generate(
+        self,
+        context_id: int,
+        sampling: SamplingParams,
+        parent_context_id: int | None = None,
+        stream: bool = False,
+    ) -> RemoteGenerationStream:
+        """Start a generate; iterate the answer for token ids (``stream=True``), then await `result()`."""
+        body = EngineGenerateRequest(
+            context_id=context_id,
+            parent_context_id=parent_context_id,
+            sampling=SamplingConfig(**_sampling_fields(sampling)),
+            stream=True,
+        )
+        return RemoteGenerationStream(self, body.model_dump(exclude_none=True), stream)
+
+    async def free_context(self, context_id: int) -> None:
+        body = EngineFreeContextRequest(context_id=context_id).model_dump()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _FREE_RETRY_S
+        while True:
+            try:
+                await _call(self._client, self.url, "POST", "/free_context", body)
+                return
+            except RemoteEngineError as e:
+                if e.error_type != ContextBusyError.error_type or loop.time() > deadline:
+                    raise
+            await asyncio.sleep(0.02)
+
+    def stats(self) -> EngineStats:
+        """The engine's load as of its last heartbeat."""
+        return self._stats
+
+    def update_stats(self, stats: EngineStats) -> None:
+        self._stats = stats
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    def __repr__(self) -> str:
+        return f"<RemoteEngine {self.name} {self.url} model={self.model_name}>"
+
+
+class RemoteGenerationStream:
+    """A remote generate in flight, like `server.engine.GenerationStream`: token ids as they arrive
+    (when made with ``stream=True``), then `result()`. `cancel()` closes the connection, which aborts the
+    request on the engine."""
+
+    _END = object()
+
+    def __init__(self, engine: RemoteEngine, body: dict[str, Any], stream: bool) -> None:
+        self._engine = engine
+        self._body = body
+        self._queue: asyncio.Queue[Any] | None = asyncio.Queue() if stream else None
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def __aiter__(self) -> RemoteGenerationStream:
+        return self
+
+    async def __anext__(self) -> int:
+        assert self._queue is not None, "submitted with stream=False"
+        item = await self._queue.get()
+        if item is self._END:
+            self._queue.put_nowait(item)  # stay exhausted
+            await self.result()  # raises the request's error, if any
+            raise StopAsyncIteration
+        return int(item)
+
+    def cancel(self) -> None:
+        self._task.cancel()
+
+    async def result(self) -> GenerateResult:
+        return await asyncio.shield(self._task)
+
+    async def _run(self) -> GenerateResult:
+        engine = self._engine
+        try:
+            if engine._client.is_closed:
+                raise EngineDeadError(f"the engine at {engine.url} is out of service")
+            async with engine._client.stream("POST", "/generate", json=self._body) as response:
+                if not response.is_success:
+                    await response.aread()
+                    raise _error(response)
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        error = ErrorResponse.model_validate(event).error
+                        raise RemoteEngineError(error.message, _status_of(error.type), error.type)
+                    if "finish_reason" in event:
+                        final = EngineGenerateResponse.model_validate(event)
+                        return GenerateResult(
+                            final.token_ids, final.text, final.finish_reason, final.prompt_tokens
+                        )
+                    if self._queue is not None:
+                        self._queue.put_nowait(EngineStreamChunk.model_validate(event).token_id)
+            raise EngineDeadError(f"engine {engine.name} at {engine.url} ended a generate without a result")
+        except httpx.TransportError as e:
+            raise _dead(engine.url, e) from e
+        finally:
+            if self._queue is not None:
+                self._queue.put_nowait(self._END)
+
+
+def _sampling_fields(sampling: SamplingParams) -> dict[str, Any]:
+    return {name: getattr(sampling, name) for name in SamplingConfig.model_fields}
+
+
+async def _call(
+    client: httpx.AsyncClient, url: str, method: str, path: str, body: dict[str, Any] | None = None
+) -> Any:
+    if client.is_closed:
+        raise EngineDeadError(f"the engine at {url} is out of service")
+    try:
+        response = await client.request(method, path, json=body)
+    except httpx.TransportError as e:
+        raise _dead(url, e) from e
+    if not response.is_success:
+        raise _error(response)
+    return response.json()
+
+
+def _error(response: httpx.Response) -> RemoteEngineError:
+    try:
+        error = ErrorResponse.model_validate_json(response.content).error
+        return RemoteEngineError(error.message, response.status_code, error.type)
+    except ValueError:
+        what = f"{response.request.method} {response.request.url} answered {response.status_code}"
+        return RemoteEngineError(f"{what}: {response.text[:200]}", response.status_code, "engine_error")
+
+
+def _dead(url: str, e: httpx.TransportError) -> EngineDeadError:
+    return EngineDeadError(f"the engine at {url} cannot be reached ({type(e).__name__}: {e})")
+
+
+def _load_tokenizer(files: dict[str, str]) -> Any:
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, text in files.items():
+            if Path(name).name != name:  # only plain file names: never write outside the folder
+                raise EngineDeadError(f"the engine sent a tokenizer file with a path: {name!r}")
+            (Path(tmp) / name).write_text(text, encoding="utf-8")
+        try:
+            return AutoTokenizer.from_pretrained(tmp, local_files_only=True)
+        except Exception as e:  # whatever transformers raises for files it cannot use
+            raise EngineDeadError(f"the engine's tokenizer files do not load as a tokenizer: {e}") from e
+
+
+def _status_of(error_type: str) -> int:
+    """The status code of the engine error class with this type (500 for a type we do not know)."""
+    pending: list[type[EngineError]] = [EngineError]
+    while pending:
+        cls = pending.pop()
+        if cls.error_type == error_type:
+            return cls.http_status
+        pending.extend(cls.__subclasses__())
+    return 500

@@ -1,0 +1,81 @@
+"""Shared fixtures: one embedded server for the whole directory, and a recorder of the prompts it runs.
+
+`PromptRecorder` wraps the engine's ``fill``/``generate``/``submit_generate`` and keeps, for every
+generation, the token ids of the context it generated from — whichever path reached the engine (the
+manager's semantic calls fork contexts; the OpenAI endpoints fill fresh ones). Comparing these lists
+between a compiled chain and the same chain run by plain LangChain checks that the engine saw exactly the
+same prompts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from langchain_parrot import TINY_MODEL_DIR, ChatFormat
+
+from server.engine import EngineConfig, LLMEngine
+from server.launcher import LaunchedServer, launch
+
+
+class PromptRecorder:
+    """Token ids of every prompt an engine generated from, in order (``prompts``)."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.contexts: dict[int, list[int]] = {}
+        self.prompts: list[list[int]] = []
+        fill, generate, submit = engine.fill, engine.generate, engine.submit_generate
+
+        async def recording_fill(
+            context_id: int, token_ids: list[int], parent_context_id: int | None = None
+        ) -> int:
+            base = self.contexts.get(parent_context_id, []) if parent_context_id is not None else []
+            self.contexts[context_id] = self.contexts.get(context_id, base) + list(token_ids)
+            return await fill(context_id, token_ids, parent_context_id)
+
+        def recording_submit(
+            context_id: int, sampling: Any = None, parent_context_id: int | None = None, stream: bool = True
+        ) -> Any:
+            if context_id not in self.contexts:
+                self.contexts[context_id] = list(self.contexts.get(parent_context_id, []))
+            self.prompts.append(list(self.contexts[context_id]))
+            return submit(context_id, sampling, parent_context_id, stream)
+
+        async def recording_generate(
+            context_id: int, sampling: Any = None, parent_context_id: int | None = None
+        ) -> Any:
+            result = await generate(context_id, sampling, parent_context_id)
+            # The manager keeps the finished context (prompt + output) as a prefix later calls fork from.
+            self.contexts[context_id] = self.contexts[context_id] + list(result.token_ids)
+            return result
+
+        engine.fill = recording_fill  # type: ignore[method-assign]
+        engine.submit_generate = recording_submit  # type: ignore[method-assign]
+        engine.generate = recording_generate  # type: ignore[method-assign]
+
+    def mark(self) -> int:
+        """A position to read `since` from."""
+        return len(self.prompts)
+
+    def since(self, mark: int) -> list[list[int]]:
+        return self.prompts[mark:]
+
+
+@pytest.fixture(scope="session")
+def served() -> Iterator[LaunchedServer]:
+    """The embedded server (tiny model, one engine), recording its prompts (`recorder`)."""
+    with launch(engine_config=EngineConfig(num_kv_blocks=2048)) as server:
+        server.recorder = PromptRecorder(server.engines[0])  # type: ignore[attr-defined]
+        yield server
+
+
+@pytest.fixture(scope="session")
+def recorder(served: LaunchedServer) -> PromptRecorder:
+    return served.recorder  # type: ignore[attr-defined,no-any-return]
+
+
+@pytest.fixture(scope="session")
+def chat_format() -> ChatFormat:
+    """The tiny model's chat template (the server does not publish it over HTTP)."""
+    return ChatFormat.from_pretrained(TINY_MODEL_DIR)

@@ -1,0 +1,354 @@
+"""`compile_chain` end to end on the embedded server, against plain LangChain on the same server.
+
+For every chain of the table, the compiled chain and the original (run by LangChain, one OpenAI-style
+request per model call) must give equal outputs (greedy decoding) *and* make the engine generate from
+exactly the same token ids — the prompts the server renders are the ones LangChain renders.
+"""
+
+from __future__ import annotations
+
+import socket
+import warnings
+from collections import Counter
+from collections.abc import Callable
+from operator import itemgetter
+from typing import Any
+
+import parrot as P
+import pytest
+from langchain_core.output_parsers import (
+    CommaSeparatedListOutputParser,
+    JsonOutputParser,
+    MarkdownListOutputParser,
+    NumberedListOutputParser,
+    StrOutputParser,
+)
+from langchain_core.prompts import ChatPromptTemplate, PromptTemplate
+from langchain_core.runnables import Runnable, RunnableLambda, RunnableParallel, RunnablePassthrough
+from langchain_core.runnables.passthrough import RunnablePick
+from langchain_parrot import (
+    ChatFormat,
+    ChatParrot,
+    ClientSideStepWarning,
+    CompileError,
+    MissingVariableError,
+    ParrotLLM,
+    UnsupportedParserError,
+    compile_chain,
+)
+
+from server.launcher import LaunchedServer
+from tests.langchain_parrot.conftest import PromptRecorder
+
+SYSTEM = "You are a meticulous assistant who writes short, precise answers for busy readers."
+
+
+@pytest.fixture(scope="module")
+def chat(served: LaunchedServer, chat_format: ChatFormat) -> ChatParrot:
+    return ChatParrot(base_url=served.url, max_tokens=6, chat_format=chat_format)
+
+
+@pytest.fixture(scope="module")
+def llm(served: LaunchedServer) -> ParrotLLM:
+    return ParrotLLM(base_url=served.url, max_tokens=6)
+
+
+def chat_prompt(human: str, **kwargs: Any) -> ChatPromptTemplate:
+    return ChatPromptTemplate.from_messages([("system", SYSTEM), ("human", human)], **kwargs)
+
+
+def requests_during(served: LaunchedServer, run: Callable[[], Any]) -> tuple[Any, Counter[tuple[str, str]]]:
+    before = Counter(served.request_counts)
+    out = run()
+    return out, Counter(served.request_counts) - before
+
+
+def strict_compile(chain: Runnable[Any, Any]) -> Any:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ClientSideStepWarning)  # every step of these chains compiles
+        return compile_chain(chain)
+
+
+def same_run(
+    served: LaunchedServer,
+    recorder: PromptRecorder,
+    chain: Runnable[Any, Any],
+    value: Any,
+    compiled: Any = None,
+) -> tuple[Any, Counter[tuple[str, str]]]:
+    """Run ``chain`` compiled and plain; assert equal outputs and equal engine prompts; return the
+    compiled output and the requests the compiled run made."""
+    compiled = compiled or strict_compile(chain)
+    mark = recorder.mark()
+    out, counts = requests_during(served, lambda: compiled.invoke(value))
+    compiled_prompts = recorder.since(mark)
+    mark = recorder.mark()
+    expected = chain.invoke(value)
+    plain_prompts = recorder.since(mark)
+    assert _comparable(out) == _comparable(expected)
+    assert sorted(compiled_prompts) == sorted(plain_prompts)
+    assert counts[("POST", "/v1/chat/completions")] == counts[("POST", "/v1/completions")] == 0
+    return out, counts
+
+
+def _comparable(value: Any) -> Any:
+    """Messages compare by content (a compiled AIMessage has no usage metadata to compare)."""
+    if hasattr(value, "content") and hasattr(value, "response_metadata"):
+        return ("message", value.content)
+    if isinstance(value, dict):
+        return {k: _comparable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_comparable(v) for v in value]
+    return value
+
+
+GET_VARIABLE = ("GET", "/v1/sessions/{session_id}/variables/{var_id}")
+BATCH = ("POST", "/v1/sessions/{session_id}/batch")
+
+
+def waits(counts: Counter[tuple[str, str]]) -> int:
+    """Requests that may wait for a value: gets, and batches (the client's queue, with or without a get)."""
+    return counts[GET_VARIABLE] + counts[BATCH]
+
+
+def one_submission(counts: Counter[tuple[str, str]], outputs: int = 1) -> None:
+    """One session, and no client round trip between calls: the queue is sent once and only the outputs
+    are waited for (one request carries the queue and the get of a single output)."""
+    assert counts[("POST", "/v1/sessions")] == 1
+    assert waits(counts) <= outputs + (1 if outputs > 1 else 0)
+
+
+CHAINS: dict[str, Callable[[ChatParrot, ParrotLLM], tuple[Runnable[Any, Any], Any]]] = {
+    "chat prompt, str parser": lambda chat, llm: (
+        chat_prompt("Summarize {text} for {reader}") | chat | StrOutputParser(),
+        {"text": "the history of parrots {{in braces}}", "reader": "kids"},
+    ),
+    "chat model without parser": lambda chat, llm: (chat_prompt("Hi {name}") | chat, {"name": "Polly"}),
+    "bare chat model on text": lambda chat, llm: (chat | StrOutputParser(), "Hello there"),
+    "completion model": lambda chat, llm: (PromptTemplate.from_template("Q: {q}\nA:") | llm, {"q": "why?"}),
+    "chat prompt on a completion model": lambda chat, llm: (
+        chat_prompt("Explain {x}") | llm | StrOutputParser(),
+        {"x": "flight"},
+    ),
+    "dependent steps (dict literal)": lambda chat, llm: (
+        {
+            "outline": chat_prompt("Outline {topic}") | chat | StrOutputParser(),
+            "audience": itemgetter("audience"),
+        }
+        | chat_prompt("Write about {outline} for {audience}")
+        | chat
+        | StrOutputParser(),
+        {"topic": "parrots", "audience": "kids"},
+    ),
+    "assign, then pick": lambda chat, llm: (
+        RunnablePassthrough.assign(draft=chat_prompt("Draft {topic}") | chat | StrOutputParser())
+        | RunnablePassthrough.assign(
+            final=chat_prompt("Polish {draft} on {topic}") | chat | StrOutputParser()
+        )
+        | RunnablePick("final"),
+        {"topic": "wings"},
+    ),
+    "parallel branches": lambda chat, llm: (
+        RunnableParallel(
+            a=chat_prompt("Pros of {x}") | chat | StrOutputParser(),
+            b=chat_prompt("Cons of {x}") | chat | StrOutputParser(),
+            c=PromptTemplate.from_template("{x} in one word:") | llm | StrOutputParser(),
+        ),
+        {"x": "cages"},
+    ),
+    "map, join, reduce": lambda chat, llm: (
+        chat_prompt("Summarize: {chunk}").pipe(chat).pipe(StrOutputParser()).map()
+        | RunnableLambda("\n---\n".join)
+        | chat_prompt("Combine these summaries:\n{summaries}")
+        | chat
+        | StrOutputParser(),
+        [{"chunk": "part one"}, {"chunk": "part two"}, {"chunk": "part three"}],
+    ),
+    "bound stop and max_tokens": lambda chat, llm: (
+        chat_prompt("List {n} birds") | chat.bind(stop=["lap", "ure"], max_tokens=4) | StrOutputParser(),
+        {"n": "three"},
+    ),
+    "list parsers feed a prompt as str(list)": lambda chat, llm: (
+        {
+            "csv": chat_prompt("Name some {x}") | chat | CommaSeparatedListOutputParser(),
+            "numbered": chat_prompt("Number {x}") | chat | NumberedListOutputParser(),
+            "markdown": chat_prompt("Bullet {x}") | chat | MarkdownListOutputParser(),
+        }
+        | PromptTemplate.from_template("Lists: {csv} / {numbered} / {markdown}")
+        | llm,
+        {"x": "seeds"},
+    ),
+    "mustache and jinja2 prompts": lambda chat, llm: (
+        {
+            "m": PromptTemplate.from_template("M {{{topic}}}", template_format="mustache") | llm,
+            "j": PromptTemplate.from_template("J {{ topic }}", template_format="jinja2") | llm,
+        }
+        | chat_prompt("{m} and {j}")
+        | chat
+        | StrOutputParser(),
+        {"topic": "feathers & <beaks>"},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CHAINS))
+def test_compiled_chain_equals_langchain(
+    name: str, chat: ChatParrot, llm: ParrotLLM, served: LaunchedServer, recorder: PromptRecorder
+) -> None:
+    chain, value = CHAINS[name](chat, llm)
+    out, counts = same_run(served, recorder, chain, value)
+    one_submission(counts, outputs=len(out) if isinstance(out, dict) else 1)
+
+
+def test_dependent_steps_never_fetch_the_intermediate(chat: ChatParrot, served: LaunchedServer) -> None:
+    chain, value = CHAINS["dependent steps (dict literal)"](chat, chat)  # type: ignore[arg-type]
+    compiled = strict_compile(chain)
+    _, counts = requests_during(served, lambda: compiled.invoke(value))
+    one_submission(counts)
+    assert counts[("DELETE", "/v1/sessions/{session_id}")] == 1
+    # Everything else the run sent: the calls (or one batch holding them) and the one wait.
+    assert sum(counts.values()) <= 5
+
+
+def test_batch_and_async_equal_langchain(chat: ChatParrot, served: LaunchedServer) -> None:
+    chain, _ = CHAINS["dependent steps (dict literal)"](chat, chat)  # type: ignore[arg-type]
+    inputs = [{"topic": t, "audience": "adults"} for t in ("beaks", "nests", "songs")]
+    compiled = strict_compile(chain)
+    out, counts = requests_during(served, lambda: compiled.batch(inputs))
+    assert out == chain.batch(inputs)
+    assert counts[("POST", "/v1/sessions")] == 1  # every input in one session, submitted at once
+
+    import asyncio
+
+    async def both() -> tuple[Any, Any]:
+        return await compiled.ainvoke(inputs[0]), await compiled.abatch(inputs)
+
+    single, many = asyncio.run(both())
+    assert single == out[0] and many == out
+
+
+def test_submit_chains_futures_through_a_python_loop(chat: ChatParrot, served: LaunchedServer) -> None:
+    refine = (
+        chat_prompt("Summary so far: {summary}\nNew text: {chunk}\nUpdated summary:")
+        | chat
+        | StrOutputParser()
+    )
+    compiled = strict_compile(refine)
+    chunks = ["first part", "second part", "third part", "fourth part"]
+
+    def loop() -> str:
+        with P.Session(served.url):
+            summary: str | P.Variable = "(nothing yet)"
+            for chunk in chunks:
+                summary = compiled.submit({"summary": summary, "chunk": chunk})["output"]
+            assert isinstance(summary, P.Variable)
+            return str(summary.get(criteria=P.LATENCY))
+
+    out, counts = requests_during(served, loop)
+    one_submission(counts)
+    expected = "(nothing yet)"
+    for chunk in chunks:
+        expected = refine.invoke({"summary": expected, "chunk": chunk})
+    assert out == expected
+
+
+def test_opaque_steps_run_on_the_client_with_one_warning(
+    chat: ChatParrot, served: LaunchedServer, recorder: PromptRecorder
+) -> None:
+    def shout(text: str) -> str:
+        return text.upper()
+
+    chain = (
+        chat_prompt("Say {x}")
+        | chat
+        | StrOutputParser()
+        | RunnableLambda(shout)
+        | chat_prompt("Repeat {y}")
+        | chat
+        | StrOutputParser()
+    )
+    with pytest.warns(ClientSideStepWarning, match=r"'shout' \(a Python function\)"):
+        compiled = compile_chain(chain)
+    assert "shout (client-side)" in compiled.explain()
+    _, counts = same_run(served, recorder, chain, {"x": "hello"}, compiled)
+    assert counts[("POST", "/v1/sessions")] == 1  # still one session: the value is fetched, then used
+    assert waits(counts) == 2  # the first output, then the last
+
+
+def test_uses_the_server_cannot_render_fall_back_to_the_client(
+    chat: ChatParrot, llm: ParrotLLM, served: LaunchedServer, recorder: PromptRecorder
+) -> None:
+    # A format spec, an escaped mustache variable: the earlier output is fetched and LangChain renders it.
+    chain = (
+        {
+            "a": chat_prompt("One {x}") | chat | StrOutputParser(),
+            "b": chat_prompt("Two {x}") | chat | StrOutputParser(),
+        }
+        | PromptTemplate.from_template("{a:>40} {b!r}")
+        | llm
+    )
+    _, counts = same_run(served, recorder, chain, {"x": "spec"})
+    assert waits(counts) >= 2  # a and b were fetched before the last call was sent
+    mustache = (
+        chat_prompt("One {x}")
+        | chat
+        | StrOutputParser()
+        | PromptTemplate.from_template("escaped {{y}}", template_format="mustache")
+        | llm
+    )
+    same_run(served, recorder, mustache, {"x": "html"})
+
+
+def test_json_parser_failure_is_a_failed_variable(chat: ChatParrot) -> None:
+    compiled = strict_compile(chat_prompt("JSON for {x}") | chat | JsonOutputParser())
+    with pytest.raises(P.VariableFailedError, match="invalid JSON"):
+        compiled.invoke({"x": "gibberish"})  # the tiny model does not write JSON
+
+
+# ------------------------------------------------------------------------------------------- bad input
+def test_missing_variable(chat: ChatParrot) -> None:
+    compiled = strict_compile(chat_prompt("{a} and {b}") | chat)
+    with pytest.raises(MissingVariableError, match="'b'"):
+        compiled.invoke({"a": "x"})
+    with pytest.raises(MissingVariableError):
+        compiled.batch([{"a": "x"}])
+    assert isinstance(compiled.batch([{"a": "x"}], return_exceptions=True)[0], MissingVariableError)
+
+
+def test_untranslatable_parser_is_a_compile_error(chat: ChatParrot) -> None:
+    class Upper(StrOutputParser):
+        def parse(self, text: str) -> str:
+            return text.upper()
+
+    with pytest.raises(UnsupportedParserError, match="Upper"):
+        compile_chain(chat_prompt("{a}") | chat | Upper())
+
+
+def test_models_on_two_servers_are_a_compile_error(chat: ChatParrot, chat_format: ChatFormat) -> None:
+    other = ChatParrot(base_url="http://127.0.0.1:1", chat_format=chat_format)
+    with pytest.raises(CompileError, match="different servers"):
+        compile_chain({"a": chat_prompt("{x}") | chat, "b": chat_prompt("{x}") | other})
+
+
+def test_chat_model_without_chat_format_runs_on_the_client(
+    served: LaunchedServer, recorder: PromptRecorder
+) -> None:
+    plain_chat = ChatParrot(base_url=served.url, max_tokens=5)
+    chain = chat_prompt("Hello {x}") | plain_chat | StrOutputParser()
+    with pytest.warns(ClientSideStepWarning, match="without chat_format"):
+        compiled = compile_chain(chain)
+    assert compiled.invoke({"x": "a"}) == chain.invoke({"x": "a"})
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_server_down_names_the_url(chat_format: ChatFormat) -> None:
+    url = f"http://127.0.0.1:{_free_port()}"
+    down = ChatParrot(base_url=url, chat_format=chat_format, max_retries=1, timeout=2)
+    compiled = strict_compile(chat_prompt("{x}") | down)
+    with pytest.raises(P.ConnectionError, match=rf"{url}.*gave up after 2 attempts"):
+        compiled.invoke({"x": "y"})

@@ -1,0 +1,199 @@
+"""Prompts as unrendered templates: the text the server renders equals LangChain's, byte for byte.
+
+Each case builds the semantic call a compiled chain would send for a prompt, fills its placeholders as the
+server does (a variable's value verbatim, a structured value as ``str()``), and compares the result with
+LangChain rendering the same prompt on the same values — for values the server produces (`Pending`) and
+for values known at submit time.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from langchain_core.messages import AIMessage, HumanMessage
+from langchain_core.prompts import ChatPromptTemplate, MessagesPlaceholder, PromptTemplate
+from langchain_parrot import ChatFormat, ChatParrot, MissingVariableError, ParrotLLM
+from langchain_parrot.messages import to_wire_messages
+from langchain_parrot.parsers import OutputPlan, plan_output
+from langchain_parrot.prompts import plain_variables
+from langchain_parrot.steps import ModelStep
+from langchain_parrot.submission import PendingCall, Submission
+from langchain_parrot.values import Pending
+from parrot.protocol import SamplingConfig, TemplatePlaceholder, TemplateText, parse_template
+
+from server.serve.transforms import render_value
+
+# Values chosen to break naive rendering: template syntax of every kind, HTML, markers' own characters.
+NASTY = 'a {{input:x}} }} {{{{ {x} <b>&amp;"</b> \ue000 \n\ttabs '
+
+
+def producer(kind: str) -> Pending:
+    """A pending output of an earlier step, of the given kind."""
+    call = PendingCall(
+        name="earlier",
+        template="{{output:out}}",
+        output="out",
+        inputs={},
+        sampling=SamplingConfig(),
+        model=None,
+        plan=OutputPlan(kind=kind),  # type: ignore[arg-type]
+    )
+    return Pending(call=call)
+
+
+def build_call(prompt: Any, values: Any, chat_format: ChatFormat | None) -> PendingCall:
+    model = (
+        ChatParrot(base_url="http://parrot.invalid")
+        if chat_format
+        else ParrotLLM(base_url="http://parrot.invalid")
+    )
+    step = ModelStep(
+        label="t",
+        prompt=prompt,
+        model=model,
+        kwargs={},
+        plan=plan_output([], chat=chat_format is not None),
+        chat_format=chat_format,
+    )
+    program = step.run(values, Submission(None))
+    with pytest.raises(StopIteration) as done:  # rendered without waiting for any value
+        next(program)
+    pending = done.value.value
+    assert isinstance(pending, Pending) and pending.call is not None
+    return pending.call
+
+
+def server_render(call: PendingCall, produced: dict[int, tuple[str, str]]) -> str:
+    """The prompt the server renders for ``call``: values by the producer's id, as (stored value, kind)."""
+    text = []
+    pieces = parse_template(call.template)
+    assert isinstance(pieces[-1], TemplatePlaceholder) and pieces[-1].role == "output"
+    for piece in pieces[:-1]:
+        if isinstance(piece, TemplateText):
+            text.append(piece.text)
+            continue
+        source = call.inputs[piece.name]
+        text.append(source if isinstance(source, str) else render_value(*produced[id(source.call)]))
+    return "".join(text)
+
+
+def langchain_render(prompt: Any, values: dict[str, Any], chat_format: ChatFormat | None) -> str:
+    rendered = prompt.invoke(values)
+    if chat_format is None:
+        return rendered.to_string()
+    return chat_format.template_text(to_wire_messages(rendered.to_messages()))
+
+
+def check(
+    prompt: Any, concrete: dict[str, Any], pending: dict[str, str], chat_format: ChatFormat | None
+) -> PendingCall:
+    """Compile ``prompt`` with the ``pending`` variables produced server-side; compare the renderings.
+
+    ``pending`` maps a variable to its kind; its value is ``concrete[name]``.
+    """
+    produced: dict[int, tuple[str, str]] = {}
+    values = dict(concrete)
+    for name, kind in pending.items():
+        p = producer(kind)
+        stored = concrete[name] if kind == "text" else json.dumps(concrete[name])
+        produced[id(p.call)] = (stored, kind)
+        values[name] = p
+    call = build_call(prompt, values, chat_format)
+    assert server_render(call, produced) == langchain_render(prompt, concrete, chat_format)
+    return call
+
+
+@pytest.mark.parametrize(
+    ("template", "fmt", "plain"),
+    [
+        ("{a} {b:>5} {c!r} {d!s} {a}", "f-string", {"a", "d"}),
+        ("{{{a}}} {{&b}} {{c}} {{#d}}{{e}}{{/d}} {{f.g}}", "mustache", {"a", "b"}),
+        (
+            "{{ a }} {{ b|upper }} {% if c %}{{ a }}{% endif %} {{ d.e }}"
+            " {% for x in f %}{{ x }}{% endfor %}",
+            "jinja2",
+            {"a"},
+        ),
+    ],
+)
+def test_plain_variables(template: str, fmt: str, plain: set[str]) -> None:
+    assert plain_variables(PromptTemplate.from_template(template, template_format=fmt)) == plain
+
+
+def test_fstring_prompt_with_pending_and_literal_values() -> None:
+    prompt = PromptTemplate.from_template("Context:\n{context}\nQ: {question} {{literal}} {n} {d}\nA:")
+    concrete = {"context": NASTY, "question": "why {{input:x}}?", "n": 3, "d": {"k": ["{{", "v"]}}
+    call = check(prompt, concrete, {"context": "text"}, None)
+    # The constant text and the str values are placeholders (a shared prefix); other values are baked in.
+    assert call.template.startswith("Context:\n{{input:context}}\nQ: {{input:question}}")
+    assert call.inputs["question"] == "why {{input:x}}?"
+
+
+def test_structured_values_render_as_str_of_the_python_value() -> None:
+    prompt = PromptTemplate.from_template("Items: {items}\nMeta: {meta}")
+    concrete = {"items": ["a", "b's", 'c"d', 1.5, None], "meta": {"nested": {"x": [True, 2]}}}
+    check(prompt, concrete, {"items": "json", "meta": "json"}, None)
+
+
+def test_mustache_and_jinja2_prompts() -> None:
+    mustache = PromptTemplate.from_template("M {{{a}}} then {{b}} and {{&c}}", template_format="mustache")
+    call = check(mustache, {"a": NASTY, "b": NASTY, "c": "plain"}, {"a": "text", "c": "text"}, None)
+    assert "{{input:b}}" not in call.template  # HTML-escaped by LangChain: baked in, escaped
+    jinja = PromptTemplate.from_template("J {{ a }} {{ b | upper }}!", template_format="jinja2")
+    check(jinja, {"a": NASTY, "b": "loud"}, {"a": "text"}, None)
+
+
+def test_chat_prompt_through_the_chat_template(chat_format: ChatFormat) -> None:
+    prompt = ChatPromptTemplate.from_messages(
+        [
+            ("system", "You are a careful {role}. Use {{braces}}."),
+            MessagesPlaceholder("history"),
+            ("human", [{"type": "text", "text": "Summarize: {text}"}, {"type": "text", "text": " ({lang})"}]),
+            ("ai", "Sure."),
+            ("human", "{followup}"),
+        ]
+    )
+    concrete = {
+        "role": "editor",
+        "history": [HumanMessage("earlier question"), AIMessage("earlier answer")],
+        "text": NASTY,
+        "lang": "en",
+        "followup": "and {{output:x}} then",
+    }
+    call = check(prompt, concrete, {"text": "text"}, chat_format)
+    # System messages are constant text at the start: the shared prefix of every call of this prompt.
+    first = parse_template(call.template)[0]
+    assert isinstance(first, TemplateText) and first.text.startswith("<|system|>\nYou are a careful ")
+
+
+def test_chat_prompt_for_a_completion_model() -> None:
+    prompt = ChatPromptTemplate.from_messages([("system", "S {a}"), ("human", "H {b}")])
+    check(prompt, {"a": "x", "b": NASTY}, {"b": "text"}, None)  # LangChain's "System: ...\nHuman: ..."
+
+
+def test_partial_variables() -> None:
+    prompt = PromptTemplate.from_template("{greeting}, {name}! Today is {day}.").partial(
+        greeting="Hello", day=lambda: "Monday"
+    )
+    check(prompt, {"name": NASTY}, {"name": "text"}, None)
+
+
+def test_a_missing_variable_is_named() -> None:
+    prompt = PromptTemplate.from_template("{a} and {b} and {c}")
+    with pytest.raises(MissingVariableError) as info:
+        build_call(prompt, {"a": "x"}, None)
+    assert (
+        info.value.variables == ["b", "c"]
+        and "'b', 'c'" in str(info.value)
+        and "received: 'a'" in str(info.value)
+    )
+    assert isinstance(info.value, KeyError)  # what LangChain raises for the same mistake
+
+
+def test_a_non_dict_input_needs_a_one_variable_prompt() -> None:
+    call = build_call(PromptTemplate.from_template("On {topic}:"), "parrots", None)
+    assert call.template == "On {{input:topic}}:{{output:output}}" and call.inputs == {"topic": "parrots"}
+    with pytest.raises(TypeError, match="expects a dict"):
+        build_call(PromptTemplate.from_template("{a} {b}"), "parrots", None)

@@ -1,0 +1,266 @@
+"""Structured outputs end to end, on a scripted engine (the tiny model's text is random, never JSON).
+
+`ScriptedEngine` has the interface the manager drives (tokenizer, fill, generate, free_context, stats) and
+answers each prompt from a script, so the real manager and app run real JSON/XML/pydantic transforms on
+model outputs. It lives in the tests only. `server.launch` builds its engines from a model name, so the
+app around the scripted engine is served here with uvicorn directly (`serve_app`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterator
+from operator import itemgetter
+from typing import Any
+
+import parrot as P
+import pytest
+import uvicorn
+from fastapi import FastAPI
+from langchain_core.exceptions import OutputParserException
+from langchain_core.output_parsers import (
+    JsonOutputParser,
+    PydanticOutputParser,
+    StrOutputParser,
+    XMLOutputParser,
+)
+from langchain_core.prompts import ChatPromptTemplate
+from langchain_core.runnables import RunnablePick
+from langchain_parrot import TINY_MODEL_DIR, ChatFormat, ChatParrot, ClientSideStepWarning, compile_chain
+from langchain_parrot.messages import to_wire_messages
+from parrot.protocol import EngineStats
+from pydantic import BaseModel
+from transformers import AutoTokenizer
+
+from server.app import create_app
+from server.engine.request import GenerateResult
+from server.serve.manager import Manager
+
+
+class _Answer:
+    """A finished generation behind the engine's stream interface (token ids, then ``result()``)."""
+
+    def __init__(self, result: GenerateResult) -> None:
+        self._result = result
+        self._tokens = iter(result.token_ids)
+
+    def __aiter__(self) -> _Answer:
+        return self
+
+    async def __anext__(self) -> int:
+        try:
+            return next(self._tokens)
+        except StopIteration:
+            raise StopAsyncIteration from None
+
+    async def result(self) -> GenerateResult:
+        return self._result
+
+    def cancel(self) -> None:
+        pass
+
+
+class ScriptedEngine:
+    """Answers ``script(prompt_text)``; records every prompt it generated from (as text)."""
+
+    model_name = "scripted"
+    block_size = 16
+    max_model_len = 4096
+
+    def __init__(self, script: Callable[[str], str]) -> None:
+        self.tokenizer = AutoTokenizer.from_pretrained(str(TINY_MODEL_DIR))
+        self.script = script
+        self.contexts: dict[int, list[int]] = {}
+        self.prompts: list[str] = []
+
+    async def fill(self, context_id: int, token_ids: list[int], parent_context_id: int | None = None) -> int:
+        base = self.contexts.get(parent_context_id, []) if parent_context_id is not None else []
+        self.contexts[context_id] = self.contexts.get(context_id, base) + list(token_ids)
+        return len(self.contexts[context_id])
+
+    def submit_generate(
+        self, context_id: int, sampling: Any = None, parent_context_id: int | None = None, stream: bool = True
+    ) -> _Answer:
+        """What the OpenAI endpoints call (the baseline path): the answer, streamable."""
+        tokens = self.contexts.setdefault(context_id, list(self.contexts.get(parent_context_id, [])))
+        prompt = self.tokenizer.decode(tokens)
+        self.prompts.append(prompt)
+        text = self.script(prompt)
+        out = self.tokenizer.encode(text, add_special_tokens=False)
+        self.contexts[context_id] = tokens + out
+        return _Answer(
+            GenerateResult(token_ids=out, text=text, finish_reason="stop", prompt_tokens=len(tokens))
+        )
+
+    async def generate(
+        self, context_id: int, sampling: Any = None, parent_context_id: int | None = None
+    ) -> GenerateResult:
+        """What the manager calls (the semantic-call path)."""
+        return await self.submit_generate(context_id, sampling, parent_context_id).result()
+
+    async def free_context(self, context_id: int) -> None:
+        self.contexts.pop(context_id, None)
+
+    def stats(self) -> EngineStats:
+        zero = dict.fromkeys(
+            [
+                "blocks_used",
+                "contexts",
+                "running",
+                "waiting",
+                "tokens_in_last_step",
+                "prefill_tokens_computed",
+                "decode_tokens_computed",
+                "steps",
+                "preemptions",
+                "evictions",
+                "grouped_decode_steps",
+            ],
+            0,
+        )
+        return EngineStats(
+            model=self.model_name,
+            block_size=16,
+            blocks_total=1024,
+            blocks_free=1024,
+            max_model_len=4096,
+            **zero,
+        )
+
+    def shutdown(self) -> None:
+        pass
+
+
+def script(prompt: str) -> str:
+    """The scripted model: a JSON plan, an XML card, a pydantic-shaped answer, or an essay."""
+    if "Plan an essay" in prompt:
+        return 'Here you go:\n```json\n{"topic": "parrots", "audience": "kids", "length": 3}\n```'
+    if "XML card" in prompt:
+        return "<card><name>Polly</name><age>3</age></card>"
+    if "Describe the parrot" in prompt:
+        return '{"name": "Polly", "age": 3}' if "good" in prompt else '{"name": "Polly"}'
+    return "ESSAY<" + prompt.rsplit("<|user|>\n", 1)[-1].split("<|end|>")[0] + ">"
+
+
+class Parrot(BaseModel):
+    name: str
+    age: int
+
+
+class Served:
+    def __init__(self, url: str, app: FastAPI, engine: ScriptedEngine) -> None:
+        self.url, self.app, self.engine = url, app, engine
+
+
+@pytest.fixture(scope="module")
+def served_script() -> Iterator[Served]:
+    """The real app (manager + routes) over the scripted engine, on a free local port."""
+    engine = ScriptedEngine(script)
+    app = create_app(Manager([engine]))  # type: ignore[list-item]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the scripted server did not start"
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    yield Served(f"http://127.0.0.1:{port}", app, engine)
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def chat(served_script: Served, chat_format: ChatFormat) -> ChatParrot:
+    return ChatParrot(base_url=served_script.url, chat_format=chat_format, model="scripted")
+
+
+def prompt(human: str) -> ChatPromptTemplate:
+    return ChatPromptTemplate.from_messages([("system", "You are a helpful writer."), ("human", human)])
+
+
+def counted(app: Any, run: Callable[[], Any]) -> tuple[Any, Counter[tuple[str, str]]]:
+    before = Counter(app.state.request_counts)
+    out = run()
+    return out, Counter(app.state.request_counts) - before
+
+
+def test_json_key_feeds_the_next_prompt_in_one_submission(
+    served_script: Served, chat: ChatParrot, chat_format: ChatFormat
+) -> None:
+    engine = served_script.engine
+    plan = prompt("Plan an essay about {subject}") | chat | JsonOutputParser()
+    chain = (
+        {"audience": plan | itemgetter("audience")}
+        | prompt("Write for {audience}")
+        | chat
+        | StrOutputParser()
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ClientSideStepWarning)
+        compiled = compile_chain(chain)
+    mark = len(engine.prompts)
+    out, counts = counted(served_script.app, lambda: compiled.invoke({"subject": "birds"}))
+    # The key was looked up server-side and bound into the second call: no value went through the client.
+    assert out == "ESSAY<Write for kids>"
+    assert counts[("POST", "/v1/sessions")] == 1
+    assert (
+        counts[("GET", "/v1/sessions/{session_id}/variables/{var_id}")]
+        + counts[("POST", "/v1/sessions/{session_id}/batch")]
+        <= 1
+    )
+    # The second prompt is exactly what LangChain renders with the parsed key.
+    expected = chat_format.template_text(
+        to_wire_messages(prompt("Write for {audience}").format_messages(audience="kids"))
+    )
+    assert engine.prompts[mark + 1] == chat_format.bos_token + expected
+
+
+def test_pick_and_xml_key(chat: ChatParrot) -> None:
+    plan = prompt("Plan an essay about {subject}") | chat | JsonOutputParser()
+    chain = plan | RunnablePick("topic") | prompt("Write about {topic}") | chat | StrOutputParser()
+    assert compile_chain(chain).invoke({"subject": "x"}) == "ESSAY<Write about parrots>"
+    card = prompt("An XML card for {who}") | chat | XMLOutputParser()
+    chain = card | itemgetter("card") | prompt("Write about {card}") | chat | StrOutputParser()
+    expected = chain.invoke({"who": "Polly"})  # LangChain renders the parsed list of dicts with str()
+    assert compile_chain(chain).invoke({"who": "Polly"}) == expected
+    assert "[{'name': 'Polly'}, {'age': '3'}]" in expected
+
+
+def test_two_keys_of_one_output_are_fetched_once_then_bound(served_script: Served, chat: ChatParrot) -> None:
+    plan = prompt("Plan an essay about {subject}") | chat | JsonOutputParser()
+    chain = plan | prompt("Write about {topic} for {audience}") | chat | StrOutputParser()
+    compiled = compile_chain(chain)
+    out, counts = counted(served_script.app, lambda: compiled.invoke({"subject": "x"}))
+    assert out == chain.invoke({"subject": "x"}) == "ESSAY<Write about parrots for kids>"
+    assert counts[("POST", "/v1/sessions")] == 1
+
+
+def test_whole_json_and_pydantic_outputs(chat: ChatParrot) -> None:
+    plan = prompt("Plan an essay about {subject}") | chat | JsonOutputParser()
+    assert compile_chain(plan).invoke({"subject": "x"}) == {
+        "topic": "parrots",
+        "audience": "kids",
+        "length": 3,
+    }
+    describe = prompt("Describe the parrot ({quality})") | chat | PydanticOutputParser(pydantic_object=Parrot)
+    compiled = compile_chain(describe)
+    assert compiled.invoke({"quality": "good"}) == Parrot(name="Polly", age=3)
+    with pytest.raises(OutputParserException):  # validated on the client, as LangChain does
+        compiled.invoke({"quality": "bad"})
+    with pytest.raises(OutputParserException):
+        describe.invoke({"quality": "bad"})
+
+
+def test_submit_returns_the_servers_parsed_value(chat: ChatParrot, served_script: Served) -> None:
+    plan = prompt("Plan an essay about {subject}") | chat | JsonOutputParser()
+    chain = {"plan": plan, "audience": plan | itemgetter("audience")}
+    compiled = compile_chain(chain)
+    with P.Session(served_script.url):
+        variables = compiled.submit({"subject": "x"})
+        assert set(variables) == {"plan", "audience"}
+        assert variables["audience"].get() == "kids"
+        assert variables["plan"].get()["length"] == 3

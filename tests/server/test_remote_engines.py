@@ -1,0 +1,144 @@
+"""Remote engines: an engine process registers with the manager over HTTP, heartbeats, serves Parrot calls
+and the OpenAI API exactly like an in-process engine, and goes out of service when it falls silent."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+import parrot as P
+import pytest
+import uvicorn
+from parrot.protocol import EngineStats
+
+from server.engine import EngineConfig, LLMEngine, SamplingParams
+from server.engine.api import create_engine_app
+from server.engine.manager_link import ManagerLink
+from server.launcher import LaunchedServer, launch
+from server.serve.manager import ManagerConfig
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def remote_engine(manager_url: str, name: str = "remote-a") -> Iterator[tuple[LLMEngine, ManagerLink]]:
+    """An engine's HTTP API in a background thread, joined to the manager like `--manager URL` does."""
+    engine = LLMEngine.from_pretrained("tiny", EngineConfig(num_kv_blocks=256))
+    port = _free_port()
+    link = ManagerLink(manager_url, f"http://127.0.0.1:{port}", name, engine.stats)
+    server = uvicorn.Server(
+        uvicorn.Config(create_engine_app(engine, link), host="127.0.0.1", port=port, log_level="warning")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        yield engine, link
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        engine.shutdown()
+
+
+def _wait(predicate, timeout: float = 30.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not reached")
+        time.sleep(0.05)
+
+
+@P.semantic_function(max_tokens=8)
+def continue_story(text):  # type: ignore[no-untyped-def]
+    """Continue the story: {{input:text}} Next: {{output:next}}"""
+
+
+def _reference(engine: LLMEngine, prompt: str, max_tokens: int) -> str:
+    async def run() -> str:
+        await engine.fill(10**9, engine.tokenizer.encode(prompt))
+        out = await engine.generate(10**9, SamplingParams(max_tokens=max_tokens))
+        await engine.free_context(10**9)
+        return out.text
+
+    return asyncio.run(run())
+
+
+@pytest.fixture(scope="module")
+def manager_only() -> Iterator[LaunchedServer]:
+    config = ManagerConfig(heartbeat_interval=0.2, engine_timeout=1.0)
+    with launch(engines=0, manager_config=config) as s:
+        yield s
+
+
+def test_no_engine_is_a_clear_503(manager_only: LaunchedServer) -> None:
+    with P.Session(manager_only.url):
+        out = continue_story("x")
+        with pytest.raises(P.ServiceUnavailableError, match="no engine is in service"):
+            out.get()
+    r = httpx.post(f"{manager_only.url}/v1/completions", json={"prompt": "x", "max_tokens": 1})
+    assert r.status_code == 503 and r.json()["error"]["type"] == "no_engine"
+
+
+def test_a_remote_engine_registers_serves_and_times_out(manager_only: LaunchedServer) -> None:
+    url = manager_only.url
+    with remote_engine(url) as (engine, link):
+        _wait(lambda: any(e["alive"] for e in httpx.get(f"{url}/v1/engines").json()))
+        (status,) = [e for e in httpx.get(f"{url}/v1/engines").json() if e["alive"]]
+        assert status["name"] == "remote-a" and status["url"].startswith("http://127.0.0.1:")
+        assert status["stats"]["model"] == "tiny" and link.engine_id == status["engine_id"]
+
+        # A chain of dependent calls runs on the remote engine: same text as the engine alone gives.
+        with P.Session(url) as s:
+            first = continue_story(s.variable("Once upon a time"))
+            second = continue_story(first)
+            got = [first.get(), second.get()]
+        text1 = _reference(engine, "Continue the story: Once upon a time Next: ", 8)
+        assert got[0] == text1
+        assert got[1] == _reference(engine, f"Continue the story: {text1} Next: ", 8)
+        assert engine.stats().contexts > 0  # the manager keeps finished contexts as prefixes there
+
+        # The OpenAI API, streaming included, through the same remote engine.
+        r = httpx.post(
+            f"{url}/v1/completions", json={"prompt": "Once", "max_tokens": 5, "temperature": 0}, timeout=30
+        )
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == _reference(engine, "Once", 5)
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=30) as r:
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert r.status_code == 200 and events[-1] == "data: [DONE]" and len(events) >= 3
+
+        # An engine error keeps its type across the hop: a prompt over the window is a 413.
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "word " * 5000, "max_tokens": 1}, timeout=30)
+        assert r.status_code == 413 and r.json()["error"]["type"] == "prompt_too_long"
+
+        # Heartbeats stop (a frozen or partitioned engine): taken out of service, then it registers again.
+        old_id = link.engine_id
+        link.manager_url = f"http://127.0.0.1:{_free_port()}"  # the manager is out of reach
+        _wait(lambda: not httpx.get(f"{url}/v1/engines").json()[old_id]["alive"])
+        link.manager_url = url
+        _wait(lambda: link.engine_id != old_id and link.registered.is_set())
+        with P.Session(url):
+            assert continue_story("again").get() == _reference(engine, "Continue the story: again Next: ", 8)
+    # The engine left (unregistered on shutdown): out of service at once.
+    assert not any(e["alive"] for e in httpx.get(f"{url}/v1/engines").json())
+
+
+def test_registration_of_an_unreachable_engine_names_its_url(manager_only: LaunchedServer) -> None:
+    dead = f"http://127.0.0.1:{_free_port()}"
+    r = httpx.post(f"{manager_only.url}/v1/engines", json={"name": "ghost", "url": dead}, timeout=30)
+    assert r.status_code == 400 and dead in r.json()["error"]["message"]
+    r = httpx.post(f"{manager_only.url}/v1/engines/99/heartbeat", json={"stats": _stats()})
+    assert r.status_code == 404 and "register again" in r.json()["error"]["message"]
+
+
+def _stats() -> dict:
+    fields = EngineStats.model_fields
+    return {name: "tiny" if name == "model" else 0 for name in fields}
