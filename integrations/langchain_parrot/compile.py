@@ -55,7 +55,7 @@ from langchain_parrot.chat_format import ChatFormat
 from langchain_parrot.chat_models import ChatParrot
 from langchain_parrot.errors import CompileError
 from langchain_parrot.parsers import is_output_parser, plan_output
-from langchain_parrot.runner import open_session, open_session_async, run_async, run_sync
+from langchain_parrot.runner import in_session, in_session_async, run_async, run_sync
 from langchain_parrot.steps import (
     AssignStep,
     ClientStep,
@@ -309,9 +309,11 @@ class CompiledChain(Runnable[Any, Any]):
         def invoke(request: RunClient, i: int) -> Any:
             return request.runnable.invoke(request.input, configs[i])
 
-        with open_session(self.connection):
+        def work() -> list[Any]:
             programs = [self._program(v, criteria) for v in inputs]
             return run_sync(programs, timeout=self.timeout, invoke=invoke)
+
+        return in_session(self.connection, work)
 
     async def _arun(
         self, inputs: list[Any], configs: list[RunnableConfig], criteria: Criteria | None
@@ -319,9 +321,11 @@ class CompiledChain(Runnable[Any, Any]):
         async def ainvoke(request: RunClient, i: int) -> Any:
             return await request.runnable.ainvoke(request.input, configs[i])
 
-        async with open_session_async(self.connection):
+        async def work() -> list[Any]:
             programs = [self._program(v, criteria) for v in inputs]
             return await run_async(programs, timeout=self.timeout, ainvoke=ainvoke)
+
+        return await in_session_async(self.connection, work)
 
     def _invoke_one(self, value: Any, config: RunnableConfig) -> Any:
         (result,) = self._run([value], [config], self.criteria or P.LATENCY)

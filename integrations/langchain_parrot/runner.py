@@ -5,15 +5,22 @@ steps several of them together (a batch: one program per input) so that all thei
 go out together; `run_sync` and `run_async` are the two loops that answer the requests — with threads and
 blocking ``get``s, or with ``await``. The session is opened here too (with retries and backoff when the
 server is down or busy), so a chain whose server cannot be reached fails with an error naming its URL.
+
+`in_session` / `in_session_async` run a whole run in a fresh session and hand its result back as soon as
+it exists: deleting the session (which frees everything the run made on the server) then happens off the
+caller's path, in the background — the one request of a run that nothing waits for.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+import contextvars
+import logging
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager, suppress
-from typing import Any
+from typing import Any, TypeVar
 
 import parrot as P
 from parrot.errors import ParrotError
@@ -22,10 +29,25 @@ from parrot.protocol import Criteria
 from langchain_parrot._http import ServerConnection
 from langchain_parrot.submission import Effect, Fetch, Program, RunClient
 
-__all__ = ["Programs", "open_session", "open_session_async", "run_async", "run_sync"]
+__all__ = [
+    "Programs",
+    "in_session",
+    "in_session_async",
+    "open_session",
+    "open_session_async",
+    "run_async",
+    "run_sync",
+]
+
+log = logging.getLogger(__name__)
 
 # Most `get`s a sync run has in flight at once (one thread each).
 _MAX_FETCH_THREADS = 32
+
+T = TypeVar("T")
+
+# Background session teardowns still running (a task must be referenced until it ends).
+_TEARDOWNS: set[asyncio.Task[None]] = set()
 
 
 class Programs:
@@ -197,3 +219,59 @@ async def open_session_async(connection: ServerConnection | None) -> AsyncIterat
         raise
     else:
         await session.__aexit__(None, None, None)
+
+
+# ------------------------------------------------------------------------------------ session lifetimes
+def in_session(connection: ServerConnection | None, work: Callable[[], T]) -> T:
+    """``work()`` inside a fresh session (None: no session); returns as soon as ``work`` has.
+
+    The session lives in a worker thread (a session is the current one of the thread that entered it),
+    which deletes it after handing the result over. A failure to delete is only logged: the server
+    expires idle sessions anyway.
+    """
+    if connection is None:
+        return work()
+    result: Future[T] = Future()
+
+    def worker() -> None:
+        try:
+            with open_session(connection):
+                result.set_result(work())
+        except BaseException as e:
+            if not result.done():
+                result.set_exception(e)
+            else:
+                log.debug("deleting a Parrot session failed (it will expire): %s", e)
+
+    threading.Thread(
+        target=contextvars.copy_context().run, args=(worker,), name="parrot-run", daemon=True
+    ).start()
+    return result.result()
+
+
+async def in_session_async(connection: ServerConnection | None, work: Callable[[], Awaitable[T]]) -> T:
+    """``await`` form of `in_session`: the session lives in a task that deletes it after the result."""
+    if connection is None:
+        return await work()
+    done: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+
+    async def worker() -> None:
+        try:
+            async with open_session_async(connection):
+                done.set_result(await work())
+        except BaseException as e:
+            if not done.done():
+                done.set_exception(e)
+            else:
+                log.debug("deleting a Parrot session failed (it will expire): %s", e)
+            if isinstance(e, asyncio.CancelledError):
+                raise
+
+    task = asyncio.create_task(worker())
+    _TEARDOWNS.add(task)
+    task.add_done_callback(_TEARDOWNS.discard)
+    try:
+        return await done
+    except asyncio.CancelledError:
+        task.cancel()  # the caller gave up: stop the run (the session is deleted on the way out)
+        raise

@@ -30,7 +30,7 @@ from llama_index.core.base.llms.types import (
     LLMMetadata,
     MessageRole,
 )
-from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.bridge.pydantic import Field
 from llama_index.core.indices.prompt_helper import PromptHelper
 from llama_index.core.instrumentation.events.llm import (
     LLMPredictEndEvent,
@@ -68,7 +68,8 @@ class ParrotLLM(LLM):
     server's; a smaller one packs prompts for a smaller window. Unless both are given, the LLM asks the
     server once, at construction (``GET /v1/engines``: an unreachable server raises
     `parrot.ConnectionError` naming the URL, a window over the server's raises `ValueError`).
-    ``max_tokens`` is the output length of every call and the ``num_output`` LlamaIndex reserves for it. Sampling defaults to greedy (``temperature=0``), so outputs are reproducible.
+    ``max_tokens`` is the output length of every call and the ``num_output`` LlamaIndex reserves for it.
+    Sampling defaults to greedy (``temperature=0``), so outputs are reproducible.
 
     ``unrendered=False`` makes ``predict`` & co. render on the client and send one ``/v1/completions``
     request per call, like any OpenAI-style LLM (the request-centric baseline of the benchmarks).
@@ -94,8 +95,6 @@ class ParrotLLM(LLM):
         default=None, exclude=True, description="Token counter for LlamaIndex's prompt packing."
     )
 
-    _endpoint: OpenAIEndpoint = PrivateAttr()
-
     def __init__(self, base_url: str, *, context_window: int | None = None, **kwargs: Any) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}")
@@ -114,7 +113,6 @@ class ParrotLLM(LLM):
         else:
             kwargs.setdefault("model_name", model)
         super().__init__(base_url=base_url, context_window=context_window, **kwargs)
-        self._endpoint = OpenAIEndpoint(self.base_url, self.timeout)
 
     @classmethod
     def class_name(cls) -> str:
@@ -131,6 +129,11 @@ class ParrotLLM(LLM):
             is_function_calling_model=False,
             model_name=self.model_name,
         )
+
+    @property
+    def _endpoint(self) -> OpenAIEndpoint:
+        # Built on use (it holds no connection), so a `model_copy` with another URL or timeout is right.
+        return OpenAIEndpoint(self.base_url, self.timeout)
 
     def prompt_helper(self, **kwargs: Any) -> PromptHelper:
         """LlamaIndex's `PromptHelper` for this LLM: its window and output length, counting tokens with

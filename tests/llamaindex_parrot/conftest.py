@@ -3,9 +3,11 @@ LlamaIndex, and a recorder of the prompts the server renders."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
+import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -136,3 +138,23 @@ def one_round_trip(counts: Counter[tuple[str, str]]) -> None:
     assert counts[GET] <= 1, dict(counts)
     other = set(counts) - {SESSION, DELETE, CALLS, BATCH, GET}
     assert not other, dict(counts)
+
+
+async def while_ticking(run: Callable[[], Awaitable[Any]]) -> tuple[Any, int, float]:
+    """``run()``'s result, how often a 2 ms ticker task ran meanwhile, and the seconds it took."""
+    ticks = 0
+    stop = asyncio.Event()
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while not stop.is_set():
+            ticks += 1
+            await asyncio.sleep(0.002)
+
+    task = asyncio.create_task(ticker())
+    started = time.perf_counter()
+    result = await run()
+    took = time.perf_counter() - started
+    stop.set()
+    await task
+    return result, ticks, took

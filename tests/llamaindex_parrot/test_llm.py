@@ -23,7 +23,7 @@ from llamaindex_parrot import MissingTemplateVariableError, ParrotLLM
 from pydantic import BaseModel
 
 from server.launcher import LaunchedServer
-from tests.llamaindex_parrot.conftest import BATCH, CALLS, Prompts, Traffic
+from tests.llamaindex_parrot.conftest import BATCH, CALLS, Prompts, Traffic, while_ticking
 
 QA = {"context_str": "The sky is blue at noon.", "query_str": "What color is the sky?"}
 CASES = [
@@ -116,26 +116,6 @@ async def test_async_methods_match_and_do_not_block_the_loop(llm: ParrotLLM) -> 
         assert ticks >= min(3, took / 0.02), (name, ticks, took)
         text = result if isinstance(result, str) else getattr(result, "text", None) or result.message.content
         assert text == expected[name.removesuffix("_stream")], name
-
-
-async def while_ticking(run: Callable[[], Awaitable[Any]]) -> tuple[Any, int, float]:
-    """``run()``'s result, how often a 2 ms ticker task ran meanwhile, and the seconds it took."""
-    ticks = 0
-    stop = asyncio.Event()
-
-    async def ticker() -> None:
-        nonlocal ticks
-        while not stop.is_set():
-            ticks += 1
-            await asyncio.sleep(0.002)
-
-    task = asyncio.create_task(ticker())
-    started = time.perf_counter()
-    result = await run()
-    took = time.perf_counter() - started
-    stop.set()
-    await task
-    return result, ticks, took
 
 
 class Person(BaseModel):

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from llama_index.core.prompts import PromptTemplate
+from llama_index.core.base.llms.types import ChatMessage
+from llama_index.core.prompts import ChatPromptTemplate, PromptTemplate
 from llama_index.core.prompts.default_prompt_selectors import (
     DEFAULT_REFINE_PROMPT_SEL,
     DEFAULT_TEXT_QA_PROMPT_SEL,
@@ -81,6 +82,21 @@ def test_system_prompt_wrapper_and_mappings() -> None:
     assert call.prompt_text() == llm._get_prompt(prompt, **values)
     assert call.prompt_text().startswith("[INST] Be brief.\n\n<s>Context C")
     assert not call.rendered
+
+
+def test_chat_templates_render_through_messages_to_prompt() -> None:
+    llm = offline_llm()
+    prompt = ChatPromptTemplate(
+        [
+            ChatMessage(role="system", content="You answer {style}."),
+            ChatMessage(role="user", content="{question}"),
+        ]
+    )
+    values = {"style": "briefly", "question": "Why {not}?"}
+    call = llm.unrendered_call(prompt, values)
+    assert not call.rendered
+    assert call.prompt_text() == llm._get_prompt(prompt, **values)
+    assert call.prompt_text() == "system: You answer briefly.\nuser: Why {not}?\nassistant: "
 
 
 def test_names_that_are_not_identifiers_get_safe_placeholders() -> None:
