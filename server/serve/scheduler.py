@@ -1,0 +1,208 @@
+"""The cluster scheduler: which engine runs each queued step. A pure function (Algorithm 1 of the paper).
+
+``schedule(queue, engines)`` takes a snapshot of the queued requests and of the engines and returns the
+assignments; it does no I/O and reads no clock, so the manager and the simulator (`server.sim`) drive the
+very same decisions.
+
+Order: requests that have waited ``aging_rounds`` scheduling rounds first (no starvation), then by
+topological depth (an app's earlier stages first), then by arrival (FIFO). For each request, the first
+branch that applies places it:
+
+1. **pinned** — a later step of a multi-step call continues its call's context: its engine only.
+2. **task_group** — the parallel steps feeding one consumer (`server.serve.deduction`) go to one engine
+   together (the consumer waits for the slowest: one big batch beats spreading them out).
+3. **queue_prefix** — queued requests whose prompts start with the same constant prefix go to one engine
+   together, so the prefix is prefilled once and decoded with the shared-prefix kernel.
+4. **context** — an engine already holding a context whose tokens prefix the request's: the one holding the
+   most tokens, if its cap allows.
+5. **find_engine** — otherwise the engine that meets the request's objective with the least impact: for
+   latency work the least loaded engine (fastest iterations); for throughput work the fullest engine that
+   still fits and runs no latency work (bigger batches there, latency engines left alone).
+
+Caps: an engine runs at most ``capacity`` tokens (prompt + new tokens of what it runs); while it runs
+latency-critical work, at most ``latency_cap``. A request never goes where its cap would be exceeded: a
+latency request only to an engine whose running tokens stay under the latency cap, any request to an
+engine running latency work only under that cap. A group or prefix batch that fits nowhere as a whole is
+placed member by member. Ties go to the lowest engine id. A request larger than every engine's cap is
+``unfit`` (the caller fails it: waiting would never help). When an aged request fits nowhere, nothing after
+it is placed this round, so the engines drain for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from parrot.protocol import Criteria
+
+__all__ = ["Decision", "EngineState", "QueuedRequest", "Reason", "SchedulerConfig", "schedule"]
+
+Reason = Literal["pinned", "task_group", "queue_prefix", "context", "find_engine"]
+
+
+@dataclass(frozen=True)
+class QueuedRequest:
+    """A step waiting for an engine.
+
+    ``tokens``: what it adds to an engine's running tokens (prompt + max new tokens). ``task_group``: its
+    group within its app (None: none). ``shared_prefix``: a key of its prompt's leading constant text (equal
+    keys: same prefix), or None. ``cached``: engine id -> how many of its prompt tokens a context on that
+    engine already holds. ``pinned``: the only engine it may run on. ``model``: None for any. ``waited``:
+    scheduling rounds it has already waited.
+    """
+
+    key: str
+    app: str
+    seq: int
+    tokens: int
+    criteria: Criteria | None = None
+    task_group: str | None = None
+    depth: int = 0
+    shared_prefix: str | None = None
+    cached: Mapping[int, int] = field(default_factory=dict)
+    pinned: int | None = None
+    model: str | None = None
+    waited: int = 0
+
+
+@dataclass(frozen=True)
+class EngineState:
+    """An engine as the scheduler sees it: its caps and what runs there now."""
+
+    engine_id: int
+    capacity: int
+    latency_cap: int
+    running: int = 0
+    latency_running: bool = False
+    model: str = ""
+
+    def cap_for(self, criteria: Criteria | None) -> int:
+        """The running-token cap a request with ``criteria`` must respect here."""
+        return self.latency_cap if criteria == "latency" or self.latency_running else self.capacity
+
+    def fits(self, tokens: int, criteria: Criteria | None) -> bool:
+        return self.running + tokens <= self.cap_for(criteria)
+
+    def serves(self, model: str | None) -> bool:
+        return model is None or model == self.model
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    aging_rounds: int = 8  # a request that waited this many rounds is placed before any other
+
+
+@dataclass
+class Decision:
+    """Where each placed request goes (key -> engine id), which branch placed it, and the unfit keys."""
+
+    assignments: dict[str, int] = field(default_factory=dict)
+    reasons: dict[str, Reason] = field(default_factory=dict)
+    unfit: list[str] = field(default_factory=list)
+
+
+def schedule(
+    queue: Sequence[QueuedRequest], engines: Sequence[EngineState], config: SchedulerConfig | None = None
+) -> Decision:
+    """Assign queued requests to engines (see the module docstring). Pure: the inputs are not changed."""
+    config = config or SchedulerConfig()
+    state = {e.engine_id: e for e in engines}
+    decision = Decision()
+    placed: set[str] = set()
+    ordered = sorted(queue, key=lambda r: (r.waited < config.aging_rounds, r.depth, r.seq))
+    for request in ordered:
+        if request.key in placed:
+            continue
+        if _oversized(request, state.values()):
+            decision.unfit.append(request.key)
+            placed.add(request.key)
+            continue
+        batch, reason = _batch_of(request, ordered, placed)
+        engine, reason = _place(batch, reason, state)
+        if engine is None and len(batch) > 1:  # too big together: each on its own
+            batch = [request]
+            engine, reason = _place(batch, "context" if request.cached else "find_engine", state)
+        if engine is None:
+            if request.waited >= config.aging_rounds:
+                break  # reserve: let the engines drain for it
+            continue
+        criteria = _strictest(r.criteria for r in batch)
+        for member in batch:
+            decision.assignments[member.key] = engine
+            decision.reasons[member.key] = reason
+            placed.add(member.key)
+        current = state[engine]
+        state[engine] = replace(
+            current,
+            running=current.running + sum(r.tokens for r in batch),
+            latency_running=current.latency_running or criteria == "latency",
+        )
+    return decision
+
+
+def _batch_of(
+    request: QueuedRequest, ordered: Sequence[QueuedRequest], placed: set[str]
+) -> tuple[list[QueuedRequest], Reason]:
+    """The requests placed together with ``request`` and the branch that groups them."""
+    if request.pinned is not None:
+        return [request], "pinned"
+    free = [r for r in ordered if r.key not in placed and r.pinned is None and r.model == request.model]
+    if request.task_group is not None:
+        group = [r for r in free if r.app == request.app and r.task_group == request.task_group]
+        return group, "task_group"
+    if request.shared_prefix is not None:
+        sharing = [r for r in free if r.shared_prefix == request.shared_prefix and r.task_group is None]
+        if len(sharing) > 1:
+            return sharing, "queue_prefix"
+    if any(n > 0 for n in request.cached.values()):
+        return [request], "context"
+    return [request], "find_engine"
+
+
+def _place(
+    batch: list[QueuedRequest], reason: Reason, state: Mapping[int, EngineState]
+) -> tuple[int | None, Reason]:
+    """The engine for ``batch`` (None when none fits) and the branch that chose it: a request whose
+    context holder is full falls through to find_engine."""
+    tokens = sum(r.tokens for r in batch)
+    criteria = _strictest(r.criteria for r in batch)
+    if reason == "pinned":
+        pinned = state.get(batch[0].pinned)  # type: ignore[arg-type]
+        return (pinned.engine_id if pinned is not None and pinned.fits(tokens, criteria) else None), reason
+    fitting = [e for e in state.values() if e.serves(batch[0].model) and e.fits(tokens, criteria)]
+    if not fitting:
+        return None, reason
+    # Groups and prefix batches prefer an engine holding their prefix too; then find_engine's rule.
+    cached = {e.engine_id: max((r.cached.get(e.engine_id, 0) for r in batch), default=0) for e in fitting}
+    best = max(cached.values())
+    if best > 0 and reason != "find_engine":
+        fitting = [e for e in fitting if cached[e.engine_id] == best]
+    elif reason == "context":
+        reason = "find_engine"
+    return _find_engine(fitting, criteria), reason
+
+
+def _find_engine(fitting: list[EngineState], criteria: Criteria | None) -> int:
+    if criteria == "latency":
+        return min(fitting, key=lambda e: (e.running, e.engine_id)).engine_id
+    # Throughput: keep off engines running latency work, then pack the fullest.
+    return min(fitting, key=lambda e: (e.latency_running, -e.running, e.engine_id)).engine_id
+
+
+def _oversized(request: QueuedRequest, engines: Iterable[EngineState]) -> bool:
+    if request.pinned is not None:
+        engines = [e for e in engines if e.engine_id == request.pinned]
+    caps = [
+        e.latency_cap if request.criteria == "latency" else e.capacity
+        for e in engines
+        if e.serves(request.model)
+    ]
+    return not caps or request.tokens > max(caps)
+
+
+def _strictest(criteria: Iterable[Criteria | None]) -> Criteria | None:
+    values = set(criteria)
+    if "latency" in values:
+        return "latency"
+    return "throughput" if "throughput" in values else None

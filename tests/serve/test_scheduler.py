@@ -1,0 +1,162 @@
+"""The cluster scheduler (Algorithm 1): branch order on hand-made cluster states, caps, starvation."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from server.serve.scheduler import EngineState, QueuedRequest, SchedulerConfig, schedule
+
+
+def engines(n: int = 3, capacity: int = 1000, latency_cap: int = 300, **running: int) -> list[EngineState]:
+    return [
+        EngineState(i, capacity=capacity, latency_cap=latency_cap, running=running.get(f"e{i}", 0))
+        for i in range(n)
+    ]
+
+
+def req(key: str, seq: int, tokens: int = 50, **kw) -> QueuedRequest:  # type: ignore[no-untyped-def]
+    return QueuedRequest(key=key, app=kw.pop("app", "app"), seq=seq, tokens=tokens, **kw)
+
+
+def test_task_group_beats_queue_prefix_beats_context_beats_find_engine() -> None:
+    # The group's members hold contexts on engine 2 and share a prefix with `p`, but the group branch
+    # places the whole group together first (on the engine where its members' prefix is cached).
+    queue = [
+        req("g1", 0, task_group="reduce", shared_prefix="sys", cached={2: 64}),
+        req("g2", 1, task_group="reduce", shared_prefix="sys"),
+        req("g3", 2, task_group="reduce", shared_prefix="sys"),
+        req("p1", 3, shared_prefix="doc", cached={0: 32}),
+        req("p2", 4, shared_prefix="doc"),
+        req("c", 5, cached={1: 80}),
+        req("f", 6),
+    ]
+    d = schedule(queue, engines(e0=400, e1=100))
+    assert d.reasons == {
+        "g1": "task_group",
+        "g2": "task_group",
+        "g3": "task_group",
+        "p1": "queue_prefix",
+        "p2": "queue_prefix",
+        "c": "context",
+        "f": "find_engine",
+    }
+    assert {d.assignments[k] for k in ("g1", "g2", "g3")} == {2}
+    assert d.assignments["p1"] == d.assignments["p2"] == 0  # together, where p1's prefix is cached
+    assert d.assignments["c"] == 1
+    # find_engine for throughput work packs the fullest engine that still fits: engine 0 (500 running).
+    assert d.assignments["f"] == 0
+
+
+def test_find_engine_spreads_latency_work_and_keeps_throughput_off_latency_engines() -> None:
+    d = schedule([req("l", 0, criteria="latency")], engines(e0=200, e1=100, e2=150))
+    assert d.assignments == {"l": 1}  # least loaded
+    busy = [EngineState(0, 1000, 300, running=100, latency_running=True), EngineState(1, 1000, 300, 500)]
+    d = schedule([req("t", 0, tokens=100, criteria="throughput")], busy)
+    assert d.assignments == {"t": 1}
+
+
+def test_a_context_holder_that_is_full_falls_through_to_find_engine() -> None:
+    d = schedule([req("c", 0, tokens=200, cached={0: 100})], engines(n=2, capacity=1000, e0=900))
+    assert d.assignments == {"c": 1} and d.reasons == {"c": "find_engine"}
+
+
+def test_a_group_too_big_for_any_engine_is_placed_member_by_member() -> None:
+    group = [req(f"g{i}", i, tokens=400, task_group="t") for i in range(3)]
+    d = schedule(group, engines(n=2, capacity=1000))
+    # The first member goes alone; what is left of the group fits together on the other engine.
+    assert d.reasons == {"g0": "find_engine", "g1": "task_group", "g2": "task_group"}
+    assert d.assignments["g1"] == d.assignments["g2"] != d.assignments["g0"]
+
+
+def test_pinned_steps_wait_for_their_engine_and_oversized_ones_are_unfit() -> None:
+    d = schedule(
+        [req("pin", 0, tokens=200, pinned=0), req("huge", 1, tokens=5000)],
+        engines(n=2, capacity=1000, e0=900),
+    )
+    assert d.assignments == {} and d.unfit == ["huge"]
+    d = schedule([req("pin", 0, tokens=200, pinned=0)], engines(n=2, capacity=1000))
+    assert d.assignments == {"pin": 0} and d.reasons == {"pin": "pinned"}
+
+
+def test_latency_requests_never_exceed_the_latency_cap() -> None:
+    queue = [req(f"l{i}", i, tokens=100, criteria="latency") for i in range(10)]
+    d = schedule(queue, engines(n=2, capacity=1000, latency_cap=300))
+    assert len(d.assignments) == 6  # 3 per engine under the 300-token cap; the rest wait
+    # Throughput work may fill an engine running latency work only up to the latency cap.
+    d = schedule([req("t", 0, tokens=250)], [EngineState(0, 1000, 300, running=100, latency_running=True)])
+    assert d.assignments == {}
+
+
+def test_aged_requests_go_first_and_engines_drain_for_them() -> None:
+    config = SchedulerConfig(aging_rounds=3)
+    big = req("big", 0, tokens=900, depth=5)
+    small = [req(f"s{i}", i + 1, tokens=100) for i in range(5)]
+    state = engines(n=1, capacity=1000, e0=200)
+    # Young: small requests of lower depth go first and keep the engine busy.
+    assert "big" not in schedule([big, *small], state, config).assignments
+    # Aged: nothing is placed ahead of it, so running work drains until it fits.
+    aged = QueuedRequest(**{**big.__dict__, "waited": 3})
+    assert schedule([aged, *small], state, config).assignments == {}
+    assert schedule([aged, *small], engines(n=1, capacity=1000), config).assignments["big"] == 0
+
+
+def test_no_starvation_under_a_steady_stream() -> None:
+    """A big request among an endless stream of small ones is placed within aging_rounds + drain rounds."""
+    config = SchedulerConfig(aging_rounds=4)
+    running: list[tuple[int, int]] = []  # (tokens, rounds left)
+    waiting = [req("big", 0, tokens=800, depth=9)]
+    seq = 1
+    for rnd in range(30):
+        waiting += [req(f"s{seq + i}", seq + i, tokens=100) for i in range(3)]
+        seq += 3
+        state = [EngineState(0, 1000, 300, running=sum(t for t, _ in running))]
+        d = schedule(waiting, state, config)
+        if "big" in d.assignments:
+            assert rnd <= 4 + 3
+            return
+        by_key = {r.key: r for r in waiting}
+        running = [(t, left - 1) for t, left in running if left > 1]
+        running += [(by_key[k].tokens, 3) for k in d.assignments]
+        waiting = [
+            QueuedRequest(**{**r.__dict__, "waited": r.waited + 1})
+            for r in waiting
+            if r.key not in d.assignments
+        ]
+    raise AssertionError("the big request starved")
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(1, 600),
+            st.sampled_from([None, "latency", "throughput"]),
+            st.sampled_from([None, "g1", "g2"]),
+            st.sampled_from([None, "p1", "p2"]),
+            st.dictionaries(st.integers(0, 3), st.integers(0, 200), max_size=2),
+            st.one_of(st.none(), st.integers(0, 3)),
+        ),
+        max_size=25,
+    ),
+    st.lists(st.tuples(st.integers(0, 1200), st.booleans()), min_size=1, max_size=4),
+)
+def test_caps_are_never_violated(requests: list, states: list) -> None:  # type: ignore[type-arg]
+    queue = [
+        req(f"r{i}", i, tokens=t, criteria=c, task_group=g, shared_prefix=p, cached=cached, pinned=pin)
+        for i, (t, c, g, p, cached, pin) in enumerate(requests)
+    ]
+    cluster = [
+        EngineState(i, capacity=1000, latency_cap=400, running=run, latency_running=lat)
+        for i, (run, lat) in enumerate(states)
+    ]
+    d = schedule(queue, cluster)
+    by_key = {r.key: r for r in queue}
+    assert set(d.assignments).isdisjoint(d.unfit)
+    for engine in cluster:
+        mine = [by_key[k] for k, e in d.assignments.items() if e == engine.engine_id]
+        total = engine.running + sum(r.tokens for r in mine)
+        latency = engine.latency_running or any(r.criteria == "latency" for r in mine)
+        if mine:
+            assert total <= (engine.latency_cap if latency else engine.capacity)
+        assert all(r.pinned in (None, engine.engine_id) for r in mine)
