@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import itertools
 import logging
 import time
@@ -43,10 +44,13 @@ from parrot.protocol import (
 
 from server.engine import EngineError, LLMEngine, SamplingParams
 from server.openai_api import ModelNotFoundError
+from server.serve.deduction import StepObjective, deduce
 from server.serve.graph import SessionGraph, StepNode
 from server.serve.ir import CallIR, TextFill, build_call, render_prompt
+from server.serve.placement import Placement, RequestTooLargeError
 from server.serve.prefix_store import Entry, PrefixStore
 from server.serve.remote_engine import RemoteEngine
+from server.serve.scheduler import EngineState, QueuedRequest, SchedulerConfig
 from server.serve.sessions import Session, SessionTable
 from server.serve.transforms import TransformError, apply_transforms, render_value
 from server.serve.variables import VariableTable
@@ -97,6 +101,11 @@ class ManagerConfig:
     # Constant template prefixes at least this long (tokens) become shared engine contexts.
     min_shared_prefix_tokens: int = 16
     max_cached_prefixes: int = 256  # per engine; least recently used go first
+    # Scheduling (server.serve.scheduler): tokens an engine runs at once (None: its KV cache in tokens),
+    # and at most while it runs latency-critical work; rounds before a waiting step goes first.
+    engine_capacity_tokens: int | None = None
+    latency_cap_tokens: int = 4096
+    aging_rounds: int = 8
     # Remote engines send a heartbeat this often; one silent for `engine_timeout` is out of service.
     heartbeat_interval: float = 2.0
     engine_timeout: float = 10.0
@@ -143,6 +152,7 @@ class Manager:
         # Every context the manager keeps (shared constant prefixes, finished steps) is an entry here, so a
         # request forks from the longest one its tokens extend; least recently used ones are freed.
         self._prefixes = PrefixStore(engines[0].block_size if engines else 16)
+        self.placement = Placement(self._engine_states, SchedulerConfig(self.config.aging_rounds))
         self._prefix_fills: dict[tuple[int, tuple[int, ...]], asyncio.Future[None]] = {}
         self._tasks: dict[str, set[asyncio.Task[None]]] = {}
         self._waiters: dict[tuple[str, str], asyncio.Event] = {}
@@ -336,20 +346,25 @@ class Manager:
 
     # ------------------------------------------------------------------------------------------ executor
     def _dispatch(self, session: Session) -> None:
-        for node in session.graph.runnable_steps():
+        runnable = session.graph.runnable_steps()
+        if not runnable:
+            return
+        objectives = deduce(session.graph)  # before dispatching: what each step is for, with its group
+        for node in runnable:
             session.graph.mark_dispatched(node)
-            task = asyncio.get_running_loop().create_task(self._run_step(session, node))
+            objective = objectives[node.id]
+            task = asyncio.get_running_loop().create_task(self._run_step(session, node, objective))
             tasks = self._tasks.setdefault(session.session_id, set())
             tasks.add(task)
             task.add_done_callback(tasks.discard)
 
-    async def _run_step(self, session: Session, node: StepNode) -> None:
+    async def _run_step(self, session: Session, node: StepNode, objective: StepObjective) -> None:
         graph = session.graph
         try:
-            value, kind = await self._execute(session, node)
+            value, kind = await self._execute(session, node, objective)
         except asyncio.CancelledError:
             raise
-        except (EngineError, TransformError) as e:
+        except (EngineError, TransformError, RequestTooLargeError, NoEngineError, ModelNotFoundError) as e:
             self._fail(session, node, str(e))
             return
         except Exception as e:  # a bug must not leave the variable pending forever
@@ -362,19 +377,67 @@ class Manager:
         self._settled(session, node.output)
         self._dispatch(session)
 
-    async def _execute(self, session: Session, node: StepNode) -> tuple[str, str]:
+    async def _execute(self, session: Session, node: StepNode, objective: StepObjective) -> tuple[str, str]:
         """Run one step on an engine; returns its output variable's value and kind (after transforms)."""
         call, step = node.call, node.step
         key = (session.session_id, call.call_id)
         progress = self._calls.pop(key, None)
         values = self._values(session.graph, node, progress)
         prompt = render_prompt(call, step.index, values)
-        if progress is not None:  # a call's steps share one context chain, so one engine
-            engine_index = progress.engine
-        else:
-            engine_index = self._pick_engine(self._serving(call.model))
+        # A call's steps share one context chain, so one engine; engines of one model share a tokenizer.
+        serving = [progress.engine] if progress is not None else self._serving(call.model)
+        token_ids = self.engines[serving[0]].tokenizer.encode(prompt)
+        request = self._queued(session, node, objective, token_ids, serving, progress is not None)
+        engine_index = await self.placement.acquire(request)
+        try:
+            return await self._run_on(engine_index, session, node, token_ids, progress)
+        finally:
+            self.placement.release(engine_index, request)
+
+    def _queued(
+        self,
+        session: Session,
+        node: StepNode,
+        objective: StepObjective,
+        token_ids: list[int],
+        serving: list[int],
+        pinned: bool,
+    ) -> QueuedRequest:
+        """The scheduler's view of a step: its tokens beyond a shared constant prefix, objective, group,
+        shared prefix key and where its prompt is cached."""
+        prefix = self._constant_prefix(serving[0], node.call, token_ids) if node.id.index == 0 else []
+        shared = len(prefix) >= self.config.min_shared_prefix_tokens
+        cached = {}
+        for i in serving:
+            match = self._prefixes.longest_prefix(str(i), token_ids)
+            if match is not None:
+                cached[i] = match.length
+        group = objective.task_group
+        return QueuedRequest(
+            key=f"{session.session_id}/{node.id.call_id}/{node.id.index}",
+            app=session.session_id,
+            seq=self.placement.next_seq(),
+            tokens=len(token_ids) - (len(prefix) if shared else 0) + node.step.gen.sampling.max_tokens,
+            criteria=objective.criteria,
+            task_group=None if group is None else f"{group.call_id}/{group.index}",
+            depth=objective.depth,
+            shared_prefix=hashlib.sha256(repr(prefix).encode()).hexdigest() if shared else None,
+            cached=cached,
+            pinned=serving[0] if pinned else None,
+            model=None if pinned else node.call.model,
+        )
+
+    async def _run_on(
+        self,
+        engine_index: int,
+        session: Session,
+        node: StepNode,
+        token_ids: list[int],
+        progress: _CallProgress | None,
+    ) -> tuple[str, str]:
+        call, step = node.call, node.step
+        key = (session.session_id, call.call_id)
         engine = self.engines[engine_index]
-        token_ids = engine.tokenizer.encode(prompt)
         if step.index == 0:
             await self._share_constant_prefix(engine_index, call, token_ids)
         context_id = next(self._context_ids)
@@ -413,20 +476,25 @@ class Manager:
             values.update(progress.raw_outputs)
         return values
 
-    async def _share_constant_prefix(self, engine_index: int, call: CallIR, token_ids: list[int]) -> None:
-        """Make the call's leading constant text one shared context, so every call starting with it forks
-        it instead of prefilling it again (across sessions too)."""
+    def _constant_prefix(self, engine_index: int, call: CallIR, token_ids: list[int]) -> list[int]:
+        """The tokens of the call's leading constant text that truly prefix ``token_ids`` (whole-prompt
+        tokenization may merge tokens across the boundary), short of the whole prompt."""
         text = ""
         for fill in call.steps[0].fills:
             if not isinstance(fill, TextFill) or fill.name is not None:
                 break
             text += fill.text
-        engine = self.engines[engine_index]
-        prefix = engine.tokenizer.encode(text) if text else []
-        # Whole-prompt tokenization may merge tokens across the boundary: keep the part that is a true prefix.
-        while prefix and token_ids[: len(prefix)] != prefix:
+        prefix = self.engines[engine_index].tokenizer.encode(text) if text else []
+        while prefix and (token_ids[: len(prefix)] != prefix or len(prefix) == len(token_ids)):
             prefix.pop()
-        if len(prefix) < self.config.min_shared_prefix_tokens or len(prefix) == len(token_ids):
+        return prefix
+
+    async def _share_constant_prefix(self, engine_index: int, call: CallIR, token_ids: list[int]) -> None:
+        """Make the call's leading constant text one shared context, so every call starting with it forks
+        it instead of prefilling it again (across sessions too)."""
+        engine = self.engines[engine_index]
+        prefix = self._constant_prefix(engine_index, call, token_ids)
+        if len(prefix) < self.config.min_shared_prefix_tokens:
             return
         match = self._prefixes.longest_prefix(str(engine_index), prefix)
         if match is not None and match.length == len(prefix):
@@ -485,6 +553,18 @@ class Manager:
 
     def new_context_id(self) -> int:
         return next(self._context_ids)
+
+    def _engine_states(self) -> list[EngineState]:
+        """The engines in service as the scheduler sees them (caps from the config and the KV cache)."""
+        states = []
+        for i, engine in enumerate(self.engines):
+            if not self._in_service(i):
+                continue
+            stats = engine.stats()
+            capacity = self.config.engine_capacity_tokens or stats.blocks_total * stats.block_size
+            latency_cap = min(self.config.latency_cap_tokens, capacity)
+            states.append(EngineState(i, capacity, latency_cap, model=engine.model_name))
+        return states
 
     def _pick_engine(self, candidates: list[int]) -> int:
         # Least loaded engine; scheduling by application (issue 4) replaces this.

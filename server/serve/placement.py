@@ -1,0 +1,117 @@
+"""`Placement`: the asyncio edge of the cluster scheduler — steps wait here until `schedule` gives them an
+engine.
+
+A step calls `acquire` with its `QueuedRequest` and waits; a scheduling pass runs the pure
+`server.serve.scheduler.schedule` over every waiting step whenever steps arrive (coalesced: all steps made
+runnable in one loop iteration — a task group, a burst sharing a prefix — are placed by one pass) or one
+finishes (`release` frees its tokens). The running tokens per engine are this object's own accounting of
+what it placed, not the engines' (possibly stale) stats, so caps hold exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from server.serve.scheduler import EngineState, QueuedRequest, Reason, SchedulerConfig, schedule
+
+__all__ = ["Placement", "RequestTooLargeError"]
+
+
+class RequestTooLargeError(Exception):
+    """A step needs more tokens than any engine may run at once (its prompt + max_tokens): it would wait
+    forever, so it fails (HTTP 413)."""
+
+    http_status = 413
+    error_type = "request_too_large"
+
+
+@dataclass
+class _Waiting:
+    request: QueuedRequest
+    future: asyncio.Future[int]
+
+
+class Placement:
+    """Steps waiting for an engine, and what runs where. ``engines()`` gives the engines in service with
+    their caps (``running`` is filled in here)."""
+
+    def __init__(
+        self, engines: Callable[[], list[EngineState]], config: SchedulerConfig | None = None
+    ) -> None:
+        self._engines = engines
+        self._config = config or SchedulerConfig()
+        self._waiting: dict[str, _Waiting] = {}
+        self._running: Counter[int] = Counter()  # engine -> tokens placed there and not released
+        self._latency: Counter[int] = Counter()  # engine -> latency-critical steps running there
+        self._seq = itertools.count()
+        self._pass_pending = False
+        self.placed: Counter[tuple[int, Reason]] = Counter()  # (engine, branch) -> steps, for metrics
+
+    def next_seq(self) -> int:
+        """Arrival order for a new request."""
+        return next(self._seq)
+
+    async def acquire(self, request: QueuedRequest) -> int:
+        """Wait until the scheduler places ``request``; returns its engine id. Pair with `release`."""
+        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._waiting[request.key] = _Waiting(request, future)
+        self._request_pass()
+        try:
+            return await future
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled() and future.exception() is None:
+                self.release(future.result(), request)  # placed just as the waiter went away
+            raise
+        finally:
+            self._waiting.pop(request.key, None)
+
+    def release(self, engine_id: int, request: QueuedRequest) -> None:
+        """``request`` finished (or failed) on ``engine_id``: its tokens are free for others."""
+        self._running[engine_id] -= request.tokens
+        if request.criteria == "latency":
+            self._latency[engine_id] -= 1
+        self._request_pass()
+
+    def running_tokens(self, engine_id: int) -> int:
+        return self._running[engine_id]
+
+    def _request_pass(self) -> None:
+        if not self._pass_pending:
+            self._pass_pending = True
+            asyncio.get_running_loop().call_soon(self._pass)
+
+    def _pass(self) -> None:
+        self._pass_pending = False
+        waiting = [w for w in self._waiting.values() if not w.future.done()]
+        if not waiting:
+            return
+        engines = [
+            replace(e, running=self._running[e.engine_id], latency_running=self._latency[e.engine_id] > 0)
+            for e in self._engines()
+        ]
+        decision = schedule([w.request for w in waiting], engines, self._config)
+        unfit = set(decision.unfit)
+        for w in waiting:
+            key = w.request.key
+            if key in decision.assignments:
+                engine_id = decision.assignments[key]
+                self._running[engine_id] += w.request.tokens
+                if w.request.criteria == "latency":
+                    self._latency[engine_id] += 1
+                self.placed[engine_id, decision.reasons[key]] += 1
+                w.future.set_result(engine_id)
+            elif key in unfit:
+                caps = ", ".join(f"engine {e.engine_id}: {e.cap_for(w.request.criteria)}" for e in engines)
+                w.future.set_exception(
+                    RequestTooLargeError(
+                        f"the step needs {w.request.tokens} tokens (prompt + max_tokens) but engines run at "
+                        f"most {caps or 'nothing (no engine serves its model)'}: shorten the prompt or "
+                        "lower max_tokens"
+                    )
+                )
+            else:  # waits for the next pass; its age counts toward the scheduler's aging rule
+                w.request = replace(w.request, waited=w.request.waited + 1)

@@ -1,0 +1,59 @@
+"""Application-centric scheduling on real engines: two in-process tiny engines behind one manager."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import parrot as P
+import pytest
+
+from server.engine import EngineConfig
+from server.launcher import LaunchedServer, launch
+
+SYSTEM = " ".join(f"Guideline {i}: answer about topic {i} briefly." for i in range(40))
+
+
+@pytest.fixture(scope="module")
+def two_engines() -> Iterator[LaunchedServer]:
+    with launch(engines=2, engine_config=EngineConfig(num_kv_blocks=512)) as s:
+        yield s
+
+
+def test_a_shared_prefix_app_runs_where_its_prefix_lives(two_engines: LaunchedServer) -> None:
+    ask = P.SemanticFunction.from_template(
+        SYSTEM + " Question: {{input:q}} Answer: {{output:a}}",
+        name="ask",
+        sampling=P.SamplingConfig(max_tokens=4),
+        criteria=P.THROUGHPUT,  # wanted at submit: the whole burst is runnable at once
+    )
+    before = [e.stats().prefill_tokens_computed for e in two_engines.engines]
+    placed_before = two_engines.manager.placement.placed.copy()
+    with P.Session(two_engines.url):
+        first = [ask(q=f"what about topic {i}?") for i in range(8)]
+        assert all(isinstance(a.get(), str) for a in first)  # one burst: placed together
+        for i in range(4):  # one at a time: each goes where the prefix context lives
+            assert isinstance(ask(q=f"and topic {i}?").get(), str)
+    computed = [
+        e.stats().prefill_tokens_computed - b for e, b in zip(two_engines.engines, before, strict=True)
+    ]
+    placed = two_engines.manager.placement.placed - placed_before
+    (engine,) = {e for e, _ in placed}  # every step of the app on one engine
+    assert computed[1 - engine] == 0
+    assert placed[engine, "queue_prefix"] == 8  # the burst, placed together
+    assert placed[engine, "context"] == 4  # later calls follow the prefix context
+
+
+def test_independent_apps_spread_over_both_engines(two_engines: LaunchedServer) -> None:
+    step = P.SemanticFunction.from_template(
+        "Story {{input:x}}: {{output:y}}",
+        name="step",
+        sampling=P.SamplingConfig(max_tokens=4),
+        criteria=P.LATENCY,
+    )
+    placed_before = two_engines.manager.placement.placed.copy()
+    with P.Session(two_engines.url):
+        outs = [step(x=f"number {i} " * (i + 1)) for i in range(6)]
+        assert all(isinstance(o.get(), str) for o in outs)
+    placed = two_engines.manager.placement.placed - placed_before
+    # Latency work goes to the least loaded engine: the burst is spread, not piled on one engine.
+    assert {e for e, _ in placed} == {0, 1}
