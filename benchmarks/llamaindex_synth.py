@@ -131,11 +131,10 @@ def clients(served: Served, cfg: BenchConfig, chunks: list[str]) -> dict[str, di
     def concurrent(synth: BaseSynthesizer) -> Run:
         return lambda: str(asyncio.run(synth.aget_response(QUERY, chunks)))
 
-    return {
+    runs = {
         CHAIN: {
             PARROT: sync(ParrotRefine(llm=chain_llm)),
             BASELINE: sync(Refine(llm=chain_rendered, prompt_helper=chain_helper)),
-            SEMANTIC: sync(Refine(llm=chain_llm, prompt_helper=chain_helper)),
         },
         MAP_REDUCE: {
             PARROT: sync(ParrotTreeSummarize(llm=tree_llm)),
@@ -143,9 +142,12 @@ def clients(served: Served, cfg: BenchConfig, chunks: list[str]) -> dict[str, di
             BASELINE_ASYNC: concurrent(
                 TreeSummarize(llm=tree_rendered, prompt_helper=tree_helper, use_async=True)
             ),
-            SEMANTIC: sync(TreeSummarize(llm=tree_llm, prompt_helper=tree_helper)),
         },
     }
+    if cfg.semantic_calls_client:
+        runs[CHAIN][SEMANTIC] = sync(Refine(llm=chain_llm, prompt_helper=chain_helper))
+        runs[MAP_REDUCE][SEMANTIC] = sync(TreeSummarize(llm=tree_llm, prompt_helper=tree_helper))
+    return runs
 
 
 def calls_per_query(served: Served, cfg: BenchConfig, chunks: list[str]) -> dict[str, int]:

@@ -74,7 +74,9 @@ def submit_chain(compiled: CompiledChain, chunks: list[str]) -> list[P.Variable]
     return steps
 
 
-def run_compiled(compiled: CompiledChain, url: str, chunks: list[str], on_step: Callable[[], None] | None = None) -> str:
+def run_compiled(
+    compiled: CompiledChain, url: str, chunks: list[str], on_step: Callable[[], None] | None = None
+) -> str:
     """The chain summary through `compile_chain`: one submission, the last summary fetched once.
 
     ``on_step`` is called as each step finishes on the server (it fetches the intermediate summaries to
@@ -163,4 +165,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except P.ParrotError as e:  # server down, slow or refusing: say which and why, without a traceback
+        raise SystemExit(f"error: {e}") from None

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import parrot as P
 from llama_index.core import Document, SummaryIndex
 from llama_index.core.node_parser import SentenceSplitter
 from llamaindex_parrot import ParrotLLM, get_response_synthesizer, load_tokenizer
@@ -69,9 +70,12 @@ def main() -> None:
     print(f"indexed {TEXT.name}: {len(nodes)} chunks")
 
     with service(args.server) as url:
-        llm = ParrotLLM(
-            url, max_tokens=args.max_tokens, context_window=args.context_window, tokenizer=tokenizer
-        )
+        try:
+            llm = ParrotLLM(
+                url, max_tokens=args.max_tokens, context_window=args.context_window, tokenizer=tokenizer
+            )
+        except P.ConnectionError as e:
+            raise SystemExit(f"error: {e}") from None
         print(f"model {llm.metadata.model_name} at {url}\nquestion: {args.question}\n")
         for mode in ("tree_summarize", "refine"):
             synthesizer = get_response_synthesizer(llm, mode)

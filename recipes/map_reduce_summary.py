@@ -112,7 +112,9 @@ def main(argv: list[str] | None = None) -> None:
     chunks = make_chunks(args.chunks, args.chunk_words)
     with service(args.server, args.model) as (url, model):
         chat = ChatParrot(
-            base_url=url, model=model, chat_format=ChatFormat.from_pretrained(chat_format_dir(args.model, args.model_dir))
+            base_url=url,
+            model=model,
+            chat_format=ChatFormat.from_pretrained(chat_format_dir(args.model, args.model_dir)),
         )
         summarize = compile_chain(build_summarize(chat.bind(max_tokens=args.map_tokens)))
         combine = compile_chain(build_combine(chat.bind(max_tokens=args.reduce_tokens)))
@@ -122,4 +124,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except P.ParrotError as e:  # server down, slow or refusing: say which and why, without a traceback
+        raise SystemExit(f"error: {e}") from None

@@ -20,8 +20,9 @@ chain.invoke({"text": "..."})
 
 from langchain_parrot.chat_format import TINY_MODEL_DIR, ChatFormat
 from langchain_parrot.chat_models import ChatParrot
-from langchain_parrot.compile import ClientSideStepWarning, CompiledChain, compile_chain
+from langchain_parrot.compile import CompiledChain, compile_chain
 from langchain_parrot.errors import (
+    ClientSideStepWarning,
     CompileError,
     MissingVariableError,
     ParrotLangChainError,

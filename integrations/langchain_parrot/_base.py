@@ -10,7 +10,7 @@ sample alike.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 from langchain_core.language_models import LangSmithParams
@@ -20,13 +20,9 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr
 
 from langchain_parrot._http import ServerConnection
 
-__all__ = ["DEFAULT_BASE_URL", "UNBOUNDED_MAX_TOKENS", "CallParams", "ParrotModelBase"]
+__all__ = ["DEFAULT_BASE_URL", "CallParams", "ParrotModelBase"]
 
 DEFAULT_BASE_URL = "http://127.0.0.1:9000"
-
-# ``max_tokens=None`` means "until EOS or the end of the context window", as OpenAI-style servers do; a
-# semantic call needs a number, and the engine stops at the window's end anyway.
-UNBOUNDED_MAX_TOKENS = 2**31 - 1
 
 # The call-time keywords a model takes (from ``invoke(..., **kwargs)`` or ``.bind(**kwargs)``).
 _CALL_KWARGS = frozenset(
@@ -67,9 +63,12 @@ class CallParams:
         return body
 
     def sampling(self) -> SamplingConfig:
-        """The same parameters for a semantic function call."""
+        """The same parameters for a semantic function call (which needs a ``max_tokens``: the server
+        reserves prompt + max_tokens for each call it places)."""
+        if self.max_tokens is None:
+            raise ValueError("a semantic call needs max_tokens")
         return SamplingConfig(
-            max_tokens=UNBOUNDED_MAX_TOKENS if self.max_tokens is None else self.max_tokens,
+            max_tokens=self.max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
@@ -176,12 +175,14 @@ class ParrotModelBase(BaseModel):
             "ignore_eos": self.ignore_eos,
         }
 
-    def _parrot_ls_params(self, kind: str, stop: list[str] | None, kwargs: dict[str, Any]) -> LangSmithParams:
+    def _parrot_ls_params(
+        self, kind: Literal["chat", "llm"], stop: list[str] | None, kwargs: dict[str, Any]
+    ) -> LangSmithParams:
         params = self.call_params(stop, **{k: v for k, v in kwargs.items() if k in _CALL_KWARGS})
         ls = LangSmithParams(
             ls_provider="parrot",
             ls_model_name=params.model or self.model,
-            ls_model_type=kind,  # type: ignore[typeddict-item]
+            ls_model_type=kind,
             ls_temperature=params.temperature,
         )
         if params.max_tokens is not None:

@@ -175,7 +175,6 @@ class ServerConnection:
     def stream(self, path: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
         """POST ``body`` and yield each server-sent event's JSON until ``[DONE]``."""
         url = self.url(path)
-        events: Iterator[dict[str, Any]] | None = None
 
         def attempt() -> tuple[dict[str, Any] | None, Iterator[dict[str, Any]]]:
             gen = self._stream_events(url, body)

@@ -25,6 +25,17 @@ passes futures along, so the whole chain is sent as one submission and only its 
 Anything else (a Python function, another provider's model, a router) runs on the client, on concrete
 values: what it needs from earlier model steps is fetched first. `compile_chain` names those steps in one
 `ClientSideStepWarning`. A parser with no transform is an `UnsupportedParserError` at compile time.
+
+Where a compiled chain differs from the original (same server, greedy decoding: same prompts, same text):
+
+* a compiled model step needs ``max_tokens`` (the server reserves prompt + max_tokens per call; used
+  directly, ``None`` means "up to the context window"): `CompileError` otherwise;
+* a chat model's ``AIMessage`` carries its content only — no usage or response metadata;
+* a parser that fails on the server (invalid JSON or XML) and a key that is missing from a server-side
+  lookup fail the output variable: `parrot.VariableFailedError` (with the parser's message) instead of
+  LangChain's ``OutputParserException`` / ``KeyError`` (a missing `RunnablePick` key is None in LangChain);
+  pydantic validation runs on the client and raises LangChain's own error;
+* callbacks see one run for the whole compiled chain (client-side steps still report their own).
 """
 
 from __future__ import annotations
@@ -35,6 +46,7 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 import parrot as P
+from langchain_core.language_models import BaseLanguageModel
 from langchain_core.prompts import BasePromptTemplate
 from langchain_core.runnables import (
     Runnable,
@@ -53,7 +65,7 @@ from langchain_parrot._base import ParrotModelBase
 from langchain_parrot._http import ServerConnection
 from langchain_parrot.chat_format import ChatFormat
 from langchain_parrot.chat_models import ChatParrot
-from langchain_parrot.errors import CompileError
+from langchain_parrot.errors import ClientSideStepWarning, CompileError
 from langchain_parrot.parsers import is_output_parser, plan_output
 from langchain_parrot.runner import in_session, in_session_async, run_async, run_sync
 from langchain_parrot.steps import (
@@ -73,10 +85,6 @@ from langchain_parrot.submission import Program, RunClient, Submission
 from langchain_parrot.values import Pending
 
 __all__ = ["ClientSideStepWarning", "CompiledChain", "compile_chain"]
-
-
-class ClientSideStepWarning(UserWarning):
-    """Some steps of a compiled chain run on the client (named in the message)."""
 
 
 # --------------------------------------------------------------------------------------------- building
@@ -112,7 +120,7 @@ class _Builder:
         label = runnable.get_name()
         if why is not None:
             self.client_side.append(f"{label!r} ({why})")
-        return ClientStep(runnable, label, opaque=why is not None)
+        return ClientStep(runnable, label)
 
     def build(self, runnable: Any) -> Step:
         if isinstance(runnable, RunnableSequence):
@@ -136,6 +144,8 @@ class _Builder:
                 return SequenceStep(self.sequence([runnable]))
             if not runnable.kwargs and type(runnable) is RunnableBinding:
                 return self.build(runnable.bound)  # with_config(...) on a chain: its steps compile as usual
+        if isinstance(runnable, BaseLanguageModel):
+            return self.client(runnable, "not a Parrot model")
         return self.client(runnable, "not an LCEL step compile_chain knows")
 
     def function(self, runnable: RunnableLambda[Any, Any]) -> Step:

@@ -1,4 +1,4 @@
-"""Typed exceptions of the LangChain integration.
+"""Typed exceptions (and the one warning) of the LangChain integration.
 
 Errors about the service itself (server down, timeouts, HTTP status codes, failed variables) are the
 `parrot` client's own typed errors (`parrot.errors`), raised unchanged or with the URL and the number of
@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 __all__ = [
+    "ClientSideStepWarning",
     "CompileError",
     "MissingVariableError",
     "ParrotLangChainError",
@@ -54,3 +55,8 @@ class MissingVariableError(ParrotLangChainError, KeyError):
 
     def __str__(self) -> str:  # KeyError's str() is the repr of its argument: keep the message readable
         return self.message
+
+
+class ClientSideStepWarning(UserWarning):
+    """Part of a compiled chain runs on the client (named in the message): values it needs from earlier
+    model steps are fetched first, a client round trip the rest of the chain does not pay."""

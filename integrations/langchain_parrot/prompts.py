@@ -41,8 +41,10 @@ from langchain_parrot.messages import to_wire_messages
 __all__ = [
     "NotExpressibleError",
     "Rendered",
+    "identity_prompt",
     "plain_variables",
     "prompt_inputs",
+    "prompt_value_text",
     "render_prompt",
 ]
 

@@ -8,7 +8,8 @@ produced yet, which later steps bind as variables of their own calls instead of 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,7 @@ from parrot.protocol import escape_text
 
 from langchain_parrot._base import CallParams, ParrotModelBase
 from langchain_parrot.chat_format import ChatFormat
+from langchain_parrot.errors import ClientSideStepWarning, CompileError
 from langchain_parrot.parsers import OutputPlan
 from langchain_parrot.prompts import (
     NotExpressibleError,
@@ -61,9 +63,18 @@ class Step:
         """Lines for `CompiledChain.explain`."""
         return [f"{indent}{self.label}"]
 
-    def server_side(self) -> bool:
-        """Whether the step runs without the client (all its model calls as semantic calls)."""
-        return True
+    def fetch(self, value: Any, sub: Submission, why: str) -> Program:
+        """``value`` made concrete: its server-produced parts are fetched first (warned once per step)."""
+        if not contains_symbolic(value):
+            return value
+        if not self.__dict__.get("_fetch_warned"):
+            self.__dict__["_fetch_warned"] = True
+            warnings.warn(
+                f"compiled step {self.label}: {why}, so it is fetched to the client first (a round trip)",
+                ClientSideStepWarning,
+                stacklevel=2,
+            )
+        return (yield from sub.resolve(value))
 
 
 @dataclass
@@ -105,8 +116,8 @@ class AssignStep(Step):
     label: str = "assign"
 
     def run(self, value: Any, sub: Submission) -> Program:
-        if is_symbolic(value):  # a dict the server is producing: its keys are needed here
-            value = yield from sub.resolve(value)
+        if is_symbolic(value):
+            value = yield from self.fetch(value, sub, "it assigns to a dict a model step produces (its keys)")
         if not isinstance(value, dict):
             raise ValueError("The input to RunnablePassthrough.assign() must be a dict.")
         added = yield from self.mapper.run(value, sub)
@@ -136,7 +147,9 @@ class PickStep(Step):
         if isinstance(value, Pending) and isinstance(self.keys, str):
             return value.project(("pick", self.keys))
         if is_symbolic(value):
-            value = yield from sub.resolve(value)
+            value = yield from self.fetch(
+                value, sub, "it picks several keys of a value a model step produces"
+            )
         if not isinstance(value, dict):
             raise ValueError("The input to RunnablePassthrough.assign() must be a dict.")
         if isinstance(self.keys, str):
@@ -156,7 +169,7 @@ class ItemStep(Step):
         if isinstance(value, Pending) and len(self.items) == 1:
             return value.project(("item", self.items[0]))
         if is_symbolic(value):
-            value = yield from sub.resolve(value)
+            value = yield from self.fetch(value, sub, "it gets items of a value a model step produces")
         if len(self.items) == 1:
             return value[self.items[0]]
         return tuple(value[item] for item in self.items)
@@ -171,13 +184,15 @@ class JoinStep(Step):
 
     def run(self, value: Any, sub: Submission) -> Program:
         if isinstance(value, list) and all(isinstance(v, str) or _text(v) for v in value):
+            if not contains_symbolic(value):
+                return self.separator.join(value)
             parts: list[str | Pending] = []
             for i, item in enumerate(value):
                 if i:
                     parts.append(self.separator)
                 parts.extend(item.parts if isinstance(item, Concat) else [item])
-            return Concat(tuple(parts)) if contains_symbolic(value) else "".join(parts)  # type: ignore[arg-type]
-        value = yield from sub.resolve(value)
+            return Concat(tuple(parts))
+        value = yield from self.fetch(value, sub, "it joins values model steps produce that may not be text")
         return self.separator.join(value)  # raises what str.join raises for non-text items
 
 
@@ -195,8 +210,10 @@ class EachStep(Step):
     label: str = "map"
 
     def run(self, value: Any, sub: Submission) -> Program:
-        if is_symbolic(value):  # a list the server is producing: its length is needed here
-            value = yield from sub.resolve(value)
+        if is_symbolic(value):
+            value = yield from self.fetch(
+                value, sub, "it maps over a list a model step produces (its length)"
+            )
         out = []
         for item in value:
             out.append((yield from self.inner.run(item, sub)))
@@ -205,9 +222,6 @@ class EachStep(Step):
     def describe(self, indent: str = "") -> list[str]:
         return [f"{indent}map:", *self.inner.describe(indent + "  ")]
 
-    def server_side(self) -> bool:
-        return self.inner.server_side()
-
 
 @dataclass
 class ClientStep(Step):
@@ -215,7 +229,6 @@ class ClientStep(Step):
 
     runnable: Runnable[Any, Any]
     label: str
-    opaque: bool = True  # Python code, not a LangChain step with a known meaning
 
     def run(self, value: Any, sub: Submission) -> Program:
         if contains_symbolic(value):
@@ -224,9 +237,6 @@ class ClientStep(Step):
 
     def describe(self, indent: str = "") -> list[str]:
         return [f"{indent}{self.label} (client-side)"]
-
-    def server_side(self) -> bool:
-        return False
 
 
 @dataclass
@@ -241,10 +251,18 @@ class ModelStep(Step):
     chat_format: ChatFormat | None
     plain: frozenset[str] = field(init=False)
     params: CallParams = field(init=False)
+    _warned: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.plain = plain_variables(self.prompt) if self.prompt is not None else frozenset({"input"})
         self.params = self.model.call_params(**self.kwargs)  # raises at compile time for bad kwargs
+        if self.params.max_tokens is None:
+            # Used directly, the model generates up to the context window; a semantic call has no such
+            # setting (the server reserves prompt + max_tokens when it places a call), so ask for a bound.
+            raise CompileError(
+                f"{type(self.model).__name__} at step {self.label} has no max_tokens: a compiled model step "
+                "needs one (set max_tokens on the model, or bind it: model.bind(max_tokens=256))"
+            )
 
     def describe(self, indent: str = "") -> list[str]:
         return [f"{indent}{self.label} (server-side)"]
@@ -253,25 +271,47 @@ class ModelStep(Step):
         prompt = self.prompt
         if prompt is None:
             if not (isinstance(value, str) or _text(value)):
-                value = yield from sub.resolve(value)
+                value = yield from self.fetch(
+                    value, sub, "its input is a non-text value a model step produces"
+                )
                 rendered = Rendered(pieces=[prompt_value_text(_prompt_value(value), self.chat_format)])
                 return sub.add_call(self._call(rendered))
             prompt = identity_prompt()
         elif isinstance(value, Pending) and not value.is_text:
             # A structured value the server is producing: whether it is a dict (the variables) or one value
             # is only known once it exists.
-            value = yield from sub.resolve(value)
+            value = yield from self.fetch(value, sub, "its input is a structured value a model step produces")
         variables = prompt_inputs(prompt, value, self.label)
         marked = {name: v for name, v in variables.items() if name in self.plain and _placeable(v)}
         rest = {n: v for n, v in variables.items() if n not in marked and contains_symbolic(v)}
         if rest:
+            self._warn_client_render(rest)
             variables.update((yield from sub.resolve(rest)))
         try:
             rendered = render_prompt(prompt, variables, marked, self.chat_format)
         except NotExpressibleError:
+            pending = {n: v for n, v in marked.items() if contains_symbolic(v)}
+            if pending:
+                self._warn_client_render(pending)
             variables.update((yield from sub.resolve(marked)))
             rendered = render_prompt(prompt, variables, {}, self.chat_format)
         return sub.add_call(self._call(rendered))
+
+    def _warn_client_render(self, names: Iterable[str]) -> None:
+        """Say once per step that earlier outputs are fetched to render this prompt on the client."""
+        if self._warned:
+            return
+        self._warned = True
+        listed = ", ".join(repr(n) for n in names)
+        warnings.warn(
+            f"compiled step {self.label}: {listed} come from earlier model steps, but the prompt does not "
+            "insert them as plain text (a format spec or !r, an HTML-escaped mustache {{x}}, a jinja filter "
+            "or test, a structured value in a chat message, a chat template that edits contents...), so they "
+            "are fetched and the prompt is rendered on the client (a round trip). Insert them plainly — "
+            "{x}, {{{x}}}, {{ x }} — to keep the chain on the server.",
+            ClientSideStepWarning,
+            stacklevel=2,
+        )
 
     def _call(self, rendered: Rendered) -> PendingCall:
         parts: list[str] = []

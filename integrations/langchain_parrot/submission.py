@@ -9,7 +9,7 @@ Two things are decided only then, when every use of every output is known:
 
 * a JSON/XML output used only through one key path (``json_step | itemgetter("topic")``) gets that path
   added to its transform, so its variable holds exactly what the consumers need;
-* a call nobody uses is not sent at all.
+* only the calls the outputs depend on are sent (a branch whose result was dropped costs nothing).
 
 A step that needs a value on the client (an opaque Python step, or a prompt that must be rendered
 locally) calls `Submission.resolve`: the calls that value depends on are sent first, as they are, and the
@@ -235,7 +235,7 @@ class Submission:
         for p in outputs:
             if p.call is not None:
                 p.call.demands.add(p.path)
-        yield from self.emit([c for c in self.calls if c.demands], final=True)
+        yield from self.emit([p.call for p in outputs if p.call is not None], final=True)
         return (yield from self.resolve(value))
 
     def submit(self, value: Any) -> Generator[Effect, Any, dict[str, P.Variable]]:
@@ -245,10 +245,12 @@ class Submission:
         the client becomes a new variable of the session; other values and joined texts cannot be one.
         """
         outputs = value if isinstance(value, dict) else {"output": value}
+        calls: list[PendingCall] = []
         for item in outputs.values():
             if isinstance(item, Pending) and item.call is not None:
                 item.call.demands.add(item.path)
-        yield from self.emit([c for c in self.calls if c.demands], final=True)
+                calls.append(item.call)
+        yield from self.emit(calls, final=True)
         variables: dict[str, P.Variable] = {}
         for key, item in outputs.items():
             if isinstance(item, Pending):

@@ -118,8 +118,8 @@ class _DagSynthesis:
                 "the index and the query, or pass empty_response='...' to answer with a fixed text instead"
             )
 
-    @staticmethod
-    def _check_chunks(who: str, text_chunks: Sequence[str]) -> list[str]:
+    def _check_chunks(self, text_chunks: Sequence[str]) -> list[str]:
+        who = type(self).__name__
         if isinstance(text_chunks, str):
             raise TypeError(f"{who}: text_chunks is a list of texts, got one str; wrap it as [text]")
         if not text_chunks:
@@ -233,7 +233,7 @@ class ParrotRefine(_DagSynthesis, Refine):
         **response_kwargs: Any,
     ) -> RESPONSE_TEXT_TYPE:
         """The refined answer over ``text_chunks``: the whole chain submitted, then one ``get``."""
-        chunks = self._check_chunks(type(self).__name__, text_chunks)
+        chunks = self._check_chunks(text_chunks)
         if isinstance(prev_response, Generator):
             prev_response = get_response_text(prev_response)
         dispatcher.event(GetResponseStartEvent(query_str=query_str, text_chunks=chunks))
@@ -250,7 +250,7 @@ class ParrotRefine(_DagSynthesis, Refine):
         **response_kwargs: Any,
     ) -> RESPONSE_TEXT_TYPE:
         """``async`` form of `get_response`."""
-        chunks = self._check_chunks(type(self).__name__, text_chunks)
+        chunks = self._check_chunks(text_chunks)
         if isinstance(prev_response, AsyncGenerator):
             prev_response = await aget_response_text(prev_response)
         elif isinstance(prev_response, Generator):
@@ -312,7 +312,7 @@ class ParrotCompactAndRefine(CompactAndRefine, ParrotRefine):
         **response_kwargs: Any,
     ) -> RESPONSE_TEXT_TYPE:
         """`ParrotRefine.get_response` over the compacted chunks."""
-        chunks = self._check_chunks(type(self).__name__, text_chunks)
+        chunks = self._check_chunks(text_chunks)
         return super().get_response(query_str, chunks, prev_response, **response_kwargs)
 
     async def aget_response(
@@ -323,7 +323,7 @@ class ParrotCompactAndRefine(CompactAndRefine, ParrotRefine):
         **response_kwargs: Any,
     ) -> RESPONSE_TEXT_TYPE:
         """``async`` form of `get_response`."""
-        chunks = self._check_chunks(type(self).__name__, text_chunks)
+        chunks = self._check_chunks(text_chunks)
         return await super().aget_response(query_str, chunks, prev_response, **response_kwargs)
 
 
@@ -372,7 +372,7 @@ class ParrotTreeSummarize(_DagSynthesis, TreeSummarize):
         self, query_str: str, text_chunks: Sequence[str], **response_kwargs: Any
     ) -> RESPONSE_TEXT_TYPE:
         """The tree-summarized answer: every level's calls submitted at once, then one ``get``."""
-        chunks = self._check_chunks(type(self).__name__, text_chunks)
+        chunks = self._check_chunks(text_chunks)
         answer = run_plan(self._llm, lambda: self._plan(query_str, chunks, response_kwargs))
         return self._streamed(answer or "")
 
@@ -381,7 +381,7 @@ class ParrotTreeSummarize(_DagSynthesis, TreeSummarize):
         self, query_str: str, text_chunks: Sequence[str], **response_kwargs: Any
     ) -> RESPONSE_TEXT_TYPE:
         """``async`` form of `get_response`."""
-        chunks = self._check_chunks(type(self).__name__, text_chunks)
+        chunks = self._check_chunks(text_chunks)
         answer = await arun_plan(self._llm, lambda: self._plan(query_str, chunks, response_kwargs))
         return self._astreamed(answer or "")
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import parrot as P
 import pytest
+from langchain_core.language_models import FakeListChatModel
 from langchain_core.output_parsers import (
     CommaSeparatedListOutputParser,
     JsonOutputParser,
@@ -40,6 +41,9 @@ from langchain_parrot import (
 
 from server.launcher import LaunchedServer
 from tests.langchain_parrot.conftest import PromptRecorder
+
+# Every chain here runs wholly on the server unless a test says otherwise (with pytest.warns).
+pytestmark = pytest.mark.filterwarnings("error::langchain_parrot.ClientSideStepWarning")
 
 SYSTEM = "You are a meticulous assistant who writes short, precise answers for busy readers."
 
@@ -261,6 +265,29 @@ def test_submit_chains_futures_through_a_python_loop(chat: ChatParrot, served: L
     assert out == expected
 
 
+async def test_async_submit_and_async_client_steps(chat: ChatParrot, served: LaunchedServer) -> None:
+    refine = chat_prompt("So far: {summary}\nNext: {chunk}") | chat | StrOutputParser()
+    compiled = strict_compile(refine)
+    async with P.Session(served.url):
+        first = (await compiled.asubmit({"summary": "(none)", "chunk": "one"}))["output"]
+        second = (await compiled.asubmit({"summary": first, "chunk": "two"}))["output"]
+        got = await second.aget(criteria=P.LATENCY)
+    expected = refine.invoke(
+        {"summary": refine.invoke({"summary": "(none)", "chunk": "one"}), "chunk": "two"}
+    )
+    assert got == expected
+
+    async def ashout(text: str) -> str:
+        return text.upper()
+
+    chain = (
+        chat_prompt("Say {x}") | chat | StrOutputParser() | RunnableLambda(ashout) | chat_prompt("{y}") | chat
+    )
+    with pytest.warns(ClientSideStepWarning, match="ashout"):
+        mixed = compile_chain(chain)
+    assert (await mixed.ainvoke({"x": "hi"})).content == (await chain.ainvoke({"x": "hi"})).content
+
+
 def test_opaque_steps_run_on_the_client_with_one_warning(
     chat: ChatParrot, served: LaunchedServer, recorder: PromptRecorder
 ) -> None:
@@ -296,7 +323,8 @@ def test_uses_the_server_cannot_render_fall_back_to_the_client(
         | PromptTemplate.from_template("{a:>40} {b!r}")
         | llm
     )
-    _, counts = same_run(served, recorder, chain, {"x": "spec"})
+    with pytest.warns(ClientSideStepWarning, match=r"'a', 'b' come from earlier model steps"):
+        _, counts = same_run(served, recorder, chain, {"x": "spec"})
     assert waits(counts) >= 2  # a and b were fetched before the last call was sent
     mustache = (
         chat_prompt("One {x}")
@@ -305,7 +333,28 @@ def test_uses_the_server_cannot_render_fall_back_to_the_client(
         | PromptTemplate.from_template("escaped {{y}}", template_format="mustache")
         | llm
     )
-    same_run(served, recorder, mustache, {"x": "html"})
+    with pytest.warns(ClientSideStepWarning, match="HTML-escaped"):
+        same_run(served, recorder, mustache, {"x": "html"})
+
+
+def test_other_providers_models_run_on_the_client(
+    chat: ChatParrot, served: LaunchedServer, recorder: PromptRecorder
+) -> None:
+    fake = FakeListChatModel(responses=["a fake answer"])
+    chain = (
+        chat_prompt("Ask {x}")
+        | chat
+        | StrOutputParser()
+        | chat_prompt("Relay {y}")
+        | fake
+        | StrOutputParser()
+        | chat_prompt("Answer {z}")
+        | chat
+        | StrOutputParser()
+    )
+    with pytest.warns(ClientSideStepWarning, match=r"'FakeListChatModel' \(not a Parrot model\)"):
+        compiled = compile_chain(chain)
+    same_run(served, recorder, chain, {"x": "q"}, compiled)
 
 
 def test_json_parser_failure_is_a_failed_variable(chat: ChatParrot) -> None:
@@ -333,8 +382,15 @@ def test_untranslatable_parser_is_a_compile_error(chat: ChatParrot) -> None:
         compile_chain(chat_prompt("{a}") | chat | Upper())
 
 
+def test_a_compiled_model_step_needs_max_tokens(served: LaunchedServer, chat_format: ChatFormat) -> None:
+    unbounded = ChatParrot(base_url=served.url, chat_format=chat_format)
+    with pytest.raises(CompileError, match=r"no max_tokens.*bind\(max_tokens="):
+        compile_chain(chat_prompt("{x}") | unbounded)
+    assert compile_chain(chat_prompt("{x}") | unbounded.bind(max_tokens=3)).invoke({"x": "y"}).content
+
+
 def test_models_on_two_servers_are_a_compile_error(chat: ChatParrot, chat_format: ChatFormat) -> None:
-    other = ChatParrot(base_url="http://127.0.0.1:1", chat_format=chat_format)
+    other = ChatParrot(base_url="http://127.0.0.1:1", chat_format=chat_format, max_tokens=4)
     with pytest.raises(CompileError, match="different servers"):
         compile_chain({"a": chat_prompt("{x}") | chat, "b": chat_prompt("{x}") | other})
 
@@ -357,7 +413,7 @@ def _free_port() -> int:
 
 def test_server_down_names_the_url(chat_format: ChatFormat) -> None:
     url = f"http://127.0.0.1:{_free_port()}"
-    down = ChatParrot(base_url=url, chat_format=chat_format, max_retries=1, timeout=2)
+    down = ChatParrot(base_url=url, chat_format=chat_format, max_retries=1, timeout=2, max_tokens=4)
     compiled = strict_compile(chat_prompt("{x}") | down)
     with pytest.raises(P.ConnectionError, match=rf"{url}.*gave up after 2 attempts"):
         compiled.invoke({"x": "y"})

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage
 from langchain_core.prompts import ChatPromptTemplate, MessagesPlaceholder, PromptTemplate
-from langchain_parrot import ChatFormat, ChatParrot, MissingVariableError, ParrotLLM
+from langchain_parrot import ChatFormat, ChatParrot, MissingVariableError, ParrotLLM, UnsupportedInputError
 from langchain_parrot.messages import to_wire_messages
 from langchain_parrot.parsers import OutputPlan, plan_output
-from langchain_parrot.prompts import plain_variables
+from langchain_parrot.prompts import NotExpressibleError, plain_variables, render_prompt
 from langchain_parrot.steps import ModelStep
 from langchain_parrot.submission import PendingCall, Submission
 from langchain_parrot.values import Pending
@@ -45,9 +45,9 @@ def producer(kind: str) -> Pending:
 
 def build_call(prompt: Any, values: Any, chat_format: ChatFormat | None) -> PendingCall:
     model = (
-        ChatParrot(base_url="http://parrot.invalid")
+        ChatParrot(base_url="http://parrot.invalid", max_tokens=8)
         if chat_format
-        else ParrotLLM(base_url="http://parrot.invalid")
+        else ParrotLLM(base_url="http://parrot.invalid", max_tokens=8)
     )
     step = ModelStep(
         label="t",
@@ -197,3 +197,37 @@ def test_a_non_dict_input_needs_a_one_variable_prompt() -> None:
     assert call.template == "On {{input:topic}}:{{output:output}}" and call.inputs == {"topic": "parrots"}
     with pytest.raises(TypeError, match="expects a dict"):
         build_call(PromptTemplate.from_template("{a} {b}"), "parrots", None)
+
+
+def test_markers_only_where_the_value_is_inserted_plainly() -> None:
+    with pytest.raises(NotExpressibleError, match="formatted with '>5'"):
+        render_prompt(PromptTemplate.from_template("{a:>5}"), {}, {"a": "x"}, None)
+    rendered = render_prompt(PromptTemplate.from_template("<{a}|{a}>"), {}, {"a": "x"}, None)
+    assert rendered.pieces == ["<", 0, "|", 0, ">"] and rendered.items == ["x"]
+
+
+def test_a_chat_template_that_rewrites_contents_keeps_values_on_the_client() -> None:
+    stripping = ChatFormat(
+        lambda messages: "".join(f"[{m['role']}]{m['content'].strip()}" for m in messages),
+        bos_token=None,
+        adds_bos=False,
+    )
+    assert not stripping.transparent
+    prompt = ChatPromptTemplate.from_messages([("human", "{a}")])
+    with pytest.raises(NotExpressibleError):
+        render_prompt(prompt, {}, {"a": "x"}, stripping)
+    # Values known at submit time are simply rendered by LangChain and the chat template.
+    call = build_call(prompt, {"a": "  padded  "}, stripping)
+    assert call.template == "[user]padded{{output:output}}" and call.inputs == {}
+
+
+def test_chat_format_drops_the_bos_the_manager_adds_back(chat_format: ChatFormat) -> None:
+    text = chat_format.render([{"role": "user", "content": "hi"}])
+    assert chat_format.adds_bos and text.startswith(chat_format.bos_token or "\0")
+    assert (
+        chat_format.template_text([{"role": "user", "content": "hi"}])
+        == text[len(chat_format.bos_token or "") :]
+    )
+    broken = ChatFormat(lambda messages: "no bos here", bos_token="<s>", adds_bos=True)
+    with pytest.raises(UnsupportedInputError, match="does not start with it"):
+        broken.template_text([{"role": "user", "content": "hi"}])

@@ -145,6 +145,10 @@ def script(prompt: str) -> str:
     return "ESSAY<" + prompt.rsplit("<|user|>\n", 1)[-1].split("<|end|>")[0] + ">"
 
 
+# Every chain here runs wholly on the server unless a test says otherwise (with pytest.warns).
+pytestmark = pytest.mark.filterwarnings("error::langchain_parrot.ClientSideStepWarning")
+
+
 class Parrot(BaseModel):
     name: str
     age: int
@@ -175,7 +179,7 @@ def served_script() -> Iterator[Served]:
 
 @pytest.fixture(scope="module")
 def chat(served_script: Served, chat_format: ChatFormat) -> ChatParrot:
-    return ChatParrot(base_url=served_script.url, chat_format=chat_format, model="scripted")
+    return ChatParrot(base_url=served_script.url, chat_format=chat_format, model="scripted", max_tokens=64)
 
 
 def prompt(human: str) -> ChatPromptTemplate:
@@ -219,12 +223,16 @@ def test_json_key_feeds_the_next_prompt_in_one_submission(
     assert engine.prompts[mark + 1] == chat_format.bos_token + expected
 
 
-def test_pick_and_xml_key(chat: ChatParrot) -> None:
+def test_a_value_piped_into_a_prompt_is_fetched_when_it_may_be_a_dict(chat: ChatParrot) -> None:
+    # `x | prompt` uses x as the prompt's variables if x is a dict, else as its one variable: a value the
+    # server is producing is fetched to decide (the warning says so). A dict literal names the variable
+    # and keeps the chain on the server (test_json_key_feeds_the_next_prompt_in_one_submission).
     plan = prompt("Plan an essay about {subject}") | chat | JsonOutputParser()
     chain = plan | RunnablePick("topic") | prompt("Write about {topic}") | chat | StrOutputParser()
-    assert compile_chain(chain).invoke({"subject": "x"}) == "ESSAY<Write about parrots>"
+    with pytest.warns(ClientSideStepWarning, match="its input is a structured value"):
+        assert compile_chain(chain).invoke({"subject": "x"}) == "ESSAY<Write about parrots>"
     card = prompt("An XML card for {who}") | chat | XMLOutputParser()
-    chain = card | itemgetter("card") | prompt("Write about {card}") | chat | StrOutputParser()
+    chain = {"card": card | itemgetter("card")} | prompt("Write about {card}") | chat | StrOutputParser()
     expected = chain.invoke({"who": "Polly"})  # LangChain renders the parsed list of dicts with str()
     assert compile_chain(chain).invoke({"who": "Polly"}) == expected
     assert "[{'name': 'Polly'}, {'age': '3'}]" in expected
@@ -234,7 +242,8 @@ def test_two_keys_of_one_output_are_fetched_once_then_bound(served_script: Serve
     plan = prompt("Plan an essay about {subject}") | chat | JsonOutputParser()
     chain = plan | prompt("Write about {topic} for {audience}") | chat | StrOutputParser()
     compiled = compile_chain(chain)
-    out, counts = counted(served_script.app, lambda: compiled.invoke({"subject": "x"}))
+    with pytest.warns(ClientSideStepWarning, match="structured value"):
+        out, counts = counted(served_script.app, lambda: compiled.invoke({"subject": "x"}))
     assert out == chain.invoke({"subject": "x"}) == "ESSAY<Write about parrots for kids>"
     assert counts[("POST", "/v1/sessions")] == 1
 

@@ -182,5 +182,6 @@ def test_unknown_model_and_oversized_window_are_refused(served: LaunchedServer) 
 
 def test_a_prompt_over_the_window_fails_with_the_servers_reason(llm: ParrotLLM) -> None:
     huge = {"context_str": "word " * 6000, "query_str": "?"}
-    with pytest.raises(P.VariableFailedError, match="context window is 4096 tokens"):
+    # The server's explanation comes through (its wording is the server's; it names the 4096-token window).
+    with pytest.raises(P.VariableFailedError, match="4096"):
         llm.predict(DEFAULT_TEXT_QA_PROMPT_SEL, **huge)
