@@ -53,6 +53,7 @@ import parrot as P
 from parrot.protocol import TemplatePlaceholder, TemplateText, parse_template
 
 from benchmarks.common import (
+    ClientResult,
     Spread,
     load_average,
     log,
@@ -225,16 +226,10 @@ def run_baseline(served: Served, client: httpx.Client, chunks: list[str], max_to
 
 # ----------------------------------------------------------------------------------------------- measuring
 @dataclass
-class ClientResult:
-    """One client in one setting: per-repeat latencies and requests per chain."""
+class ChainClientResult(ClientResult):
+    """A client of the chain benchmark; also the latency including the session's close."""
 
-    seconds: list[float] = field(default_factory=list)
     seconds_with_close: list[float] = field(default_factory=list)
-    requests: list[int] = field(default_factory=list)
-
-    @property
-    def spread(self) -> Spread:
-        return Spread.of(self.seconds)
 
 
 @dataclass
@@ -242,7 +237,7 @@ class SettingResult:
     """All clients in one setting (with or without the simulated network delay)."""
 
     delay: bool
-    clients: dict[str, ClientResult]
+    clients: dict[str, ChainClientResult]
     repeats: int
 
     def speedup(self, client: str) -> float:
@@ -293,7 +288,7 @@ def measure_setting(
 ) -> SettingResult:
     """``cfg.repeats`` chains per client, interleaved, rotating which client goes first."""
     served.delay.enabled = delay
-    results = {name: ClientResult() for name in CLIENTS}
+    results = {name: ChainClientResult() for name in CLIENTS}
     runners: dict[str, Callable[[], ChainRun]] = {
         PARROT: lambda: run_parrot(served, fns[PARROT], chunks),
         PARROT_SUBMIT: lambda: run_parrot(served, fns[PARROT_SUBMIT], chunks),

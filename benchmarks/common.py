@@ -18,7 +18,7 @@ import statistics
 import subprocess
 import sys
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -178,6 +178,19 @@ class Spread:
 
     def as_dict(self) -> dict[str, float | int]:
         return {"median": self.median, "min": self.lo, "max": self.hi, "n": self.n}
+
+
+@dataclass
+class ClientResult:
+    """One client in one setting of an application benchmark: per-repeat latencies (seconds) and the HTTP
+    requests each run made."""
+
+    seconds: list[float] = field(default_factory=list)
+    requests: list[int] = field(default_factory=list)
+
+    @property
+    def spread(self) -> Spread:
+        return Spread.of(self.seconds)
 
 
 def safe_ratio(a: float, b: float) -> float:

@@ -41,7 +41,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,7 @@ if not __package__:
 from langchain_parrot import TINY_MODEL_DIR, ChatFormat, ChatParrot, compile_chain
 
 from benchmarks.common import (
+    ClientResult,
     Spread,
     load_average,
     log,
@@ -154,18 +155,6 @@ def make_apps(url: str, cfg: BenchConfig) -> list[App]:
 
 
 # ----------------------------------------------------------------------------------------------- measuring
-@dataclass
-class ClientResult:
-    """One client, one app, one setting: per-repeat latencies and requests per run."""
-
-    seconds: list[float] = field(default_factory=list)
-    requests: list[int] = field(default_factory=list)
-
-    @property
-    def spread(self) -> Spread:
-        return Spread.of(self.seconds)
-
-
 @dataclass
 class AppResult:
     app: str

@@ -41,7 +41,7 @@ import asyncio
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +55,7 @@ from llamaindex_parrot import ParrotLLM, ParrotRefine, ParrotTreeSummarize
 
 from benchmarks.chain_dependent import Served, make_chunks, serve
 from benchmarks.common import (
-    Spread,
+    ClientResult,
     load_average,
     log,
     machine_info,
@@ -160,18 +160,6 @@ def calls_per_query(served: Served, cfg: BenchConfig, chunks: list[str]) -> dict
 
 
 # ----------------------------------------------------------------------------------------------- measuring
-@dataclass
-class ClientResult:
-    """One client in one setting: per-repeat latencies and HTTP requests per query."""
-
-    seconds: list[float] = field(default_factory=list)
-    requests: list[int] = field(default_factory=list)
-
-    @property
-    def spread(self) -> Spread:
-        return Spread.of(self.seconds)
-
-
 @dataclass
 class SettingResult:
     """One workload in one setting (with or without the simulated network delay)."""
