@@ -17,7 +17,8 @@ import platform
 import statistics
 import subprocess
 import sys
-from collections.abc import Iterable, Sequence
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -135,9 +136,12 @@ def stdlib_text(min_chars: int) -> str:
         except ImportError:  # a stripped-down Python: skip, the text just comes from fewer modules
             continue
         docs = [inspect.getdoc(module)]
-        for member_name, member in sorted(inspect.getmembers(module), key=lambda kv: kv[0]):
-            if not member_name.startswith("_"):
-                docs.append(inspect.getdoc(member))
+        with warnings.catch_warnings():  # deprecated members (typing.io, ...) warn when touched
+            warnings.simplefilter("ignore", DeprecationWarning)
+            members = sorted(inspect.getmembers(module), key=lambda kv: kv[0])
+            docs += [
+                inspect.getdoc(member) for member_name, member in members if not member_name.startswith("_")
+            ]
         # A member's docstring may be inherited (int, object, ...): keep each text once.
         seen: set[str] = set()
         for doc in docs:
@@ -150,6 +154,35 @@ def stdlib_text(min_chars: int) -> str:
     while len(text) < min_chars:
         text = text + "\n\n" + text
     return text
+
+
+def document_chunks(tokenizer: Any, count: int, chunk_tokens: int) -> list[str]:
+    """``count`` consecutive pieces of `stdlib_text`, ``chunk_tokens`` tokens each under ``tokenizer`` (a
+    Hugging Face tokenizer), decoded back to text: a long document cut into parts."""
+    need = count * chunk_tokens
+    chars = 4 * need
+    while True:
+        ids = tokenizer(stdlib_text(chars), add_special_tokens=False).input_ids
+        if len(ids) >= need:
+            break
+        chars *= 2
+    return [tokenizer.decode(ids[i * chunk_tokens : (i + 1) * chunk_tokens]) for i in range(count)]
+
+
+def render_template(template: str, values: Mapping[str, str]) -> str:
+    """A request-centric client's rendering of a Parrot template: constant text with the input values in,
+    cut at the first output placeholder — exactly the prompt the Parrot server renders for that step."""
+    from parrot.protocol import TemplatePlaceholder, TemplateText, parse_template
+
+    parts: list[str] = []
+    for piece in parse_template(template):
+        if isinstance(piece, TemplateText):
+            parts.append(piece.text)
+        elif isinstance(piece, TemplatePlaceholder) and piece.role == "input":
+            parts.append(values[piece.name])
+        else:
+            break
+    return "".join(parts)
 
 
 # ----------------------------------------------------------------------------------------------- statistics

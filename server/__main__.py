@@ -29,6 +29,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--session-ttl", type=float, default=600.0)
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument(
+        "--max-running-tokens",
+        type=int,
+        default=None,
+        help="each engine's FIFO token cap on its running batch (the latency-capped baseline; default: none)",
+    )
+    p.add_argument(
         "--network-delay",
         type=float,
         nargs=2,
@@ -38,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    engines = build_engines(args.model, args.engines, EngineConfig(num_kv_blocks=args.num_kv_blocks))
+    config = EngineConfig(num_kv_blocks=args.num_kv_blocks, max_running_tokens=args.max_running_tokens)
+    engines = build_engines(args.model, args.engines, config)
     try:
         app: ASGIApp = create_app(Manager(engines, ManagerConfig(session_ttl=args.session_ttl)))
         if args.network_delay is not None:

@@ -76,6 +76,9 @@ class EngineGenerateRequest(_Strict):
     parent_context_id: int | None = None
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     stream: bool = False
+    # While this generate runs, the engine's running requests reserve at most this many tokens (prompt
+    # tokens of their own + tokens still to generate), its own included; None: no latency cap.
+    latency_cap: int | None = Field(default=None, ge=1)
 
 
 class EngineGenerateResponse(BaseModel):

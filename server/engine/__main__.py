@@ -29,6 +29,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument(
+        "--max-running-tokens",
+        type=int,
+        default=None,
+        help="FIFO token cap on the running batch: prompt + max new tokens of what runs (default: none)",
+    )
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--shared-prefix-decode", default="auto", choices=["auto", "always", "never"])
     join = p.add_argument_group("joining a manager")
@@ -55,6 +61,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         num_kv_blocks=args.num_kv_blocks,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
+        max_running_tokens=args.max_running_tokens,
         max_model_len=args.max_model_len,
         dtype=args.dtype,
         shared_prefix_decode=args.shared_prefix_decode,

@@ -116,9 +116,13 @@ def create_engine_app(engine: LLMEngine, link: ManagerLink | None = None) -> Fas
     async def generate(req: EngineGenerateRequest) -> EngineGenerateResponse | StreamingResponse:
         sampling = SamplingParams(**req.sampling.model_dump())
         if not req.stream:
-            result = await engine.generate(req.context_id, sampling, req.parent_context_id)
+            result = await engine.generate(
+                req.context_id, sampling, req.parent_context_id, latency_cap=req.latency_cap
+            )
             return _response(req.context_id, result)
-        handle = engine.submit_generate(req.context_id, sampling, req.parent_context_id)
+        handle = engine.submit_generate(
+            req.context_id, sampling, req.parent_context_id, latency_cap=req.latency_cap
+        )
         first = await _first_event(handle)  # validation errors answer with a status code, not a stream
         return StreamingResponse(
             _stream_events(engine, req, sampling, handle, first), media_type="text/event-stream"

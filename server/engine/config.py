@@ -112,6 +112,10 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
+    # FIFO token cap: the head of the waiting queue joins the running batch only while the running
+    # requests' reservations, its own included, stay within this (`server.engine.scheduler`). None: only
+    # the KV cache and max_num_seqs limit the batch. The latency-capped baseline of the benchmarks sets it.
+    max_running_tokens: int | None = None
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     device: str = field(default_factory=lambda: "cuda" if torch.cuda.is_available() else "cpu")
     dtype: str | None = None  # "float32" | "float16" | "bfloat16"; default per device
@@ -119,6 +123,9 @@ class EngineConfig:
     # (`kernels.should_share_prefix`), "always" (tests), "never" (ablations).
     shared_prefix_decode: Literal["auto", "always", "never"] = "auto"
     seed: int = 0  # seed of the embedded "tiny" model's weights
+    # Keep the features and wall time of the last this-many steps (`LLMEngine.step_trace`; 0: off), the
+    # data the simulator's latency model is fitted to.
+    trace_steps: int = 0
 
     def kv_cache_bytes(self) -> int:
         """The memory the KV cache may take (called after the weights are loaded)."""

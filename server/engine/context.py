@@ -31,6 +31,7 @@ class Context:
     last_hidden: torch.Tensor | None = None  # set iff every token is cached (and there is one)
     busy: bool = False  # a request is extending this context
     last_used: int = 0  # engine step of the last use, for LRU eviction
+    num_inherited: int = 0  # tokens it was forked with: the parent's, not its own
 
     @property
     def num_pending(self) -> int:
@@ -76,6 +77,7 @@ class ContextTable:
         ctx = Context(context_id, None if parent is None else parent.context_id)
         if parent is not None:
             ctx.token_ids = list(parent.token_ids)
+            ctx.num_inherited = len(parent.token_ids)
             ctx.num_cached = parent.num_cached
             ctx.block_table = parent.block_table[: blocks_for(parent.num_cached, self.block_size)]
             self.allocator.share(ctx.block_table)

@@ -12,10 +12,12 @@ import contextlib
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from parrot.protocol import EngineStats
@@ -41,8 +43,23 @@ from server.engine.model_runner import KVCache, ModelRunner
 from server.engine.request import FinishReason, GenerateResult, Request
 from server.engine.sampling import SamplingParams, make_generator, sample
 from server.engine.scheduler import ScheduledChunk, Scheduler
+from server.engine.step_features import StepRecord, step_features
 
 log = logging.getLogger(__name__)
+
+
+class StepRunner(Protocol):
+    """Runs a scheduled step: `ModelRunner` (the model over the paged KV cache) or the simulator's."""
+
+    grouped_decode_steps: int
+
+    def run(self, batch: list[ScheduledChunk]) -> torch.Tensor:
+        """The final hidden state of each chunk's last token."""
+        ...
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Next-token logits of the given hidden states."""
+        ...
 
 
 class _Sink:
@@ -84,6 +101,7 @@ class _Submit:
     parent_id: int | None
     token_ids: list[int] = field(default_factory=list)
     sampling: SamplingParams | None = None  # None: a fill
+    latency_cap: int | None = None  # a generate's latency cap (`Scheduler`); None: none
 
 
 @dataclass
@@ -146,17 +164,6 @@ class LLMEngine:
         model_name: str,
     ) -> None:
         tune_glibc_malloc()
-        self.model_name = model_name
-        self.model_config = model_config
-        self.config = config
-        self.tokenizer = tokenizer
-        self.vocab_size = model_config.vocab_size
-        self.block_size = config.block_size
-        self.max_model_len = min(model_config.max_position_embeddings, config.max_model_len or 1 << 62)
-        eos = set(model_config.eos_token_ids)
-        if getattr(tokenizer, "eos_token_id", None) is not None:
-            eos.add(tokenizer.eos_token_id)
-        self.eos_token_ids = frozenset(eos)
         device, dtype = config.torch_device(), config.torch_dtype()
         num_blocks = config.num_kv_blocks or max(
             1,
@@ -178,10 +185,43 @@ class LLMEngine:
             device,
             dtype,
         )
+        runner = ModelRunner(model, kv, config.block_size, device, config.shared_prefix_decode)
+        self._init_state(runner, tokenizer, model_config, config, model_name, num_blocks, kv.copy_block)
+        self._thread = threading.Thread(target=self._loop, name=f"engine-{model_name}", daemon=True)
+        self._thread.start()
+
+    def _init_state(
+        self,
+        runner: StepRunner,
+        tokenizer: Any,
+        model_config: ModelConfig,
+        config: EngineConfig,
+        model_name: str,
+        num_blocks: int,
+        copy_block: Callable[[int, int], None],
+    ) -> None:
+        """Everything but the model and the loop: contexts, blocks, queues, counters (shared with the
+        simulated engine, `server.sim.SimEngine`, which runs the same bookkeeping over a latency model)."""
+        self.model_name = model_name
+        self.model_config = model_config
+        self.config = config
+        self.tokenizer = tokenizer
+        self.vocab_size = model_config.vocab_size
+        self.block_size = config.block_size
+        self.max_model_len = min(model_config.max_position_embeddings, config.max_model_len or 1 << 62)
+        eos = set(model_config.eos_token_ids)
+        if getattr(tokenizer, "eos_token_id", None) is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
         self._allocator = BlockAllocator(num_blocks)
-        self._contexts = ContextTable(self._allocator, config.block_size, kv.copy_block)
-        self._scheduler = Scheduler(self._contexts, config.max_num_batched_tokens, config.max_num_seqs)
-        self._runner = ModelRunner(model, kv, config.block_size, device, config.shared_prefix_decode)
+        self._contexts = ContextTable(self._allocator, config.block_size, copy_block)
+        self._scheduler = Scheduler(
+            self._contexts,
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            max_running_tokens=config.max_running_tokens,
+        )
+        self._runner = runner
         self._requests: dict[_Sink, Request] = {}
         self._deferred: list[_Submit] = []  # forks waiting for a busy parent to finish
         self._commands: queue.SimpleQueue[object] = queue.SimpleQueue()
@@ -191,8 +231,10 @@ class LLMEngine:
         self._tokens_in_last_step = 0
         self._prefill_tokens = 0
         self._decode_tokens = 0
-        self._thread = threading.Thread(target=self._loop, name=f"engine-{model_name}", daemon=True)
-        self._thread.start()
+        # The last `trace_steps` steps' features and wall time, for fitting the simulator's latency model.
+        self.step_trace: deque[StepRecord] | None = (
+            deque(maxlen=config.trace_steps) if config.trace_steps else None
+        )
 
     # ----------------------------------------------------------------------------------- construction
     @classmethod
@@ -241,16 +283,33 @@ class LLMEngine:
         return await self._wait(sink)
 
     async def generate(
-        self, context_id: int, sampling: SamplingParams | None = None, parent_context_id: int | None = None
+        self,
+        context_id: int,
+        sampling: SamplingParams | None = None,
+        parent_context_id: int | None = None,
+        *,
+        latency_cap: int | None = None,
     ) -> GenerateResult:
-        """Generate from the end of a context (forked from the parent first if the context is new)."""
-        return await self.submit_generate(context_id, sampling, parent_context_id, stream=False).result()
+        """Generate from the end of a context (forked from the parent first if the context is new).
+
+        ``latency_cap``: while this generate runs, the engine's running requests reserve at most this many
+        tokens in all, its own included (it waits until they do; alone, it runs whatever its size).
+        """
+        stream = self.submit_generate(
+            context_id, sampling, parent_context_id, stream=False, latency_cap=latency_cap
+        )
+        return await stream.result()
 
     async def generate_stream(
-        self, context_id: int, sampling: SamplingParams | None = None, parent_context_id: int | None = None
+        self,
+        context_id: int,
+        sampling: SamplingParams | None = None,
+        parent_context_id: int | None = None,
+        *,
+        latency_cap: int | None = None,
     ) -> AsyncIterator[int]:
         """Yield token ids as they are sampled; leaving the loop early aborts the request."""
-        stream = self.submit_generate(context_id, sampling, parent_context_id)
+        stream = self.submit_generate(context_id, sampling, parent_context_id, latency_cap=latency_cap)
         try:
             async for token_id in stream:
                 yield token_id
@@ -263,10 +322,14 @@ class LLMEngine:
         sampling: SamplingParams | None = None,
         parent_context_id: int | None = None,
         stream: bool = True,
+        *,
+        latency_cap: int | None = None,
     ) -> GenerationStream:
         """Start a generate; the returned stream yields token ids and then its `result()`."""
         sampling = sampling or SamplingParams()
-        sink = self._post_submit(_Submit(self._new_sink(stream), context_id, parent_context_id, [], sampling))
+        sink = self._post_submit(
+            _Submit(self._new_sink(stream), context_id, parent_context_id, [], sampling, latency_cap)
+        )
         return GenerationStream(self, sink)
 
     async def free_context(self, context_id: int) -> None:
@@ -398,6 +461,10 @@ class LLMEngine:
             )
         if cmd.sampling is not None:
             cmd.sampling.validate(self.vocab_size)
+        if cmd.latency_cap is not None and cmd.latency_cap < 1:
+            raise InvalidRequestError(
+                f"{kind}: latency_cap must be a positive token count, not {cmd.latency_cap}"
+            )
         if cmd.context_id in self._contexts:
             ctx = self._contexts.get(cmd.context_id)
             if cmd.parent_id is not None and cmd.parent_id != ctx.parent_id:
@@ -461,6 +528,7 @@ class LLMEngine:
             sampling=cmd.sampling,
             on_token=cmd.sink.token,
             handle=cmd.sink,
+            latency_cap=cmd.latency_cap,
         )
         if cmd.sampling is not None:
             req.generator = make_generator(cmd.sampling)
@@ -496,6 +564,8 @@ class LLMEngine:
             self._stalled = not self._finish_stuck()
             return
         self._steps += 1
+        features = step_features(batch, self.block_size) if self.step_trace is not None else None
+        started = time.perf_counter()
         try:
             hidden = self._runner.run(batch)
         except Exception as e:  # a model failure fails this step's requests, not the engine
@@ -526,11 +596,12 @@ class LLMEngine:
                 log.exception("sampling failed")
                 for i in to_sample:
                     self._finish(batch[i].request, error=EngineError(f"sampling failed: {e!r}"))
+        if features is not None and self.step_trace is not None:
+            self.step_trace.append(StepRecord(features, time.perf_counter() - started))
 
     def _sample(self, batch: list[ScheduledChunk], hidden: torch.Tensor, rows: list[int]) -> None:
         reqs = [batch[i].request for i in rows]
-        logits = self._runner.logits(hidden[rows])
-        tokens = sample(logits, [r.sampling for r in reqs], [r.generator for r in reqs])  # type: ignore[misc]
+        tokens = self._next_tokens(reqs, hidden[rows])
         for req, token in zip(reqs, tokens, strict=True):
             ctx = req.context
             req.decoding = True
@@ -544,6 +615,11 @@ class LLMEngine:
                 self._finish(
                     req, result=GenerateResult(list(req.output_ids), text, reason, req.prompt_tokens)
                 )
+
+    def _next_tokens(self, reqs: list[Request], hidden: torch.Tensor) -> list[int]:
+        """The token each generate samples next, from its last hidden state."""
+        logits = self._runner.logits(hidden)
+        return sample(logits, [r.sampling for r in reqs], [r.generator for r in reqs])  # type: ignore[misc]
 
     def _finish_reason(self, req: Request, token: int) -> tuple[FinishReason | None, str]:
         sp = req.sampling

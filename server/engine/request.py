@@ -42,6 +42,9 @@ class Request:
     decoding: bool = False
     finished: bool = False
     handle: object = None  # the caller-side handle this request answers to
+    # While this generate runs, the engine's running requests reserve at most this many tokens in all
+    # (`server.engine.scheduler`); None: no latency cap.
+    latency_cap: int | None = None
 
     @property
     def is_generate(self) -> bool:

@@ -1,10 +1,17 @@
 """Forms each engine step: which requests run and how many of their pending tokens, under the budgets.
 
 Order of service: running decodes first (one token each, latency), then running fills chunked to the token
-budget, then waiting requests admitted FIFO while the running-sequence cap allows. When KV blocks run short,
-room is made by evicting idle contexts' private KV (least recently used first), then — for running work
-only — by preempting the newest running request (its KV is dropped and recomputed later; its tokens are
-kept, so nothing is lost). New work never preempts running work: it waits.
+budget, then waiting requests admitted FIFO while the running-sequence cap and the token caps allow. When
+KV blocks run short, room is made by evicting idle contexts' private KV (least recently used first), then —
+for running work only — by preempting the newest running request (its KV is dropped and recomputed later;
+its tokens are kept, so nothing is lost). New work never preempts running work: it waits.
+
+Token caps (the rule of the manager's `EngineState.cap_for`, enforced here too, so traffic that bypasses the
+manager's placement is capped as well): each request reserves `reserved_tokens`. The head of the waiting
+queue is admitted only if the running reservations plus its own stay within ``max_running_tokens`` (if
+set), within the smallest ``latency_cap`` of the running requests (while any runs latency work), and within
+its own ``latency_cap`` (if it has one). A head that does not fit blocks the queue (FIFO: nothing smaller
+overtakes it). When nothing runs, the head is admitted whatever its size: alone it cannot wait for room.
 """
 
 from __future__ import annotations
@@ -24,11 +31,30 @@ class ScheduledChunk:
     num_tokens: int
 
 
+def reserved_tokens(req: Request) -> int:
+    """The tokens ``req`` holds in the running batch: its context's own tokens (what it inherited from the
+    context it was forked from is counted once, by whichever request extends that context, not by every
+    fork) plus, for a generate, the tokens it may still sample. Constant while it runs: a sampled token
+    moves from the second term to the first."""
+    ctx = req.context
+    own = len(ctx.token_ids) - ctx.num_inherited
+    if req.sampling is None:
+        return own  # a fill on a fresh context or fork: exactly its pending tokens
+    return own + max(0, req.sampling.max_tokens - len(req.output_ids))
+
+
 class Scheduler:
-    def __init__(self, table: ContextTable, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+    def __init__(
+        self,
+        table: ContextTable,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_running_tokens: int | None = None,
+    ) -> None:
         self.table = table
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        self.max_running_tokens = max_running_tokens  # FIFO token cap on the running batch (None: none)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -47,6 +73,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 
+    @property
+    def running_tokens(self) -> int:
+        """The running requests' reservations (`reserved_tokens`), which the token caps bound."""
+        return sum(reserved_tokens(r) for r in self.running)
+
     def schedule(self) -> list[ScheduledChunk]:
         budget = self.max_num_batched_tokens
         batch: list[ScheduledChunk] = []
@@ -61,17 +92,31 @@ class Scheduler:
             budget -= n
             scheduled.add(req.request_id)
             batch.append(ScheduledChunk(req, n))
+        running_tokens = self.running_tokens
         while self.waiting and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            reserved = reserved_tokens(req)
+            if not self._within_caps(running_tokens + reserved, req):
+                break  # FIFO: nothing overtakes a head that does not fit
             n = self._fit(req, min(req.context.num_pending, budget), scheduled, preempt=False)
             if n is None:
                 break
             self.waiting.popleft()
             self.running.append(req)
+            running_tokens += reserved
             budget -= n
             scheduled.add(req.request_id)
             batch.append(ScheduledChunk(req, n))
         return batch
+
+    def _within_caps(self, total: int, head: Request) -> bool:
+        """Whether the running reservations would stay within every token cap with ``head`` admitted
+        (``total`` includes it). Nothing running: always (a request larger than a cap runs alone)."""
+        if not self.running:
+            return True
+        caps = [r.latency_cap for r in self.running if r.latency_cap is not None]
+        caps += [c for c in (self.max_running_tokens, head.latency_cap) if c is not None]
+        return all(total <= cap for cap in caps)
 
     def _fit(self, req: Request, n: int, scheduled: set[int], preempt: bool) -> int | None:
         """Reserve KV for up to ``n`` tokens of ``req``; return how many fit, or None to skip it this step."""

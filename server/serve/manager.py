@@ -106,6 +106,9 @@ class ManagerConfig:
     engine_capacity_tokens: int | None = None
     latency_cap_tokens: int = 4096
     aging_rounds: int = 8
+    # Whether the scheduler sees shared prefixes and cached contexts (off: an ablation, where steps go by
+    # objective and load alone; engines still reuse what they happen to hold).
+    prefix_affinity: bool = True
     # Remote engines send a heartbeat this often; one silent for `engine_timeout` is out of service.
     heartbeat_interval: float = 2.0
     engine_timeout: float = 10.0
@@ -390,7 +393,7 @@ class Manager:
         request = self._queued(session, node, objective, token_ids, serving, progress is not None)
         engine_index = await self.placement.acquire(request)
         try:
-            return await self._run_on(engine_index, session, node, token_ids, progress)
+            return await self._run_on(engine_index, session, node, token_ids, progress, request)
         finally:
             self.placement.release(engine_index, request)
 
@@ -412,6 +415,7 @@ class Manager:
             match = self._prefixes.longest_prefix(str(i), token_ids)
             if match is not None:
                 cached[i] = match.length
+        affinity = self.config.prefix_affinity
         group = objective.task_group
         return QueuedRequest(
             key=f"{session.session_id}/{node.id.call_id}/{node.id.index}",
@@ -421,8 +425,8 @@ class Manager:
             criteria=objective.criteria,
             task_group=None if group is None else f"{group.call_id}/{group.index}",
             depth=objective.depth,
-            shared_prefix=hashlib.sha256(repr(prefix).encode()).hexdigest() if shared else None,
-            cached=cached,
+            shared_prefix=hashlib.sha256(repr(prefix).encode()).hexdigest() if shared and affinity else None,
+            cached=cached if affinity else {},
             pinned=serving[0] if pinned else None,
             model=None if pinned else node.call.model,
         )
@@ -434,6 +438,7 @@ class Manager:
         node: StepNode,
         token_ids: list[int],
         progress: _CallProgress | None,
+        request: QueuedRequest,
     ) -> tuple[str, str]:
         call, step = node.call, node.step
         key = (session.session_id, call.call_id)
@@ -451,7 +456,10 @@ class Manager:
             finally:
                 if match is not None:
                     self._prefixes.release(match.entry)
-            result = await engine.generate(context_id, _sampling(step.gen.sampling))
+            # A latency-bound step carries the engine's latency cap, so the engine keeps its batch under
+            # it against traffic the placement does not see (the OpenAI endpoints).
+            latency_cap = self._caps(engine)[1] if request.latency_bound else None
+            result = await engine.generate(context_id, _sampling(step.gen.sampling), latency_cap=latency_cap)
         except BaseException:  # failed or cancelled (session deleted): the step's context goes too
             await self._free(engine_index, context_id)
             raise
@@ -461,7 +469,10 @@ class Manager:
         if step.index + 1 < len(call.steps):
             raw = {**(progress.raw_outputs if progress is not None else {}), step.gen.var_id: result.text}
             self._calls[key] = _CallProgress(engine_index, raw)
-        transformed = await asyncio.to_thread(apply_transforms, step.gen.transforms, result.text)
+        if step.gen.transforms:  # parsers may be slow on hostile text: off the event loop
+            transformed = await asyncio.to_thread(apply_transforms, step.gen.transforms, result.text)
+        else:
+            transformed = apply_transforms((), result.text)
         return transformed.value, transformed.kind
 
     def _values(self, graph: SessionGraph, node: StepNode, progress: _CallProgress | None) -> dict[str, str]:
@@ -560,11 +571,15 @@ class Manager:
         for i, engine in enumerate(self.engines):
             if not self._in_service(i):
                 continue
-            stats = engine.stats()
-            capacity = self.config.engine_capacity_tokens or stats.blocks_total * stats.block_size
-            latency_cap = min(self.config.latency_cap_tokens, capacity)
+            capacity, latency_cap = self._caps(engine)
             states.append(EngineState(i, capacity, latency_cap, model=engine.model_name))
         return states
+
+    def _caps(self, engine: Engine) -> tuple[int, int]:
+        """An engine's token capacity (the config's, else its KV cache in tokens) and latency cap."""
+        stats = engine.stats()
+        capacity = self.config.engine_capacity_tokens or stats.blocks_total * stats.block_size
+        return capacity, min(self.config.latency_cap_tokens, capacity)
 
     def _pick_engine(self, candidates: list[int]) -> int:
         # Least loaded engine; scheduling by application (issue 4) replaces this.

@@ -46,7 +46,7 @@ class Placement:
         self._config = config or SchedulerConfig()
         self._waiting: dict[str, _Waiting] = {}
         self._running: Counter[int] = Counter()  # engine -> tokens placed there and not released
-        self._latency: Counter[int] = Counter()  # engine -> latency-critical steps running there
+        self._latency: Counter[int] = Counter()  # engine -> latency-bound steps running there
         self._seq = itertools.count()
         self._pass_pending = False
         self.placed: Counter[tuple[int, Reason]] = Counter()  # (engine, branch) -> steps, for metrics
@@ -72,7 +72,7 @@ class Placement:
     def release(self, engine_id: int, request: QueuedRequest) -> None:
         """``request`` finished (or failed) on ``engine_id``: its tokens are free for others."""
         self._running[engine_id] -= request.tokens
-        if request.criteria == "latency":
+        if request.latency_bound:
             self._latency[engine_id] -= 1
         self._request_pass()
 
@@ -100,7 +100,7 @@ class Placement:
             if key in decision.assignments:
                 engine_id = decision.assignments[key]
                 self._running[engine_id] += w.request.tokens
-                if w.request.criteria == "latency":
+                if w.request.latency_bound:
                     self._latency[engine_id] += 1
                 self.placed[engine_id, decision.reasons[key]] += 1
                 w.future.set_result(engine_id)

@@ -112,9 +112,15 @@ class RemoteEngine:
         return EngineFillResponse.model_validate(data).num_tokens
 
     async def generate(
-        self, context_id: int, sampling: SamplingParams, parent_context_id: int | None = None
+        self,
+        context_id: int,
+        sampling: SamplingParams,
+        parent_context_id: int | None = None,
+        *,
+        latency_cap: int | None = None,
     ) -> GenerateResult:
-        return await self.submit_generate(context_id, sampling, parent_context_id).result()
+        stream = self.submit_generate(context_id, sampling, parent_context_id, latency_cap=latency_cap)
+        return await stream.result()
 
     def submit_generate(
         self,
@@ -122,13 +128,17 @@ class RemoteEngine:
         sampling: SamplingParams,
         parent_context_id: int | None = None,
         stream: bool = False,
+        *,
+        latency_cap: int | None = None,
     ) -> RemoteGenerationStream:
-        """Start a generate; iterate the answer for token ids (``stream=True``), then await `result()`."""
+        """Start a generate; iterate the answer for token ids (``stream=True``), then await `result()`.
+        ``latency_cap``: as `LLMEngine.submit_generate`'s."""
         body = EngineGenerateRequest(
             context_id=context_id,
             parent_context_id=parent_context_id,
             sampling=SamplingConfig(**_sampling_fields(sampling)),
             stream=True,
+            latency_cap=latency_cap,
         )
         return RemoteGenerationStream(self, body.model_dump(exclude_none=True), stream)
 

@@ -20,12 +20,15 @@ branch that applies places it:
    still fits and runs no latency work (bigger batches there, latency engines left alone).
 
 Caps: an engine runs at most ``capacity`` tokens (prompt + new tokens of what it runs); while it runs
-latency-critical work, at most ``latency_cap``. A request never goes where its cap would be exceeded: a
-latency request only to an engine whose running tokens stay under the latency cap, any request to an
-engine running latency work only under that cap. A group or prefix batch that fits nowhere as a whole is
-placed member by member. Ties go to the lowest engine id. A request larger than every engine's cap is
-``unfit`` (the caller fails it: waiting would never help). When an aged request fits nowhere, nothing after
-it is placed this round, so the engines drain for it.
+latency-bound work, at most ``latency_cap``. A request never goes where its cap would be exceeded: a
+latency-bound request only to an engine whose running tokens stay under the latency cap, any request to
+an engine running latency-bound work only under that cap. Latency-bound means latency-critical and in no
+task group: a group's latency is its slowest member's, which one big batch at full capacity shortens, so a
+latency-critical group is placed like latency work (least loaded engine) but capped like throughput work.
+A group or prefix batch that fits nowhere as a whole is placed member by member. Ties go to the lowest
+engine id. A request larger than every engine's cap is ``unfit`` (the caller fails it: waiting would never
+help). When an aged request fits nowhere, nothing after it is placed this round, so the engines drain for
+it.
 """
 
 from __future__ import annotations
@@ -64,6 +67,13 @@ class QueuedRequest:
     pinned: int | None = None
     model: str | None = None
     waited: int = 0
+
+    @property
+    def latency_bound(self) -> bool:
+        """Whether it holds its engine to the latency cap: latency-critical and in no task group (a group
+        is judged by when its slowest member ends, which the bigger batches of the full capacity bring
+        sooner — the paper's map stage)."""
+        return self.criteria == "latency" and self.task_group is None
 
 
 @dataclass(frozen=True)
@@ -127,7 +137,7 @@ def schedule(
             if request.waited >= config.aging_rounds:
                 break  # reserve: let the engines drain for it
             continue
-        criteria = _strictest(r.criteria for r in batch)
+        bound = any(r.latency_bound for r in batch)
         for member in batch:
             decision.assignments[member.key] = engine
             decision.reasons[member.key] = reason
@@ -136,7 +146,7 @@ def schedule(
         state[engine] = replace(
             current,
             running=current.running + sum(r.tokens for r in batch),
-            latency_running=current.latency_running or criteria == "latency",
+            latency_running=current.latency_running or bound,
         )
     return decision
 
@@ -167,10 +177,11 @@ def _place(
     context holder is full falls through to find_engine."""
     tokens = sum(r.tokens for r in batch)
     criteria = _strictest(r.criteria for r in batch)
+    cap: Criteria | None = "latency" if any(r.latency_bound for r in batch) else None
     if reason == "pinned":
         pinned = state.get(batch[0].pinned)  # type: ignore[arg-type]
-        return (pinned.engine_id if pinned is not None and pinned.fits(tokens, criteria) else None), reason
-    fitting = [e for e in state.values() if e.serves(batch[0].model) and e.fits(tokens, criteria)]
+        return (pinned.engine_id if pinned is not None and pinned.fits(tokens, cap) else None), reason
+    fitting = [e for e in state.values() if e.serves(batch[0].model) and e.fits(tokens, cap)]
     if not fitting:
         return None, reason
     # Groups and prefix batches prefer an engine holding their prefix too; then find_engine's rule.
@@ -194,9 +205,7 @@ def _oversized(request: QueuedRequest, engines: Iterable[EngineState]) -> bool:
     if request.pinned is not None:
         engines = [e for e in engines if e.engine_id == request.pinned]
     caps = [
-        e.latency_cap if request.criteria == "latency" else e.capacity
-        for e in engines
-        if e.serves(request.model)
+        e.latency_cap if request.latency_bound else e.capacity for e in engines if e.serves(request.model)
     ]
     return not caps or request.tokens > max(caps)
 

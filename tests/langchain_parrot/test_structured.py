@@ -96,7 +96,12 @@ class ScriptedEngine:
         )
 
     async def generate(
-        self, context_id: int, sampling: Any = None, parent_context_id: int | None = None
+        self,
+        context_id: int,
+        sampling: Any = None,
+        parent_context_id: int | None = None,
+        *,
+        latency_cap: int | None = None,
     ) -> GenerateResult:
         """What the manager calls (the semantic-call path)."""
         return await self.submit_generate(context_id, sampling, parent_context_id).result()

@@ -156,7 +156,7 @@ def test_caps_are_never_violated(requests: list, states: list) -> None:  # type:
     for engine in cluster:
         mine = [by_key[k] for k, e in d.assignments.items() if e == engine.engine_id]
         total = engine.running + sum(r.tokens for r in mine)
-        latency = engine.latency_running or any(r.criteria == "latency" for r in mine)
+        latency = engine.latency_running or any(r.latency_bound for r in mine)
         if mine:
             assert total <= (engine.latency_cap if latency else engine.capacity)
         assert all(r.pinned in (None, engine.engine_id) for r in mine)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import parrot as P
 import pytest
@@ -57,3 +58,29 @@ def test_independent_apps_spread_over_both_engines(two_engines: LaunchedServer) 
     placed = two_engines.manager.placement.placed - placed_before
     # Latency work goes to the least loaded engine: the burst is spread, not piled on one engine.
     assert {e for e, _ in placed} == {0, 1}
+
+
+def test_a_latency_step_reaches_its_engine_with_the_latency_cap(
+    two_engines: LaunchedServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    caps: list[int | None] = []
+    for engine in two_engines.engines:
+        generate = engine.generate
+
+        async def recording(*args: Any, _generate: Any = generate, **kwargs: Any) -> Any:
+            caps.append(kwargs.get("latency_cap"))
+            return await _generate(*args, **kwargs)
+
+        monkeypatch.setattr(engine, "generate", recording)
+    config, stats = two_engines.manager.config, two_engines.engines[0].stats()
+    capacity = config.engine_capacity_tokens or stats.blocks_total * stats.block_size
+    with P.Session(two_engines.url):
+        for criteria in (P.LATENCY, P.THROUGHPUT):
+            step = P.SemanticFunction.from_template(
+                "Note {{input:x}}: {{output:y}}",
+                name="note",
+                sampling=P.SamplingConfig(max_tokens=2),
+                criteria=criteria,
+            )
+            assert isinstance(step(x="a short one").get(), str)
+    assert caps == [min(config.latency_cap_tokens, capacity), None]
