@@ -50,18 +50,18 @@ if not __package__:
 
 import httpx
 import parrot as P
-from parrot.protocol import TemplatePlaceholder, TemplateText, parse_template
 
 from benchmarks.common import (
     ClientResult,
     Spread,
+    document_chunks,
     load_average,
     log,
     machine_info,
     markdown_table,
+    render_template,
     result_line,
     safe_ratio,
-    stdlib_text,
     write_json,
 )
 from server.engine import EngineConfig, LLMEngine
@@ -129,19 +129,6 @@ def serve(model: str, engine_config: EngineConfig, cfg: BenchConfig) -> Iterator
 
 
 # ----------------------------------------------------------------------------------------------- workload
-def make_chunks(engine: LLMEngine, steps: int, chunk_tokens: int) -> list[str]:
-    """``steps`` consecutive pieces of the stdlib text, ``chunk_tokens`` tokens each (decoded to text)."""
-    tokenizer = engine.tokenizer
-    need = steps * chunk_tokens
-    chars = 4 * need
-    while True:
-        ids = tokenizer(stdlib_text(chars), add_special_tokens=False).input_ids
-        if len(ids) >= need:
-            break
-        chars *= 2
-    return [tokenizer.decode(ids[i * chunk_tokens : (i + 1) * chunk_tokens]) for i in range(steps)]
-
-
 def semantic_functions(cfg: BenchConfig) -> dict[str, P.SemanticFunction]:
     """The chain step as a semantic function: plain, and with ``criteria=P.LATENCY`` at submit."""
 
@@ -156,19 +143,8 @@ def semantic_functions(cfg: BenchConfig) -> dict[str, P.SemanticFunction]:
 
 
 def render_prompt(values: dict[str, str]) -> str:
-    """The baseline's client-side rendering: template text with the inputs in, cut at the output.
-
-    Exactly the text the Parrot server renders for the same step (constant text and values, in order).
-    """
-    parts: list[str] = []
-    for piece in parse_template(TEMPLATE):
-        if isinstance(piece, TemplateText):
-            parts.append(piece.text)
-        elif isinstance(piece, TemplatePlaceholder) and piece.role == "input":
-            parts.append(values[piece.name])
-        else:
-            break
-    return "".join(parts)
+    """The baseline's client-side rendering of the step (exactly what the Parrot server renders)."""
+    return render_template(TEMPLATE, values)
 
 
 # ----------------------------------------------------------------------------------------------- clients
@@ -463,7 +439,7 @@ def main(argv: list[str] | None = None) -> None:
     fns = semantic_functions(cfg)
     log(f"starting the server ({args.model}) ...")
     with serve(args.model, engine_config, cfg) as served, httpx.Client(base_url=served.url, timeout=120) as c:
-        chunks = make_chunks(served.engine, cfg.steps, cfg.chunk_tokens)
+        chunks = document_chunks(served.engine.tokenizer, cfg.steps, cfg.chunk_tokens)
         log(f"verifying outputs and warming up ({cfg.steps} steps) ...")
         verify(served, c, fns, chunks, cfg)
         base = run_baseline(served, c, chunks, cfg.max_tokens).outputs

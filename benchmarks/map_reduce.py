@@ -39,12 +39,23 @@ about the same (~5-8 ms, mostly per-step overhead) for 2 or 16 sequences, much a
 speedup follows the ratio of engine steps, diluted by the prefill and the reduce stage (the same work for
 both clients) and by the network delay (two sequential round trips for each client).
 
+**At GPU scale, on the simulator** (`server.sim`): the same two client functions drive the real manager and
+app over one simulated engine with the ``a100-llama7b`` latency profile (given as data: derived from an
+A100's datasheet roofline for LLaMA-7B, not measured), on virtual time — the paper's setting: a
+``sim_chunks`` x 1024-token document, map summaries of 50 and of 100 tokens (Fig. 14 varies the output
+length; the longer the outputs, the more of the job is decoding, where batch size pays), the baseline
+engine capped at 4096
+running tokens (the paper's latency cap), Parrot's manager given the same latency cap, the same
+``U(0.2, 0.3)`` s network delay. The simulation is deterministic (one run per client); outputs are checked
+identical there too.
+
     python -m benchmarks.map_reduce [--quick] [--json PATH] [--repeats N] [--chunks N] ...
     (or python benchmarks/map_reduce.py ...)
 
 The last line is ``RESULT map_reduce speedup=... speedup_nodelay=... parrot_s=... baseline_s=...
-parrot_nodelay_s=... baseline_nodelay_s=... total_s=...`` (speedup = baseline / parrot median latency with
-the delay; ``*_nodelay`` without).
+parrot_nodelay_s=... baseline_nodelay_s=... sim_speedup_out50=... sim_speedup_out100=... ... total_s=...``
+(speedup = baseline / parrot median latency with the delay; ``*_nodelay`` without; ``sim_*``: on the
+simulator with the GPU profile, by map output length, with the simulated seconds of each client).
 """
 
 from __future__ import annotations
@@ -188,6 +199,62 @@ async def baseline_map_reduce(
     if on_result is not None:
         on_result(value)
     return value
+
+
+# ----------------------------------------------------------------------------------------------- simulator
+SIM_OUTPUT_TOKENS = (50, 100)  # map summary lengths simulated
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """The GPU-scale job on the simulator (see the module docstring)."""
+
+    chunks: int = 32
+    chunk_tokens: int = 1024
+    map_tokens: int = 50
+    reduce_tokens: int = 100
+    latency_cap_tokens: int = 4096
+    profile: str = "a100-llama7b"
+
+
+@dataclass(frozen=True)
+class SimResult:
+    parrot_s: float
+    baseline_s: float
+    parrot_steps: int
+    baseline_steps: int
+
+    @property
+    def speedup(self) -> float:
+        return safe_ratio(self.baseline_s, self.parrot_s)
+
+
+def simulate(cfg: SimConfig) -> SimResult:
+    """Run each client once on a simulated engine with the GPU profile (virtual seconds)."""
+    from server.sim import load_profile, run, sim_cluster, tiny_tokenizer
+
+    latency = load_profile(cfg.profile)
+    doc = make_doc(tiny_tokenizer(), cfg.chunks, cfg.chunk_tokens, cfg.map_tokens, cfg.reduce_tokens)
+    # 4096 tokens per step, like a GPU engine's prefill chunk; the caps are what differs between clients.
+    base = EngineConfig(device="cpu", max_num_batched_tokens=4096, max_num_seqs=256)
+    setups = {
+        PARROT: (base, ManagerConfig(latency_cap_tokens=cfg.latency_cap_tokens), parrot_map_reduce),
+        BASELINE: (replace(base, max_running_tokens=cfg.latency_cap_tokens), None, baseline_map_reduce),
+    }
+
+    async def one(client: str) -> tuple[str, float, int]:
+        engine_config, manager_config, app = setups[client]
+        async with sim_cluster(
+            1, latency, engine_config=engine_config, manager_config=manager_config, network_delay=(0.2, 0.3)
+        ) as cluster:
+            start = cluster.now()
+            value = await app(cluster.client, doc)
+            return value, cluster.now() - start, cluster.engines[0].stats().steps
+
+    results = {client: run(one(client)) for client in CLIENTS}
+    if results[PARROT][0] != results[BASELINE][0]:
+        raise SystemExit("simulator: the two clients' final summaries differ")
+    return SimResult(results[PARROT][1], results[BASELINE][1], results[PARROT][2], results[BASELINE][2])
 
 
 # ----------------------------------------------------------------------------------------------- config
@@ -526,7 +593,9 @@ def json_payload(
     }
 
 
-def result_metrics(settings: list[SettingResult], total_s: float) -> dict[str, float | int]:
+def result_metrics(
+    settings: list[SettingResult], sims: dict[int, SimResult], total_s: float
+) -> dict[str, float | int]:
     """The RESULT line: the speedups first, then the medians (with delay, then without); NaN for a setting
     not measured (``--no-delay-only``), so the keys are always the same."""
     by_delay = {st.delay: st for st in settings}
@@ -544,6 +613,9 @@ def result_metrics(settings: list[SettingResult], total_s: float) -> dict[str, f
         "baseline_s": median(True, BASELINE),
         "parrot_nodelay_s": median(False, PARROT),
         "baseline_nodelay_s": median(False, BASELINE),
+        **{f"sim_speedup_out{n}": sim.speedup for n, sim in sims.items()},
+        **{f"sim_parrot_out{n}_s": sim.parrot_s for n, sim in sims.items()},
+        **{f"sim_baseline_out{n}_s": sim.baseline_s for n, sim in sims.items()},
         "total_s": total_s,
     }
 
@@ -566,6 +638,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--no-delay-only", action="store_true", help="measure without the network delay only (tests)"
     )
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    parser.add_argument("--sim-chunks", type=int, help="map calls of the simulated GPU-scale job")
     return parser.parse_args(argv)
 
 
@@ -621,11 +694,30 @@ def main(argv: list[str] | None = None) -> None:
     delays = (False,) if args.no_delay_only else (False, True)
     with serve(args.model, cfg) as servers:
         doc, shape, settings = asyncio.run(run_benchmark(servers, cfg, delays))
+    sim_cfg = SimConfig(chunks=args.sim_chunks or (16 if args.quick else SimConfig.chunks))
+    sims: dict[int, SimResult] = {}
+    for out in SIM_OUTPUT_TOKENS:
+        log(f"simulating the GPU-scale job ({sim_cfg.chunks} parts, {out}-token summaries) ...")
+        sims[out] = simulate(replace(sim_cfg, map_tokens=out))
     total_s = time.perf_counter() - started
     print_report(cfg, args.model, machine, shape, settings, total_s)
+    print(
+        f"\nsimulator ({sim_cfg.profile}, 1 engine, {sim_cfg.chunks} parts x {sim_cfg.chunk_tokens} "
+        f"tokens, latency cap {sim_cfg.latency_cap_tokens}; paper {PAPER_ANCHOR}x):"
+    )
+    for out, sim in sims.items():
+        print(
+            f"  {out}-token summaries: parrot {sim.parrot_s:.2f} s ({sim.parrot_steps} steps), baseline "
+            f"{sim.baseline_s:.2f} s ({sim.baseline_steps} steps): {sim.speedup:.2f}x"
+        )
     if args.json:
-        write_json(args.json, json_payload(cfg, args.model, machine, doc, shape, settings, total_s))
-    print(result_line(NAME, result_metrics(settings, total_s)))
+        payload = json_payload(cfg, args.model, machine, doc, shape, settings, total_s)
+        payload["simulator"] = {
+            "config": asdict(sim_cfg),
+            "by_map_tokens": {out: {**asdict(sim), "speedup": sim.speedup} for out, sim in sims.items()},
+        }
+        write_json(args.json, payload)
+    print(result_line(NAME, result_metrics(settings, sims, total_s)))
 
 
 if __name__ == "__main__":
