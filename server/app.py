@@ -125,10 +125,14 @@ class _ManagerCollector(Collector):
         yield from families.values()
 
 
-def _session(
+async def _session(
     request: Request, session_id: str, authorization: Annotated[str | None, Header()] = None
 ) -> Session:
-    """The authenticated session of a session-scoped route (401/403/404 otherwise)."""
+    """The authenticated session of a session-scoped route (401/403/404 otherwise).
+
+    ``async`` although it does no I/O: FastAPI would run a plain function on its thread pool, a thread hop
+    per request for a dictionary lookup (and one the simulator's virtual clock cannot see).
+    """
     token = None
     if authorization is not None and authorization.lower().startswith("bearer "):
         token = authorization[7:].strip()

@@ -16,8 +16,9 @@ branch that applies places it:
 4. **context** — an engine already holding a context whose tokens prefix the request's: the one holding the
    most tokens, if its cap allows.
 5. **find_engine** — otherwise the engine that meets the request's objective with the least impact: for
-   latency work the least loaded engine (fastest iterations); for throughput work the fullest engine that
-   still fits and runs no latency work (bigger batches there, latency engines left alone).
+   latency work the least loaded engine (fastest iterations); for throughput work the least loaded engine
+   that runs no latency-bound work (latency engines left alone; concurrent jobs spread over the rest
+   rather than piling onto one engine, where their prefills would run one after another).
 
 Caps: an engine runs at most ``capacity`` tokens (prompt + new tokens of what it runs); while it runs
 latency-bound work, at most ``latency_cap``. A request never goes where its cap would be exceeded: a
@@ -197,8 +198,8 @@ def _place(
 def _find_engine(fitting: list[EngineState], criteria: Criteria | None) -> int:
     if criteria == "latency":
         return min(fitting, key=lambda e: (e.running, e.engine_id)).engine_id
-    # Throughput: keep off engines running latency work, then pack the fullest.
-    return min(fitting, key=lambda e: (e.latency_running, -e.running, e.engine_id)).engine_id
+    # Throughput: keep off engines running latency-bound work, then the least loaded.
+    return min(fitting, key=lambda e: (e.latency_running, e.running, e.engine_id)).engine_id
 
 
 def _oversized(request: QueuedRequest, engines: Iterable[EngineState]) -> bool:

@@ -35,17 +35,21 @@ class PromptRecorder:
             return await fill(context_id, token_ids, parent_context_id)
 
         def recording_submit(
-            context_id: int, sampling: Any = None, parent_context_id: int | None = None, stream: bool = True
+            context_id: int,
+            sampling: Any = None,
+            parent_context_id: int | None = None,
+            stream: bool = True,
+            **kw: Any,
         ) -> Any:
             if context_id not in self.contexts:
                 self.contexts[context_id] = list(self.contexts.get(parent_context_id, []))
             self.prompts.append(list(self.contexts[context_id]))
-            return submit(context_id, sampling, parent_context_id, stream)
+            return submit(context_id, sampling, parent_context_id, stream, **kw)
 
         async def recording_generate(
-            context_id: int, sampling: Any = None, parent_context_id: int | None = None
+            context_id: int, sampling: Any = None, parent_context_id: int | None = None, **kw: Any
         ) -> Any:
-            result = await generate(context_id, sampling, parent_context_id)
+            result = await generate(context_id, sampling, parent_context_id, **kw)
             # The manager keeps the finished context (prompt + output) as a prefix later calls fork from.
             self.contexts[context_id] = self.contexts[context_id] + list(result.token_ids)
             return result

@@ -44,8 +44,9 @@ def test_task_group_beats_queue_prefix_beats_context_beats_find_engine() -> None
     assert {d.assignments[k] for k in ("g1", "g2", "g3")} == {2}
     assert d.assignments["p1"] == d.assignments["p2"] == 0  # together, where p1's prefix is cached
     assert d.assignments["c"] == 1
-    # find_engine for throughput work packs the fullest engine that still fits: engine 0 (500 running).
-    assert d.assignments["f"] == 0
+    # find_engine for throughput work takes the least loaded engine: 1 and 2 both run 150 tokens by now
+    # (engine 0 runs 500), and the tie goes to the lower id.
+    assert d.assignments["f"] == 1
 
 
 def test_find_engine_spreads_latency_work_and_keeps_throughput_off_latency_engines() -> None:
