@@ -517,8 +517,15 @@ class Manager:
             return
         pending = self._prefix_fills[key] = asyncio.get_running_loop().create_future()
         context_id = next(self._context_ids)
+        if match is not None:  # a shorter cached prefix: fork it, fill only the rest
+            self._prefixes.acquire(match.entry)
         try:
-            await engine.fill(context_id, prefix)
+            try:
+                parent = None if match is None else match.entry.context_id
+                await engine.fill(context_id, prefix[0 if match is None else match.length :], parent)
+            finally:
+                if match is not None:
+                    self._prefixes.release(match.entry)
             await self._keep(engine_index, context_id, prefix)
         except BaseException:
             await self._free(engine_index, context_id)
