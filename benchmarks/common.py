@@ -226,6 +226,17 @@ class ClientResult:
         return Spread.of(self.seconds)
 
 
+def percentile(xs: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0-100), linear between order statistics; NaN for no data."""
+    if not xs:
+        return math.nan
+    ys = sorted(xs)
+    pos = (len(ys) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ys) - 1)
+    return ys[lo] + (ys[hi] - ys[lo]) * (pos - lo)
+
+
 def safe_ratio(a: float, b: float) -> float:
     """``a / b``, NaN when either is unusable (keeps a noisy repeat from crashing the report)."""
     if not (math.isfinite(a) and math.isfinite(b)) or b == 0:

@@ -87,7 +87,7 @@ import sys
 import time
 from array import array
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -104,6 +104,7 @@ from benchmarks.common import (
     log,
     machine_info,
     markdown_table,
+    percentile,
     render_template,
     result_line,
     safe_ratio,
@@ -296,17 +297,6 @@ class Point:
             "engine_stats": self.engine_stats,
             "placed": self.placed,
         }
-
-
-def percentile(xs: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (linear interpolation), NaN for no data."""
-    if not xs:
-        return math.nan
-    s = sorted(xs)
-    k = (len(s) - 1) * q / 100
-    lo = math.floor(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 class MemoTokenizer:

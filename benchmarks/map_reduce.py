@@ -80,6 +80,7 @@ if not __package__:
 
 import httpx
 import parrot as P
+from parrot.protocol import Criteria
 
 from benchmarks.common import (
     ClientResult,
@@ -152,13 +153,19 @@ def make_doc(
 
 
 async def parrot_map_reduce(
-    client: httpx.AsyncClient, doc: MapReduceDoc, *, on_result: OnResult | None = None
+    client: httpx.AsyncClient,
+    doc: MapReduceDoc,
+    *,
+    criteria: Criteria = "latency",
+    timeout: float = 300.0,
+    on_result: OnResult | None = None,
 ) -> str:
     """The map-reduce job through the `parrot` frontend on the server at ``client.base_url``.
 
-    One session: the map calls and the reduce call are queued, and the ``aget`` of the reduce output sends
-    them with the get in one batch request. ``on_result`` is called with the final summary as soon as it
-    is in hand (before the session's delete), for timing.
+    One session: the map calls and the reduce call are queued, and the ``aget`` of the reduce output (with
+    ``criteria``: latency for a user waiting, throughput for a batch job) sends them with the get in one
+    batch request. ``on_result`` is called with the final summary as soon as it is in hand (before the
+    session's delete), for timing.
     """
     summarize = P.SemanticFunction.from_template(
         MAP_TEMPLATE, name="summarize_part", sampling=P.SamplingConfig(**doc.sampling(doc.map_tokens))
@@ -166,11 +173,11 @@ async def parrot_map_reduce(
     combine = P.SemanticFunction.from_template(
         doc.reduce_template, name="combine", sampling=P.SamplingConfig(**doc.sampling(doc.reduce_tokens))
     )
-    async with P.Session(str(client.base_url), client=client, timeout=300.0):
+    async with P.Session(str(client.base_url), client=client, timeout=timeout):
         summaries = [summarize(chunk=chunk) for chunk in doc.chunks]
         final = combine(**{f"part{i}": s for i, s in enumerate(summaries)})
         assert isinstance(final, P.Variable)
-        value = await final.aget(criteria=P.LATENCY)
+        value = await final.aget(criteria=criteria)
         if on_result is not None:
             on_result(value)
     return value

@@ -92,13 +92,14 @@ from benchmarks.common import (
     log,
     machine_info,
     markdown_table,
+    percentile,
     render_template,
     result_line,
     safe_ratio,
     stdlib_text,
     write_json,
 )
-from benchmarks.map_reduce import MAP_TEMPLATE, MapReduceDoc
+from benchmarks.map_reduce import MapReduceDoc, baseline_map_reduce, parrot_map_reduce
 from server.engine import EngineConfig
 from server.serve.manager import ManagerConfig
 from server.sim import SimCluster, load_profile, sim_cluster, tiny_tokenizer
@@ -266,24 +267,6 @@ async def parrot_chat(client: httpx.AsyncClient, req: ChatRequest) -> str:
         return str(await reply.aget(criteria=P.LATENCY))
 
 
-async def parrot_map_reduce(
-    client: httpx.AsyncClient, doc: MapReduceDoc, criteria: Criteria = "throughput"
-) -> str:
-    """One map-reduce app through the `parrot` frontend: map and reduce calls queued in one session, the
-    summary fetched with ``criteria`` (default throughput: a batch job)."""
-    summarize = P.SemanticFunction.from_template(
-        MAP_TEMPLATE, name="summarize_part", sampling=_sampling(doc.map_tokens)
-    )
-    combine = P.SemanticFunction.from_template(
-        doc.reduce_template, name="combine", sampling=_sampling(doc.reduce_tokens)
-    )
-    async with P.Session(str(client.base_url), client=client, timeout=3600.0):
-        parts = [summarize(chunk=chunk) for chunk in doc.chunks]
-        final = combine(**{f"part{i}": p for i, p in enumerate(parts)})
-        assert isinstance(final, P.Variable)
-        return str(await final.aget(criteria=criteria))
-
-
 async def _complete(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> str:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
     response = await client.post("/v1/completions", json=body)
@@ -294,13 +277,6 @@ async def _complete(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> 
 async def baseline_chat(client: httpx.AsyncClient, req: ChatRequest) -> str:
     """One chat turn as one ``/v1/completions`` request."""
     return await _complete(client, req.prompt, req.max_tokens)
-
-
-async def baseline_map_reduce(client: httpx.AsyncClient, doc: MapReduceDoc) -> str:
-    """Concurrent map completions (rendered client-side), then the reduce over their answers."""
-    maps = (_complete(client, doc.map_prompt(chunk), doc.map_tokens) for chunk in doc.chunks)
-    summaries = await asyncio.gather(*maps)
-    return await _complete(client, doc.reduce_prompt(summaries), doc.reduce_tokens)
 
 
 # ----------------------------------------------------------------------------------------------- running
@@ -326,29 +302,18 @@ class SystemResult:
         norm = self.chat_norm
         return {
             "chat_s_per_token_mean": _mean(norm),
-            "chat_s_per_token_median": _percentile(norm, 50),
-            "chat_s_per_token_p90": _percentile(norm, 90),
+            "chat_s_per_token_median": percentile(norm, 50),
+            "chat_s_per_token_p90": percentile(norm, 90),
             "chat_latency_s_mean": _mean(self.chat_latency),
             "mapreduce_jct_s_mean": _mean(self.app_jct),
-            "mapreduce_jct_s_median": _percentile(self.app_jct, 50),
-            "mapreduce_jct_s_p90": _percentile(self.app_jct, 90),
+            "mapreduce_jct_s_median": percentile(self.app_jct, 50),
+            "mapreduce_jct_s_p90": percentile(self.app_jct, 90),
             "mapreduce_jct_s_max": max(self.app_jct, default=math.nan),
         }
 
 
 def _mean(xs: Sequence[float]) -> float:
     return statistics.fmean(xs) if xs else math.nan
-
-
-def _percentile(xs: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile, linear between order statistics (NaN for no data)."""
-    if not xs:
-        return math.nan
-    ys = sorted(xs)
-    pos = (len(ys) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ys) - 1)
-    return ys[lo] + (ys[hi] - ys[lo]) * (pos - lo)
 
 
 def system_configs(name: str, cfg: BenchConfig, kv_tokens: int) -> tuple[EngineConfig, ManagerConfig]:
@@ -400,7 +365,9 @@ async def run_system(name: str, workload: Workload, cfg: BenchConfig) -> SystemR
 
         def app_job(doc: MapReduceDoc) -> Callable[[], Awaitable[str]]:
             return lambda: (
-                parrot_map_reduce(client, doc, criteria) if parrot else baseline_map_reduce(client, doc)
+                parrot_map_reduce(client, doc, criteria=criteria, timeout=3600.0)
+                if parrot
+                else baseline_map_reduce(client, doc, model=MODEL)
             )
 
         chats = [timed(c.arrival, chat_job(c)) for c in workload.chats]

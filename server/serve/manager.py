@@ -390,10 +390,11 @@ class Manager:
         # A call's steps share one context chain, so one engine; engines of one model share a tokenizer.
         serving = [progress.engine] if progress is not None else self._serving(call.model)
         token_ids = self.engines[serving[0]].tokenizer.encode(prompt)
-        request = self._queued(session, node, objective, token_ids, serving, progress is not None)
+        prefix = self._constant_prefix(serving[0], call, token_ids) if step.index == 0 else []
+        request = self._queued(session, node, objective, token_ids, prefix, serving, progress is not None)
         engine_index = await self.placement.acquire(request)
         try:
-            return await self._run_on(engine_index, session, node, token_ids, progress, request)
+            return await self._run_on(engine_index, session, node, token_ids, prefix, progress, request)
         finally:
             self.placement.release(engine_index, request)
 
@@ -403,12 +404,12 @@ class Manager:
         node: StepNode,
         objective: StepObjective,
         token_ids: list[int],
+        prefix: list[int],
         serving: list[int],
         pinned: bool,
     ) -> QueuedRequest:
-        """The scheduler's view of a step: its tokens beyond a shared constant prefix, objective, group,
-        shared prefix key and where its prompt is cached."""
-        prefix = self._constant_prefix(serving[0], node.call, token_ids) if node.id.index == 0 else []
+        """The scheduler's view of a step: its tokens beyond its shared constant ``prefix``, objective,
+        group, shared prefix key and where its prompt is cached."""
         shared = len(prefix) >= self.config.min_shared_prefix_tokens
         cached = {}
         for i in serving:
@@ -437,25 +438,17 @@ class Manager:
         session: Session,
         node: StepNode,
         token_ids: list[int],
+        prefix: list[int],
         progress: _CallProgress | None,
         request: QueuedRequest,
     ) -> tuple[str, str]:
         call, step = node.call, node.step
         key = (session.session_id, call.call_id)
         engine = self.engines[engine_index]
-        if step.index == 0:
-            await self._share_constant_prefix(engine_index, call, token_ids)
+        await self._share_constant_prefix(engine_index, prefix)  # a later step's prefix is empty
         context_id = next(self._context_ids)
-        match = self._prefixes.longest_prefix(str(engine_index), token_ids)
-        if match is not None:
-            self._prefixes.acquire(match.entry)  # not evicted while the fork is being made
         try:
-            try:
-                parent = None if match is None else match.entry.context_id
-                await engine.fill(context_id, token_ids[0 if match is None else match.length :], parent)
-            finally:
-                if match is not None:
-                    self._prefixes.release(match.entry)
+            await self._fill_from_cache(engine_index, context_id, token_ids)
             # A latency-bound step carries the engine's latency cap, so the engine keeps its batch under
             # it against traffic the placement does not see (the OpenAI endpoints).
             latency_cap = self._caps(engine)[1] if request.latency_bound else None
@@ -500,11 +493,9 @@ class Manager:
             prefix.pop()
         return prefix
 
-    async def _share_constant_prefix(self, engine_index: int, call: CallIR, token_ids: list[int]) -> None:
-        """Make the call's leading constant text one shared context, so every call starting with it forks
-        it instead of prefilling it again (across sessions too)."""
-        engine = self.engines[engine_index]
-        prefix = self._constant_prefix(engine_index, call, token_ids)
+    async def _share_constant_prefix(self, engine_index: int, prefix: list[int]) -> None:
+        """Make a call's leading constant text (``prefix``, `_constant_prefix`) one shared context, so every
+        call starting with it forks it instead of prefilling it again (across sessions too)."""
         if len(prefix) < self.config.min_shared_prefix_tokens:
             return
         match = self._prefixes.longest_prefix(str(engine_index), prefix)
@@ -517,15 +508,8 @@ class Manager:
             return
         pending = self._prefix_fills[key] = asyncio.get_running_loop().create_future()
         context_id = next(self._context_ids)
-        if match is not None:  # a shorter cached prefix: fork it, fill only the rest
-            self._prefixes.acquire(match.entry)
         try:
-            try:
-                parent = None if match is None else match.entry.context_id
-                await engine.fill(context_id, prefix[0 if match is None else match.length :], parent)
-            finally:
-                if match is not None:
-                    self._prefixes.release(match.entry)
+            await self._fill_from_cache(engine_index, context_id, prefix)  # a shorter cached prefix forks
             await self._keep(engine_index, context_id, prefix)
         except BaseException:
             await self._free(engine_index, context_id)
@@ -533,6 +517,21 @@ class Manager:
         finally:
             del self._prefix_fills[key]
             pending.set_result(None)
+
+    async def _fill_from_cache(self, engine_index: int, context_id: int, token_ids: list[int]) -> None:
+        """Make ``context_id`` hold ``token_ids``: a fork of the longest cached context they extend (held
+        against eviction while the fork is made), filled with the rest."""
+        match = self._prefixes.longest_prefix(str(engine_index), token_ids)
+        if match is None:
+            await self.engines[engine_index].fill(context_id, token_ids)
+            return
+        self._prefixes.acquire(match.entry)
+        try:
+            await self.engines[engine_index].fill(
+                context_id, token_ids[match.length :], match.entry.context_id
+            )
+        finally:
+            self._prefixes.release(match.entry)
 
     async def _keep(self, engine_index: int, context_id: int, token_ids: list[int]) -> None:
         """Store a finished context as a shareable prefix; free the least recently used beyond the cap."""
