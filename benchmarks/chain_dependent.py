@@ -261,10 +261,14 @@ def measure_setting(
     cfg: BenchConfig,
     delay: bool,
     expected_last: str,
+    clients: tuple[str, ...] = CLIENTS,
 ) -> SettingResult:
-    """``cfg.repeats`` chains per client, interleaved, rotating which client goes first."""
+    """``cfg.repeats`` chains per client, interleaved, rotating which client goes first.
+
+    ``clients``: which of `CLIENTS` to measure (all by default; `BASELINE` must be one of them).
+    """
     served.delay.enabled = delay
-    results = {name: ChainClientResult() for name in CLIENTS}
+    results = {name: ChainClientResult() for name in clients}
     runners: dict[str, Callable[[], ChainRun]] = {
         PARROT: lambda: run_parrot(served, fns[PARROT], chunks),
         PARROT_SUBMIT: lambda: run_parrot(served, fns[PARROT_SUBMIT], chunks),
@@ -272,7 +276,7 @@ def measure_setting(
     }
     try:
         for rep in range(cfg.repeats):
-            order = CLIENTS[rep % len(CLIENTS) :] + CLIENTS[: rep % len(CLIENTS)]
+            order = clients[rep % len(clients) :] + clients[: rep % len(clients)]
             for name in order:
                 run = runners[name]()
                 if run.outputs[-1] != expected_last:

@@ -8,6 +8,8 @@ one place.
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import importlib
 import inspect
 import json
@@ -21,7 +23,9 @@ import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+Config = TypeVar("Config")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -242,6 +246,26 @@ def safe_ratio(a: float, b: float) -> float:
     if not (math.isfinite(a) and math.isfinite(b)) or b == 0:
         return math.nan
     return a / b
+
+
+# ----------------------------------------------------------------------------------------------- sizes
+def add_size_flags(parser: argparse.ArgumentParser, quick_help: str) -> None:
+    """The flags every benchmark takes: ``--quick`` (about a minute on 2 cores), ``--tiny`` (a harness
+    check in seconds) and ``--json PATH``."""
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help=quick_help)
+    size.add_argument(
+        "--tiny",
+        action="store_true",
+        help="the smallest configuration running every code path (a harness check: figures mean nothing)",
+    )
+    parser.add_argument("--json", metavar="PATH", help="write the figures and machine info as JSON")
+
+
+def sized(args: argparse.Namespace, full: Config, quick: Config, tiny: Config, **overrides: Any) -> Config:
+    """The configuration ``args`` asks for (`add_size_flags`), with every override that is not None."""
+    cfg = tiny if args.tiny else quick if args.quick else full
+    return dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v is not None})  # type: ignore[type-var]
 
 
 # ----------------------------------------------------------------------------------------------- output

@@ -41,7 +41,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -54,6 +54,7 @@ if not __package__:
 
 from benchmarks.common import (
     Spread,
+    add_size_flags,
     fmt_num,
     load_average,
     log,
@@ -61,6 +62,7 @@ from benchmarks.common import (
     markdown_table,
     result_line,
     safe_ratio,
+    sized,
     stdlib_text,
     write_json,
 )
@@ -89,6 +91,9 @@ class BenchConfig:
 
 FULL = BenchConfig()
 QUICK = BenchConfig(prompt_len=64, max_new_tokens=16, repeats=3, min_time_s=3.0)
+TINY = BenchConfig(
+    batches=(1, 4), prompt_len=16, max_new_tokens=4, repeats=1, min_time_s=0.0, kv_requests=4, kv_prefix=64
+)
 
 
 # ----------------------------------------------------------------------------------------------- systems
@@ -555,8 +560,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--quick", action="store_true", help="short prompts and outputs, 3 repeats (~1 min)")
-    parser.add_argument("--json", metavar="PATH", help="write the figures and machine info as JSON")
+    add_size_flags(parser, "short prompts and outputs, 3 repeats (~1 min)")
     parser.add_argument("--model", default="tiny", help='"tiny" (default) or a local Hugging Face folder')
     parser.add_argument("--repeats", type=int, help="least timed repeats per batch size (median)")
     parser.add_argument("--batches", type=int, nargs="+", help="batch sizes (default 1 16 64)")
@@ -568,15 +572,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def build_config(args: argparse.Namespace) -> BenchConfig:
-    cfg = QUICK if args.quick else FULL
-    overrides = {
-        "repeats": args.repeats,
-        "batches": tuple(args.batches) if args.batches else None,
-        "prompt_len": args.prompt_len,
-        "max_new_tokens": args.new_tokens,
-        "spread": args.spread,
-    }
-    return replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
+    return sized(
+        args,
+        FULL,
+        QUICK,
+        TINY,
+        repeats=args.repeats,
+        batches=tuple(args.batches) if args.batches else None,
+        prompt_len=args.prompt_len,
+        max_new_tokens=args.new_tokens,
+        spread=args.spread,
+    )
 
 
 def engine_config_for(cfg: BenchConfig) -> EngineConfig:

@@ -100,6 +100,7 @@ if not __package__:
 import parrot as P
 
 from benchmarks.common import (
+    add_size_flags,
     load_average,
     log,
     machine_info,
@@ -108,9 +109,11 @@ from benchmarks.common import (
     render_template,
     result_line,
     safe_ratio,
+    sized,
     stdlib_text,
     write_json,
 )
+from benchmarks.plotting import pyplot, save
 from server.engine.config import EngineConfig
 from server.serve.manager import ManagerConfig
 from server.sim import LatencyModel, load_profile, run, sim_cluster, tiny_tokenizer
@@ -153,6 +156,7 @@ class BenchConfig:
 
 FULL = BenchConfig()
 QUICK = BenchConfig(duration_s=6.0, warmup_s=1.0, bisect_steps=2)
+TINY = BenchConfig(duration_s=2.5, warmup_s=0.0, fixed_rate=4.0)
 
 
 # ----------------------------------------------------------------------------------------------- workload
@@ -709,8 +713,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--quick", action="store_true", help="6 s runs, 2 bisections (~1.5 min)")
-    parser.add_argument("--json", metavar="PATH", help="write every run's figures as JSON")
+    add_size_flags(parser, "6 s runs, 2 bisections (~1.5 min)")
     parser.add_argument("--duration", type=float, help="simulated seconds of arrivals per run")
     parser.add_argument("--warmup", type=float, help="simulated seconds of arrivals not measured")
     parser.add_argument("--bound", type=float, help="sustained: mean normalized latency <= this (s/token)")
@@ -728,20 +731,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def build_config(args: argparse.Namespace) -> BenchConfig:
-    cfg = QUICK if args.quick else FULL
-    overrides = {
-        "duration_s": args.duration,
-        "warmup_s": args.warmup,
-        "bound_s_per_token": args.bound,
-        "fixed_rate": args.rate,
-        "start_rate": args.start_rate,
-        "bisect_steps": args.bisect_steps,
-        "baseline_cap": args.baseline_cap,
-        "latency_cap": args.latency_cap,
-        "engines": args.engines,
-        "seed": args.seed,
-    }
-    return dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
+    return sized(
+        args,
+        FULL,
+        QUICK,
+        TINY,
+        duration_s=args.duration,
+        warmup_s=args.warmup,
+        bound_s_per_token=args.bound,
+        fixed_rate=args.rate,
+        start_rate=args.start_rate,
+        bisect_steps=args.bisect_steps,
+        baseline_cap=args.baseline_cap,
+        latency_cap=args.latency_cap,
+        engines=args.engines,
+        seed=args.seed,
+    )
 
 
 def select_policies(spec: str | None) -> list[str]:
@@ -772,6 +777,25 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         write_json(args.json, json_payload(cfg, workload, machine, searches, total_s))
     print(result_line(NAME, result_metrics(searches, total_s)))
+
+
+def plot(payload: dict[str, Any], path: Path) -> None:
+    """Fig. 17 from a results payload: mean normalized latency against request rate for every policy, the
+    latency bound, and each policy's highest sustained rate."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    for policy, search in payload["policies"].items():
+        runs = sorted(search["runs"], key=lambda r: r["rate"])
+        line = ax.plot([r["rate"] for r in runs], [1000 * r["mean_s_per_token"] for r in runs], "o-", ms=3)
+        ax.axvline(search["max_sustained_rate"], color=line[0].get_color(), ls=":", lw=1)
+        line[0].set_label(f"{policy} (max {search['max_sustained_rate']:.1f} req/s)")
+    ax.axhline(1000 * payload["config"]["bound_s_per_token"], color="grey", ls="--", lw=1, label="bound")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("request rate (req/s, simulated)")
+    ax.set_ylabel("mean latency per output token (ms)")
+    ax.legend(fontsize=7)
+    save(fig, path)
 
 
 if __name__ == "__main__":

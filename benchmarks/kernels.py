@@ -17,13 +17,13 @@ The last line is ``RESULT kernels speedup_b<B>_p<P>=... ceiling_b<B>_p<P>=... ..
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -33,6 +33,8 @@ if not __package__:
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import kernels
+from benchmarks.common import add_size_flags, machine_info, result_line, write_json
+from benchmarks.plotting import pyplot, save
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 SUFFIX = 256
@@ -134,18 +136,16 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument(
-        "--quick", action="store_true", help="prefix 1k/4k only, fewer repeats (~1 min on CPU)"
-    )
-    parser.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    add_size_flags(parser, "prefix 1k/4k only, fewer repeats (~1 min on CPU)")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats per case (median)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
 
     device = torch.device(args.device)
-    batches = [8, 32, 64]
-    prefixes = [1024, 4096] if args.quick else [1024, 4096, 6144]
-    repeats = args.repeats or (5 if args.quick else 9)
+    batches = [2, 8] if args.tiny else [8, 32, 64]
+    prefixes = [256] if args.tiny else [1024, 4096] if args.quick else [1024, 4096, 6144]
+    suffix = 16 if args.tiny else SUFFIX
+    repeats = args.repeats or (1 if args.tiny else 5 if args.quick else 9)
     where = "triton bf16" if device.type == "cuda" else f"torch fp32, {torch.get_num_threads()} threads"
     print(f"shared-prefix vs paged decode on {device} ({where}); heads {HEADS}/{KV_HEADS}, dim {HEAD_DIM}")
     print(
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for prefix in prefixes:
         for batch in batches:
-            row = run_case(batch, prefix, SUFFIX, repeats, device)
+            row = run_case(batch, prefix, suffix, repeats, device)
             rows.append(row)
             print(
                 f"{row.batch:>5} {row.prefix:>6} {row.suffix:>6} {row.plain_ms:>9.2f} {row.shared_ms:>9.2f} "
@@ -165,13 +165,42 @@ def main(argv: list[str] | None = None) -> None:
             )
 
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {"device": str(device), "backend": where, "rows": [asdict(r) for r in rows]}, f, indent=2
-            )
-    metrics = " ".join(f"speedup_{_key(r)}={r.speedup:.2f}" for r in rows)
-    ceilings = " ".join(f"ceiling_{_key(r)}={r.ceiling:.2f}" for r in rows)
-    print(f"RESULT kernels {metrics} {ceilings}")
+        write_json(
+            args.json,
+            {
+                "benchmark": "kernels",
+                "device": str(device),
+                "backend": where,
+                "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "block": BLOCK},
+                "repeats": repeats,
+                "machine": machine_info(),
+                "rows": [asdict(r) for r in rows],
+            },
+        )
+    metrics = {f"speedup_{_key(r)}": r.speedup for r in rows} | {
+        f"ceiling_{_key(r)}": r.ceiling for r in rows
+    }
+    print(result_line("kernels", metrics))
+
+
+def plot(payload: dict[str, Any], path: Path) -> None:
+    """Shared-prefix vs paged decode from a results payload: speedup against batch size per prefix length,
+    each with its memory-traffic ceiling (dashed)."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for prefix in sorted({r["prefix"] for r in payload["rows"]}):
+        rows = sorted((r for r in payload["rows"] if r["prefix"] == prefix), key=lambda r: r["batch"])
+        line = ax.plot(
+            [r["batch"] for r in rows], [r["speedup"] for r in rows], "o-", label=f"prefix {prefix}"
+        )
+        ax.plot(
+            [r["batch"] for r in rows], [r["ceiling"] for r in rows], "--", color=line[0].get_color(), lw=1
+        )
+    ax.set_xlabel("batch (sequences sharing the prefix)")
+    ax.set_ylabel("speedup over paged decode (x)")
+    ax.set_title(f"{payload['backend']} (dashed: ceiling B(P+S)/(P+BS))", fontsize=9)
+    ax.legend(fontsize=8)
+    save(fig, path)
 
 
 if __name__ == "__main__":

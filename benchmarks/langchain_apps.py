@@ -41,7 +41,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,12 +55,14 @@ from langchain_parrot import TINY_MODEL_DIR, ChatFormat, ChatParrot, compile_cha
 from benchmarks.common import (
     ClientResult,
     Spread,
+    add_size_flags,
     load_average,
     log,
     machine_info,
     markdown_table,
     result_line,
     safe_ratio,
+    sized,
     write_json,
 )
 from recipes import chain_summary, map_reduce_summary
@@ -102,6 +104,16 @@ QUICK = BenchConfig(
     chain_words=40,
     chain_tokens=8,
     repeats=3,
+)
+TINY = BenchConfig(
+    map_chunks=2,
+    map_words=12,
+    map_tokens=2,
+    reduce_tokens=2,
+    chain_steps=2,
+    chain_words=12,
+    chain_tokens=2,
+    repeats=1,
 )
 
 
@@ -334,8 +346,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--quick", action="store_true", help="fewer, shorter chunks and outputs (~1 min)")
-    parser.add_argument("--json", metavar="PATH", help="write the figures and machine info as JSON")
+    add_size_flags(parser, "fewer, shorter chunks and outputs (~1 min)")
     parser.add_argument("--repeats", type=int, help="timed runs per client, app and setting (median)")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     return parser.parse_args(argv)
@@ -343,9 +354,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    cfg = QUICK if args.quick else FULL
-    if args.repeats:
-        cfg = replace(cfg, repeats=args.repeats)
+    cfg = sized(args, FULL, QUICK, TINY, repeats=args.repeats)
     import torch
 
     if args.threads:

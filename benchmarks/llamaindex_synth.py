@@ -41,7 +41,7 @@ import asyncio
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,15 +53,18 @@ if not __package__:
 from llama_index.core.response_synthesizers import BaseSynthesizer, Refine, TreeSummarize
 from llamaindex_parrot import ParrotLLM, ParrotRefine, ParrotTreeSummarize
 
-from benchmarks.chain_dependent import Served, make_chunks, serve
+from benchmarks.chain_dependent import Served, serve
 from benchmarks.common import (
     ClientResult,
+    add_size_flags,
+    document_chunks,
     load_average,
     log,
     machine_info,
     markdown_table,
     result_line,
     safe_ratio,
+    sized,
     write_json,
 )
 from server.engine import EngineConfig
@@ -94,6 +97,7 @@ class BenchConfig:
 
 FULL = BenchConfig()
 QUICK = BenchConfig(chunks=6, chunk_tokens=96, max_tokens=16, repeats=3, semantic_calls_client=False)
+TINY = BenchConfig(chunks=2, chunk_tokens=16, max_tokens=2, repeats=1)
 
 
 # ----------------------------------------------------------------------------------------------- clients
@@ -285,10 +289,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument(
-        "--quick", action="store_true", help="6 short chunks, 16-token outputs, 3 repeats, fewer clients"
-    )
-    parser.add_argument("--json", metavar="PATH", help="write the figures and machine info as JSON")
+    add_size_flags(parser, "6 short chunks, 16-token outputs, 3 repeats, fewer clients")
     parser.add_argument("--model", default="tiny", help='"tiny" (default) or a local Hugging Face folder')
     parser.add_argument("--repeats", type=int, help="timed queries per client, workload and setting")
     parser.add_argument("--chunks", type=int, help="document chunks per query")
@@ -299,9 +300,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    cfg = QUICK if args.quick else FULL
-    overrides = {"repeats": args.repeats, "chunks": args.chunks, "max_tokens": args.max_tokens}
-    cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
+    cfg = sized(args, FULL, QUICK, TINY, repeats=args.repeats, chunks=args.chunks, max_tokens=args.max_tokens)
     import torch
 
     if args.threads:
@@ -312,7 +311,7 @@ def main(argv: list[str] | None = None) -> None:
     log(f"starting the server ({args.model}) ...")
     # chain_dependent's server setup reads only the delay fields of the config.
     with serve(args.model, engine_config, cfg) as served:  # type: ignore[arg-type]
-        chunks = make_chunks(served.engine, cfg.chunks, cfg.chunk_tokens)
+        chunks = document_chunks(served.engine.tokenizer, cfg.chunks, cfg.chunk_tokens)
         runs = clients(served, cfg, chunks)
         calls = calls_per_query(served, cfg, chunks)
         log("verifying answers and warming up ...")

@@ -85,6 +85,7 @@ from parrot.protocol import Criteria
 from benchmarks.common import (
     ClientResult,
     Spread,
+    add_size_flags,
     document_chunks,
     load_average,
     log,
@@ -93,8 +94,10 @@ from benchmarks.common import (
     render_template,
     result_line,
     safe_ratio,
+    sized,
     write_json,
 )
+from benchmarks.plotting import pyplot, save
 from server.engine import EngineConfig
 from server.launcher import LaunchedServer, launch
 from server.serve.manager import ManagerConfig
@@ -286,6 +289,7 @@ class BenchConfig:
 
 FULL = BenchConfig()
 QUICK = BenchConfig(chunks=8, latency_cap_tokens=768, repeats=3)
+TINY = BenchConfig(chunks=2, chunk_tokens=16, map_tokens=4, reduce_tokens=4, repeats=1)
 
 
 # ----------------------------------------------------------------------------------------------- servers
@@ -632,8 +636,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--quick", action="store_true", help="8 map calls, 3 repeats (~1 min)")
-    parser.add_argument("--json", metavar="PATH", help="write the figures and machine info as JSON")
+    add_size_flags(parser, "8 map calls, 3 repeats (~1 min)")
     parser.add_argument("--model", default="tiny", help='"tiny" (default) or a local Hugging Face folder')
     parser.add_argument("--repeats", type=int, help="timed jobs per client and setting (median)")
     parser.add_argument("--chunks", type=int, help="map calls (document parts)")
@@ -650,16 +653,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def build_config(args: argparse.Namespace) -> BenchConfig:
-    cfg = QUICK if args.quick else FULL
-    overrides = {
-        "repeats": args.repeats,
-        "chunks": args.chunks,
-        "chunk_tokens": args.chunk_tokens,
-        "map_tokens": args.map_tokens,
-        "reduce_tokens": args.reduce_tokens,
-        "latency_cap_tokens": args.latency_cap,
-    }
-    return replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
+    return sized(
+        args,
+        FULL,
+        QUICK,
+        TINY,
+        repeats=args.repeats,
+        chunks=args.chunks,
+        chunk_tokens=args.chunk_tokens,
+        map_tokens=args.map_tokens,
+        reduce_tokens=args.reduce_tokens,
+        latency_cap_tokens=args.latency_cap,
+    )
 
 
 async def run_benchmark(
@@ -701,7 +706,8 @@ def main(argv: list[str] | None = None) -> None:
     delays = (False,) if args.no_delay_only else (False, True)
     with serve(args.model, cfg) as servers:
         doc, shape, settings = asyncio.run(run_benchmark(servers, cfg, delays))
-    sim_cfg = SimConfig(chunks=args.sim_chunks or (16 if args.quick else SimConfig.chunks))
+    default_chunks = 2 if args.tiny else 16 if args.quick else SimConfig.chunks
+    sim_cfg = SimConfig(chunks=args.sim_chunks or default_chunks)
     sims: dict[int, SimResult] = {}
     for out in SIM_OUTPUT_TOKENS:
         log(f"simulating the GPU-scale job ({sim_cfg.chunks} parts, {out}-token summaries) ...")
@@ -725,6 +731,36 @@ def main(argv: list[str] | None = None) -> None:
         }
         write_json(args.json, payload)
     print(result_line(NAME, result_metrics(settings, sims, total_s)))
+
+
+def plot(payload: dict[str, Any], path: Path) -> None:
+    """Fig. 14 from a results payload: job latency per client and setting on the real engine (left), and
+    the simulated GPU-scale job per summary length (right)."""
+    plt = pyplot()
+    fig, (real, sim) = plt.subplots(1, 2, figsize=(9, 3.4))
+    settings = payload["settings"]
+    labels = ["with delay" if s["network_delay"] else "no delay" for s in settings]
+    for i, client in enumerate(CLIENTS):
+        medians = [s["clients"][client]["latency"]["median"] for s in settings]
+        real.bar([x + 0.4 * i for x in range(len(settings))], medians, width=0.4, label=client)
+    real.set_xticks([x + 0.2 for x in range(len(settings))], labels)
+    real.set_ylabel("job latency (s, CPU)")
+    real.set_title("real engine (tiny model)", fontsize=9)
+    real.legend(fontsize=8)
+    by_out = payload.get("simulator", {}).get("by_map_tokens", {})
+    outs = sorted(by_out, key=int)
+    for i, key in enumerate(("parrot_s", "baseline_s")):
+        sim.bar(
+            [x + 0.4 * i for x in range(len(outs))],
+            [by_out[o][key] for o in outs],
+            width=0.4,
+            label=key.removesuffix("_s"),
+        )
+    sim.set_xticks([x + 0.2 for x in range(len(outs))], [f"{o}-token summaries" for o in outs])
+    sim.set_ylabel("job latency (simulated s)")
+    sim.set_title("simulator (GPU profile)", fontsize=9)
+    sim.legend(fontsize=8)
+    save(fig, path)
 
 
 if __name__ == "__main__":

@@ -73,7 +73,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +88,7 @@ from parrot.protocol import Criteria
 
 from benchmarks.common import (
     Spread,
+    add_size_flags,
     fmt_num,
     log,
     machine_info,
@@ -96,10 +97,12 @@ from benchmarks.common import (
     render_template,
     result_line,
     safe_ratio,
+    sized,
     stdlib_text,
     write_json,
 )
 from benchmarks.map_reduce import MapReduceDoc, baseline_map_reduce, parrot_map_reduce
+from benchmarks.plotting import pyplot, save
 from server.engine import EngineConfig
 from server.serve.manager import ManagerConfig
 from server.sim import SimCluster, load_profile, sim_cluster, tiny_tokenizer
@@ -157,6 +160,7 @@ class BenchConfig:
 
 FULL = BenchConfig()
 QUICK = BenchConfig(window_s=40.0, apps=20, seeds=1)
+TINY = BenchConfig(window_s=4.0, apps=2, chunks_min=2, chunks_max=3, chunk_tokens=64, seeds=1)
 
 
 # ----------------------------------------------------------------------------------------------- workload
@@ -607,8 +611,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--quick", action="store_true", help="40 s window, 20 apps, one seed (~30 s)")
-    parser.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    add_size_flags(parser, "40 s window, 20 apps, one seed (~30 s)")
     parser.add_argument("--seed", type=int, help="first workload seed (default 0)")
     parser.add_argument("--seeds", type=int, help="workloads to run (default 3; quick 1)")
     parser.add_argument("--window", type=float, help="virtual seconds during which requests arrive")
@@ -621,7 +624,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def build_config(args: argparse.Namespace) -> BenchConfig:
-    cfg = QUICK if args.quick else FULL
     overrides: dict[str, Any] = {
         "seed": args.seed,
         "seeds": args.seeds,
@@ -633,7 +635,7 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
     }
     if args.chunks is not None:
         overrides["chunks_min"], overrides["chunks_max"] = args.chunks
-    return replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
+    return sized(args, FULL, QUICK, TINY, **overrides)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -652,6 +654,22 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         write_json(args.json, json_payload(cfg, runs, machine, total))
     print(result_line(NAME, result_metrics(runs, total)))
+
+
+def plot(payload: dict[str, Any], path: Path) -> None:
+    """Fig. 19 from a results payload (first seed): chat normalized latency and map-reduce job completion
+    time for every system."""
+    plt = pyplot()
+    systems = payload["seeds"][0]["systems"]
+    names = list(systems)
+    fig, (chat, jct) = plt.subplots(1, 2, figsize=(9, 3.4))
+    chat.bar(names, [1000 * systems[n]["metrics"]["chat_s_per_token_mean"] for n in names])
+    chat.set_ylabel("chat latency per output token (ms)")
+    jct.bar(names, [systems[n]["metrics"]["mapreduce_jct_s_mean"] for n in names], color="tab:orange")
+    jct.set_ylabel("map-reduce JCT, mean (simulated s)")
+    for ax in (chat, jct):
+        ax.tick_params(axis="x", labelrotation=20, labelsize=8)
+    save(fig, path)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ if not __package__:
 
 from benchmarks.common import (
     Spread,
+    add_size_flags,
     fmt_num,
     load_average,
     log,
@@ -52,15 +53,15 @@ TOLERANCE = 0.25  # the stated agreement: simulated time within 25% of the real 
 # (prefix_len, calls, call_len, new_tokens) of each validation workload
 SHAPES = [(256, 8, 96, 24), (512, 16, 64, 32), (128, 4, 300, 48)]
 QUICK_SHAPES = SHAPES[:2]
+TINY_SHAPES = [(32, 2, 16, 4)]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="two shapes, 3 repeats")
+    add_size_flags(p, "two shapes, 3 repeats")
     p.add_argument(
         "--repeats", type=int, default=None, help="real-engine runs per shape (default 5; 3 quick)"
     )
-    p.add_argument("--json", default=None, help="also write the results here")
     return p.parse_args(argv)
 
 
@@ -89,14 +90,16 @@ async def measure_sim(engine: SimEngine, shapes: list[tuple[int, int, int, int]]
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    repeats = args.repeats or (3 if args.quick else 5)
-    shapes = QUICK_SHAPES if args.quick else SHAPES
+    repeats = args.repeats or (1 if args.tiny else 3 if args.quick else 5)
+    shapes = TINY_SHAPES if args.tiny else QUICK_SHAPES if args.quick else SHAPES
+    # The tiny harness check fits to a few short steps: enough to run the fit, not to trust it.
+    sweep = {"batch_sizes": (1, 2), "prompt_lens": (16, 48), "new_tokens": 4} if args.tiny else {}
     started = time.perf_counter()
     machine = machine_info()
     config = EngineConfig(trace_steps=100_000)
     log("calibrating the real engine (tiny model) ...")
     with LLMEngine.from_pretrained("tiny", config) as engine:
-        records = asyncio.run(calibrate(engine))
+        records = asyncio.run(calibrate(engine, **sweep))
         stats = engine.stats()
         model = fit_latency_model(
             records,

@@ -1,0 +1,236 @@
+"""The paper's evaluation as a list of experiments: which script measures what, against which figure.
+
+Each `Experiment` names a benchmark script (``benchmarks/<name>.py``), the figure of the Parrot paper
+(OSDI'24, section 8) it reproduces, what the paper reports there, the metrics of its ``RESULT`` line that
+answer it, and how to run it at three sizes: full, ``--quick`` and a tiny harness check. The runner
+(`benchmarks.runner`) runs them; the report (`benchmarks.report`) renders what they measured. The paper's
+figures are quoted here as the paper states them; every figure of ours comes from a results file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Backend = Literal["engine", "simulator", "operator"]
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One figure of a ``RESULT`` line worth a column: its key, what it means, and the paper's value for
+    the same quantity when the paper states one."""
+
+    key: str
+    label: str
+    paper: str | None = None
+    unit: str = "x"
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """One benchmark script and the paper figure it answers."""
+
+    name: str  # module `benchmarks.<name>`, results file `<name>.json`, plot `<name>.png`
+    title: str
+    figure: str  # the paper's figure ("Fig. 14"), or "—" for our own checks
+    paper: str  # what the paper reports there, in a few words
+    metrics: tuple[Metric, ...]
+    backend: Backend
+    engines: int
+    conditions: str  # what a reader needs to judge the figure: model, engine, delay, sizes
+    tiny_args: tuple[str, ...] = ("--tiny",)  # a harness check in seconds (figures meaningless)
+    takes_model: bool = False  # accepts ``--model PATH`` (real-engine runs)
+    profile: str | None = None  # the simulator's GPU latency profile
+
+    @property
+    def module(self) -> str:
+        return f"benchmarks.{self.name}"
+
+
+SIM_PROFILE = "a100-llama7b"
+DELAY = "simulated client network delay U(0.2, 0.3) s per request"
+
+EXPERIMENTS: tuple[Experiment, ...] = (
+    Experiment(
+        name="chain_summary",
+        title="Chain summary: output length, chunk size, background load, concurrent apps",
+        figure="Fig. 11, 12, 13",
+        paper="up to 1.38x vs vLLM (11); 2.38x with background load (12a); 1.68x mean over apps (12b, 13)",
+        metrics=(
+            Metric("speedup_min", "lowest point"),
+            Metric("speedup_max", "highest point"),
+            Metric("speedup_bg4", "4 background requests", paper="2.38x"),
+            Metric("speedup_apps4", "4 concurrent apps (mean)", paper="1.68x"),
+        ),
+        backend="engine",
+        engines=1,
+        conditions=(
+            f"embedded tiny LLaMA on CPU, 1 engine (FIFO, running-token cap), {DELAY}; "
+            "greedy outputs checked identical"
+        ),
+        tiny_args=("--steps", "2", "--repeats", "1", "--tiny"),
+        takes_model=True,
+    ),
+    Experiment(
+        name="chain_dependent",
+        title="Dependent chain: one get vs one request per step (and criteria at submit)",
+        figure="Fig. 11",
+        paper="up to 1.38x vs vLLM, 1.88x vs Hugging Face",
+        metrics=(
+            Metric("speedup_delay", "speedup with network delay", paper="1.38x"),
+            Metric("speedup_nodelay", "speedup without delay"),
+        ),
+        backend="engine",
+        engines=1,
+        conditions=f"embedded tiny LLaMA on CPU, 1 engine, 10 steps; with and without {DELAY}",
+        tiny_args=("--steps", "2", "--chunk-tokens", "8", "--max-tokens", "2", "--repeats", "1"),
+        takes_model=True,
+    ),
+    Experiment(
+        name="langchain_apps",
+        title="LangChain apps compiled to one submission vs the same chains request by request",
+        figure="Fig. 11, 14",
+        paper="chain up to 1.38x, map-reduce 2.37x",
+        metrics=(
+            Metric("chain_summary_speedup", "chain summary, with delay", paper="1.38x"),
+            Metric("map_reduce_speedup", "map-reduce, with delay", paper="2.37x"),
+        ),
+        backend="engine",
+        engines=1,
+        conditions=f"LCEL recipes on ChatParrot, embedded tiny LLaMA on CPU, 1 engine, {DELAY}",
+    ),
+    Experiment(
+        name="llamaindex_synth",
+        title="LlamaIndex refine / tree-summarize as one DAG vs LlamaIndex call by call",
+        figure="Fig. 11, 14",
+        paper="chain up to 1.38x, map-reduce 2.37x",
+        metrics=(
+            Metric("chain_speedup", "refine, with delay", paper="1.38x"),
+            Metric("map_reduce_speedup", "tree summarize, with delay", paper="2.37x"),
+        ),
+        backend="engine",
+        engines=1,
+        conditions=f"LlamaIndex synthesizers on ParrotLLM, embedded tiny LLaMA on CPU, 1 engine, {DELAY}",
+    ),
+    Experiment(
+        name="map_reduce",
+        title="Map-reduce summary of a long document",
+        figure="Fig. 14",
+        paper="2.37x",
+        metrics=(
+            Metric("speedup", "real engine, with delay", paper="2.37x"),
+            Metric("speedup_nodelay", "real engine, no delay"),
+            Metric("sim_speedup_out100", "simulator, 100-token summaries"),
+        ),
+        backend="engine",
+        engines=1,
+        conditions=(
+            f"embedded tiny LLaMA on CPU, 1 engine, {DELAY}; plus the simulator ({SIM_PROFILE} profile, "
+            "32 x 1k-token chunks) against a latency-capped FIFO baseline"
+        ),
+        takes_model=True,
+        profile=SIM_PROFILE,
+    ),
+    Experiment(
+        name="shared_prompt",
+        title="Shared system prompt (copilot-like): latency vs batch, with and without the kernel",
+        figure="Fig. 15, 16",
+        paper="1.8-2.4x vs no sharing (batch 8, 16); 1.1-1.7x vs paged attention with sharing",
+        metrics=(),
+        backend="engine",
+        engines=1,
+        conditions="embedded tiny LLaMA on CPU (torch shared-prefix path), 1 engine, all requests at once",
+        takes_model=True,
+    ),
+    Experiment(
+        name="kernels",
+        title="Shared-prefix decode attention vs paged decode (operator)",
+        figure="Fig. 16",
+        paper="end to end 1.58x / 1.84x vs paged attention at batch 32 / 64 (operator figure not given)",
+        metrics=(
+            Metric("speedup_b32_p4096", "batch 32, 4k prefix"),
+            Metric("ceiling_b32_p4096", "memory-traffic ceiling"),
+        ),
+        backend="operator",
+        engines=0,
+        conditions="one decode step, GQA 32/8 heads, head dim 128, suffix 256; CPU: torch path in fp32",
+    ),
+    Experiment(
+        name="gpts_cluster",
+        title="GPTs apps on 4 engines: highest sustained request rate",
+        figure="Fig. 17",
+        paper="12x vs baseline, 3x without affinity, 2.4x from the kernel",
+        metrics=(
+            Metric("speedup_vs_baseline", "vs baseline", paper="12x"),
+            Metric("speedup_vs_no_affinity", "vs no affinity", paper="3x"),
+            Metric("speedup_vs_no_kernel", "vs no kernel", paper="2.4x"),
+        ),
+        backend="simulator",
+        engines=4,
+        conditions=f"simulator, 4 engines, {SIM_PROFILE} profile (derived, not measured), Poisson arrivals",
+        profile=SIM_PROFILE,
+    ),
+    Experiment(
+        name="multi_agent",
+        title="Multi-agent coding workflow (MetaGPT-like): latency and KV memory vs files",
+        figure="Fig. 18",
+        paper="11.7x vs latency-centric, 2.45x vs throughput-centric baseline; kernel 1.2x at 16 files",
+        metrics=(),
+        backend="engine",
+        engines=1,
+        conditions=f"embedded tiny LLaMA on CPU, 1 engine, {DELAY}",
+        takes_model=True,
+    ),
+    Experiment(
+        name="mixed",
+        title="Chat + map-reduce apps on 4 engines vs latency- and throughput-tuned baselines",
+        figure="Fig. 19",
+        paper="chat 5.5x / 1.23x, map-reduce JCT 3.7x / 1.05x vs latency- / throughput-tuned",
+        metrics=(
+            Metric("chat_latency_vs_latency_tuned", "chat latency vs latency-tuned", paper="5.5x"),
+            Metric("mapreduce_jct_vs_latency_tuned", "JCT vs latency-tuned", paper="3.7x"),
+            Metric("chat_latency_vs_throughput_tuned", "chat latency vs throughput-tuned", paper="1.23x"),
+            Metric("mapreduce_jct_vs_throughput_tuned", "JCT vs throughput-tuned", paper="1.05x"),
+        ),
+        backend="simulator",
+        engines=4,
+        conditions=f"simulator, 4 engines, {SIM_PROFILE} profile (derived, not measured), chat at 1 req/s",
+        profile=SIM_PROFILE,
+    ),
+    Experiment(
+        name="engine_throughput",
+        title="Our engine vs Hugging Face generate on the same weights",
+        figure="—",
+        paper="(engine baseline, not a paper figure)",
+        metrics=(
+            Metric("decode_ratio_b64", "decode tok/s vs HF, batch 64"),
+            Metric("kv_fork_ratio", "KV blocks without / with fork"),
+        ),
+        backend="engine",
+        engines=1,
+        conditions="embedded tiny LLaMA on CPU, fp32, greedy, same prompts for both",
+        takes_model=True,
+    ),
+    Experiment(
+        name="sim_validation",
+        title="Simulator vs real engine on the same workload",
+        figure="—",
+        paper="(validates the simulator used for Fig. 17, 19)",
+        metrics=(
+            Metric("max_error", "largest relative time error", unit=""),
+            Metric("tolerance", "stated tolerance", unit=""),
+        ),
+        backend="engine",
+        engines=1,
+        conditions="embedded tiny LLaMA on CPU; latency model fitted to its measured steps",
+    ),
+)
+
+
+def by_name(name: str) -> Experiment:
+    """The experiment called ``name``; a clear error listing the known ones otherwise."""
+    for experiment in EXPERIMENTS:
+        if experiment.name == name:
+            return experiment
+    known = ", ".join(e.name for e in EXPERIMENTS)
+    raise KeyError(f"no benchmark named {name!r}; known: {known}, or 'all'")

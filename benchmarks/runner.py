@@ -1,0 +1,175 @@
+"""Run benchmark scripts and keep what they measured: one results file per experiment.
+
+Each experiment (`benchmarks.experiments`) runs as its own process — ``python -m benchmarks.<name>`` with
+the size flag and ``--json`` — so one that crashes or leaks memory cannot take the others down, and every
+figure comes from the script's own ``RESULT`` line and JSON. The runner wraps them in a record: when and
+where it ran (machine, commit), at what size, the model (its config, or the simulator's profile), engine
+count, the ``RESULT`` metrics, and the script's whole payload (medians, spreads, raw times). A failed
+experiment is recorded as failed with the tail of its log, never skipped silently.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from benchmarks.common import REPO_ROOT, machine_info, write_json
+from benchmarks.experiments import EXPERIMENTS, Experiment, by_name
+
+Size = Literal["full", "quick", "tiny"]
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+SIZE_FLAGS: dict[Size, tuple[str, ...]] = {"full": (), "quick": ("--quick",), "tiny": ()}
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How to run: the size, where results go, and the model for real-engine experiments."""
+
+    size: Size = "full"
+    results_dir: Path = RESULTS_DIR
+    model: str = "tiny"
+    timeout_s: float = 3600.0
+
+
+def select(names: Sequence[str]) -> list[Experiment]:
+    """The experiments ``names`` asks for, in the paper's order; ``all`` (or nothing) is every one."""
+    if not names or "all" in names:
+        return list(EXPERIMENTS)
+    wanted = {by_name(n).name for n in names}
+    return [e for e in EXPERIMENTS if e.name in wanted]
+
+
+def command(experiment: Experiment, options: RunOptions, json_path: Path) -> list[str]:
+    """The script's command line for ``options``."""
+    args = list(experiment.tiny_args if options.size == "tiny" else SIZE_FLAGS[options.size])
+    if experiment.takes_model and options.model != "tiny":
+        args += ["--model", options.model]
+    return [sys.executable, "-m", experiment.module, *args, "--json", str(json_path)]
+
+
+def parse_result_line(output: str, name: str) -> dict[str, float]:
+    """The metrics of the last ``RESULT <name> k=v ...`` line of ``output`` (``nan`` stays NaN)."""
+    for line in reversed(output.splitlines()):
+        parts = line.split()
+        if len(parts) >= 2 and parts[0] == "RESULT" and parts[1] == name:
+            metrics: dict[str, float] = {}
+            for item in parts[2:]:
+                key, _, value = item.partition("=")
+                metrics[key] = float(value)
+            return metrics
+    raise ValueError(f"no 'RESULT {name} ...' line in the output")
+
+
+def model_record(experiment: Experiment, model: str) -> dict[str, Any]:
+    """What model the figures are of: the real engine's config, or the simulator's latency profile."""
+    record: dict[str, Any] = {}
+    if experiment.backend == "engine":
+        record["engine_model"] = model
+        record["config"] = _model_config(model)
+    if experiment.profile is not None:
+        from server.sim.latency import load_profile
+
+        profile = load_profile(experiment.profile)
+        record["simulated"] = {"profile": experiment.profile, "source": profile.source}
+    if experiment.backend == "operator":
+        record["operator"] = "decode attention only (see the payload's shape)"
+    return record
+
+
+def _model_config(model: str) -> dict[str, Any]:
+    if model == "tiny":
+        from server.engine.tiny.model import TINY_CONFIG
+
+        return dict(TINY_CONFIG)
+    path = Path(model) / "config.json"
+    return json.loads(path.read_text()) if path.exists() else {"path": model}
+
+
+def run_one(experiment: Experiment, options: RunOptions, machine: dict[str, Any]) -> dict[str, Any]:
+    """Run one experiment's script; return (and write) its record, failed or not."""
+    options.results_dir.mkdir(parents=True, exist_ok=True)
+    json_path = options.results_dir / f"{experiment.name}.payload.json"
+    log_path = options.results_dir / f"{experiment.name}.log"
+    json_path.unlink(missing_ok=True)
+    argv = command(experiment, options, json_path)
+    started = datetime.datetime.now(datetime.UTC)
+    clock = time.perf_counter()
+    record: dict[str, Any] = {
+        "name": experiment.name,
+        "figure": experiment.figure,
+        "size": options.size,
+        "command": " ".join(["python", *argv[1:-2]]),
+        "started_at": started.isoformat(timespec="seconds"),
+        "machine": machine,
+        "engines": experiment.engines,
+        "model": model_record(experiment, options.model),
+    }
+    try:
+        with log_path.open("w") as log_file:
+            done = subprocess.run(
+                argv,
+                cwd=REPO_ROOT,
+                stdout=subprocess.PIPE,
+                stderr=log_file,
+                text=True,
+                timeout=options.timeout_s,
+                check=False,
+            )
+        output, returncode = done.stdout, done.returncode
+    except subprocess.TimeoutExpired as exc:
+        output, returncode = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else "", -1
+        record["error"] = f"timed out after {options.timeout_s:g} s"
+    with log_path.open("a") as log_file:
+        log_file.write("\n--- stdout ---\n" + output)
+    record["wall_s"] = round(time.perf_counter() - clock, 2)
+    record["returncode"] = returncode
+    try:
+        record["metrics"] = parse_result_line(output, experiment.name)
+    except ValueError as exc:
+        record.setdefault("error", str(exc))
+    if returncode != 0:
+        record.setdefault("error", f"exit code {returncode}")
+    if "error" in record:
+        record["log_tail"] = log_path.read_text()[-4000:]
+    if json_path.exists():
+        record["payload"] = json.loads(json_path.read_text())
+        json_path.unlink()
+    record["ok"] = "error" not in record
+    write_json(options.results_dir / f"{experiment.name}.json", record)
+    return record
+
+
+def run_all(
+    experiments: Sequence[Experiment],
+    options: RunOptions,
+    on_progress: Callable[[Experiment, dict[str, Any] | None], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Run ``experiments`` one after the other (each owns the machine while it runs); ``on_progress`` is
+    called before each (record None) and after it (its record)."""
+    machine = machine_info()
+    records = []
+    for experiment in experiments:
+        if on_progress is not None:
+            on_progress(experiment, None)
+        record = run_one(experiment, options, machine)
+        records.append(record)
+        if on_progress is not None:
+            on_progress(experiment, record)
+    return records
+
+
+def load_records(results_dir: Path = RESULTS_DIR) -> dict[str, dict[str, Any]]:
+    """Every experiment's latest record in ``results_dir``, by name (experiments never run are absent)."""
+    records = {}
+    for experiment in EXPERIMENTS:
+        path = results_dir / f"{experiment.name}.json"
+        if path.exists():
+            records[experiment.name] = json.loads(path.read_text())
+    return records

@@ -1,0 +1,119 @@
+"""The benchmark runner: every experiment runs in its tiny configuration, and the page renders from it.
+
+This checks the harness (each script runs end to end, writes its JSON and its ``RESULT`` line, the runner
+records it, the report and the plots render), not speed: tiny figures mean nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks.experiments import EXPERIMENTS, Experiment, Metric, by_name
+from benchmarks.report import headline, paper_range, write_report
+from benchmarks.runner import RunOptions, command, load_records, parse_result_line, run_all, run_one, select
+
+NAMES = [e.name for e in EXPERIMENTS]
+
+
+def test_result_line_parsing_takes_the_last_line_of_that_benchmark() -> None:
+    out = "RESULT other a=1\nRESULT x speedup=2.5 n=3\nnoise\nRESULT x speedup=nan\n"
+    metrics = parse_result_line(out, "x")
+    assert list(metrics) == ["speedup"] and math.isnan(metrics["speedup"])
+    assert parse_result_line(out, "other") == {"a": 1.0}
+    with pytest.raises(ValueError, match="no 'RESULT y"):
+        parse_result_line(out, "y")
+
+
+def test_selection_keeps_the_paper_order_and_rejects_unknown_names() -> None:
+    assert [e.name for e in select([])] == NAMES == [e.name for e in select(["all"])]
+    assert [e.name for e in select(["mixed", "map_reduce"])] == ["map_reduce", "mixed"]
+    with pytest.raises(KeyError, match="no benchmark named 'nope'; known: chain_summary"):
+        select(["nope"])
+
+
+def test_command_lines_per_size_and_model(tmp_path: Path) -> None:
+    mr, kernels = by_name("map_reduce"), by_name("kernels")
+    out = tmp_path / "x.json"
+    assert command(mr, RunOptions(size="quick"), out)[1:] == [
+        "-m",
+        "benchmarks.map_reduce",
+        "--quick",
+        "--json",
+        str(out),
+    ]
+    assert command(mr, RunOptions(size="full", model="/m"), out)[3:5] == ["--model", "/m"]
+    assert command(kernels, RunOptions(size="tiny", model="/m"), out)[3:] == ["--tiny", "--json", str(out)]
+
+
+def test_paper_figures_parse_as_numbers_or_ranges() -> None:
+    assert paper_range("12x") == (12.0, 12.0)
+    assert paper_range("1.38-1.88x") == (1.38, 1.88)
+    assert paper_range("RelayAttention 8.8x at batch 32") is None and paper_range(None) is None
+
+
+def test_a_failing_script_is_recorded_as_failed_with_its_log(tmp_path: Path) -> None:
+    broken = Experiment(
+        name="no_such_benchmark",
+        title="missing",
+        figure="—",
+        paper="",
+        metrics=(Metric("speedup", "speedup"),),
+        backend="operator",
+        engines=0,
+        conditions="",
+    )
+    record = run_one(broken, RunOptions(size="tiny", results_dir=tmp_path), machine={})
+    assert record["ok"] is False and record["returncode"] != 0
+    assert "No module named benchmarks.no_such_benchmark" in record["log_tail"]
+    assert (tmp_path / "no_such_benchmark.json").exists()
+    assert headline(broken, record).startswith("**failed**")
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, dict[str, Any]], Path]:
+    """Every experiment run once, tiny, through the runner; then the page rendered."""
+    root = tmp_path_factory.mktemp("bench")
+    options = RunOptions(size="tiny", results_dir=root / "results", timeout_s=600)
+    run_all(EXPERIMENTS, options)
+    records = load_records(options.results_dir)
+    page = write_report(records, root / "docs")
+    return records, page
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_experiment_runs_and_is_recorded(
+    tiny_run: tuple[dict[str, dict[str, Any]], Path], name: str
+) -> None:
+    records, _ = tiny_run
+    record = records[name]
+    assert record["ok"], f"{name}: {record.get('error')}\n{record.get('log_tail', '')[-2000:]}"
+    experiment = by_name(name)
+    assert record["size"] == "tiny" and record["engines"] == experiment.engines
+    assert record["machine"]["git"]["commit"] and record["machine"]["logical_cores"]
+    assert "payload" in record, "the script wrote no --json payload"
+    missing = [m.key for m in experiment.metrics if m.key not in record["metrics"]]
+    assert not missing, f"headline metrics missing from the RESULT line: {missing}"
+    if experiment.backend == "engine":
+        assert record["model"]["config"]["hidden_size"] > 0
+    if experiment.profile is not None:
+        assert record["model"]["simulated"]["profile"] == experiment.profile
+
+
+def test_the_page_states_each_experiment_and_its_plots(
+    tiny_run: tuple[dict[str, dict[str, Any]], Path],
+) -> None:
+    _, page = tiny_run
+    text = page.read_text()
+    for e in EXPERIMENTS:
+        assert f"| [{e.name}](#{e.name})" in text and f"## {e.name}" in text
+        assert e.figure in text and e.conditions in text
+    img = page.parent / "img"
+    assert (img / "summary.png").stat().st_size > 0
+    for e in EXPERIMENTS:
+        if e.metrics:
+            assert (img / f"{e.name}_headline.png").exists(), e.name
+    assert "**failed**" not in text
