@@ -136,10 +136,18 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         title="Shared system prompt (copilot-like): latency vs batch, with and without the kernel",
         figure="Fig. 15, 16",
         paper="1.8-2.4x vs no sharing (batch 8, 16); 1.1-1.7x vs paged attention with sharing",
-        metrics=(),
+        metrics=(
+            Metric("speedup_b8", "batch 8 vs no sharing", paper="1.8-2.4x"),
+            Metric("speedup_b16", "batch 16 vs no sharing", paper="1.8-2.4x"),
+            Metric("kernel_gain_b16", "per-token, batch 16, vs no kernel"),
+            Metric("kv_saving_b16", "KV blocks, batch 16, no sharing / Parrot"),
+        ),
         backend="engine",
         engines=1,
-        conditions="embedded tiny LLaMA on CPU (torch shared-prefix path), 1 engine, all requests at once",
+        conditions=(
+            "embedded tiny LLaMA on CPU (torch shared-prefix path), one engine per system (sharing + "
+            "kernel; sharing, no kernel; no sharing over /v1/completions), all requests at once"
+        ),
         takes_model=True,
     ),
     Experiment(
@@ -175,10 +183,18 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         title="Multi-agent coding workflow (MetaGPT-like): latency and KV memory vs files",
         figure="Fig. 18",
         paper="11.7x vs latency-centric, 2.45x vs throughput-centric baseline; kernel 1.2x at 16 files",
-        metrics=(),
+        metrics=(
+            Metric("speedup", "vs baseline, with delay", paper="11.7x"),
+            Metric("speedup_vs_nosharing", "vs Parrot without sharing"),
+            Metric("speedup_vs_nodeduction", "vs Parrot without deduction"),
+            Metric("mem_ratio", "peak KV blocks, baseline / Parrot"),
+        ),
         backend="engine",
         engines=1,
-        conditions=f"embedded tiny LLaMA on CPU, 1 engine, {DELAY}",
+        conditions=(
+            f"embedded tiny LLaMA on CPU, one engine per system, {DELAY}; architect, then coders -> "
+            "reviewers -> revisers rounds; outputs checked identical"
+        ),
         takes_model=True,
     ),
     Experiment(

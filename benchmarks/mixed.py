@@ -98,11 +98,11 @@ from benchmarks.common import (
     result_line,
     safe_ratio,
     sized,
-    stdlib_text,
     write_json,
 )
 from benchmarks.map_reduce import MapReduceDoc, baseline_map_reduce, parrot_map_reduce
 from benchmarks.plotting import pyplot, save
+from benchmarks.workloads.chat import SHAREGPT_LIKE, ChatLengths, TextPool
 from server.engine import EngineConfig
 from server.serve.manager import ManagerConfig
 from server.sim import SimCluster, load_profile, sim_cluster, tiny_tokenizer
@@ -137,14 +137,7 @@ class BenchConfig:
 
     window_s: float = 120.0  # virtual seconds during which requests arrive
     chat_rate: float = 1.0  # chat requests per second (Poisson)
-    chat_prompt_median: float = 300.0  # tokens; log-normal, clipped
-    chat_prompt_sigma: float = 0.6
-    chat_prompt_min: int = 100
-    chat_prompt_max: int = 800
-    chat_output_median: float = 140.0
-    chat_output_sigma: float = 0.5
-    chat_output_min: int = 50
-    chat_output_max: int = 300
+    chat_lengths: ChatLengths = SHAREGPT_LIKE  # prompt and reply tokens, log-normal and clipped
     apps: int = 60  # map-reduce apps arriving during the window
     chunks_min: int = 16  # document chunks per app (uniform)
     chunks_max: int = 32
@@ -217,32 +210,18 @@ def _describe(xs: Sequence[float]) -> dict[str, float]:
     return {"mean": statistics.fmean(xs), "min": min(xs), "max": max(xs)}
 
 
-def _lognormal_int(rng: random.Random, median: float, sigma: float, lo: int, hi: int) -> int:
-    return int(min(hi, max(lo, round(rng.lognormvariate(math.log(median), sigma)))))
-
-
 def make_workload(cfg: BenchConfig, seed: int | None = None) -> Workload:
     """The workload of ``seed`` (default ``cfg.seed``): chat turns (Poisson arrivals) and map-reduce apps
     (uniform arrivals), with text from random offsets of the stdlib docstrings."""
     seed = cfg.seed if seed is None else seed
     rng = random.Random(seed)
     tokenizer = tiny_tokenizer()
-    pool = tokenizer(stdlib_text(0), add_special_tokens=False).input_ids
-
-    def text(n: int) -> str:
-        start = rng.randrange(0, len(pool) - n)
-        return str(tokenizer.decode(pool[start : start + n]))
-
+    pool = TextPool(tokenizer)
     chats: list[ChatRequest] = []
     t = rng.expovariate(cfg.chat_rate)
     while t < cfg.window_s:
-        want = _lognormal_int(
-            rng, cfg.chat_prompt_median, cfg.chat_prompt_sigma, cfg.chat_prompt_min, cfg.chat_prompt_max
-        )
-        out = _lognormal_int(
-            rng, cfg.chat_output_median, cfg.chat_output_sigma, cfg.chat_output_min, cfg.chat_output_max
-        )
-        message = text(want)
+        want, out = cfg.chat_lengths.sample(rng)
+        message = pool.text(rng, want)
         prompt = render_template(CHAT_TEMPLATE, {"message": message})
         chats.append(ChatRequest(len(chats), t, message, len(tokenizer.encode(prompt)), out))
         t += rng.expovariate(cfg.chat_rate)
@@ -250,7 +229,8 @@ def make_workload(cfg: BenchConfig, seed: int | None = None) -> Workload:
     apps = []
     for i, at in enumerate(arrivals):
         n = rng.randint(cfg.chunks_min, cfg.chunks_max)
-        doc = MapReduceDoc(tuple(text(cfg.chunk_tokens) for _ in range(n)), cfg.map_tokens, cfg.reduce_tokens)
+        chunks = tuple(pool.text(rng, cfg.chunk_tokens) for _ in range(n))
+        doc = MapReduceDoc(chunks, cfg.map_tokens, cfg.reduce_tokens)
         apps.append(MapReduceApp(i, at, doc))
     return Workload(seed, tuple(chats), tuple(apps))
 

@@ -114,6 +114,7 @@ class EngineStats(BaseModel):
     blocks_total: int
     blocks_used: int
     blocks_free: int
+    blocks_peak: int = 0  # most blocks in use at once since the engine started or its peak was reset
     contexts: int
     running: int
     waiting: int

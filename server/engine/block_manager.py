@@ -14,6 +14,9 @@ class BlockAllocator:
         self.num_blocks = num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._refs = [0] * num_blocks
+        # High-water mark of `num_used` since creation or `reset_peak`: use only grows in `allocate`, so
+        # it is exact without sampling (the figure a memory benchmark needs).
+        self.peak_used = 0
 
     @property
     def num_free(self) -> int:
@@ -33,7 +36,12 @@ class BlockAllocator:
         blocks = [self._free.popleft() for _ in range(n)]
         for b in blocks:
             self._refs[b] = 1
+        self.peak_used = max(self.peak_used, self.num_used)
         return blocks
+
+    def reset_peak(self) -> None:
+        """Start a new high-water mark from the blocks in use now."""
+        self.peak_used = self.num_used
 
     def share(self, blocks: list[int]) -> None:
         for b in blocks:

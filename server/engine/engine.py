@@ -346,6 +346,7 @@ class LLMEngine:
             blocks_total=alloc.num_blocks,
             blocks_used=alloc.num_used,
             blocks_free=alloc.num_free,
+            blocks_peak=alloc.peak_used,
             contexts=len(self._contexts),
             running=len(self._scheduler.running),
             waiting=len(self._scheduler.waiting) + len(self._deferred),
@@ -358,6 +359,10 @@ class LLMEngine:
             grouped_decode_steps=self._runner.grouped_decode_steps,
             max_model_len=self.max_model_len,
         )
+
+    def reset_peak_blocks(self) -> None:
+        """Restart `EngineStats.blocks_peak` from the blocks in use now (a benchmark measuring one phase)."""
+        self._allocator.reset_peak()
 
     def context_length(self, context_id: int) -> int:
         """Tokens in a context (an unlocked read, for introspection and tests)."""

@@ -109,6 +109,10 @@ class ManagerConfig:
     # Whether the scheduler sees shared prefixes and cached contexts (off: an ablation, where steps go by
     # objective and load alone; engines still reuse what they happen to hold).
     prefix_affinity: bool = True
+    # Whether steps share KV at all (off: an ablation, "Parrot without sharing"): no shared constant-prefix
+    # contexts, no forking from cached contexts, and a finished step's context is freed at once (nothing
+    # could fork it), so every step fills its whole prompt, as a request-centric service does.
+    prefix_sharing: bool = True
     # Remote engines send a heartbeat this often; one silent for `engine_timeout` is out of service.
     heartbeat_interval: float = 2.0
     engine_timeout: float = 10.0
@@ -390,7 +394,8 @@ class Manager:
         # A call's steps share one context chain, so one engine; engines of one model share a tokenizer.
         serving = [progress.engine] if progress is not None else self._serving(call.model)
         token_ids = self.engines[serving[0]].tokenizer.encode(prompt)
-        prefix = self._constant_prefix(serving[0], call, token_ids) if step.index == 0 else []
+        first = step.index == 0 and self.config.prefix_sharing
+        prefix = self._constant_prefix(serving[0], call, token_ids) if first else []
         request = self._queued(session, node, objective, token_ids, prefix, serving, progress is not None)
         engine_index = await self.placement.acquire(request)
         try:
@@ -458,7 +463,10 @@ class Manager:
             raise
         # The finished context stays, as a prefix the call's next step — or any prompt continuing this one
         # (a consumer that quotes its producer's prompt and output) — forks from.
-        await self._keep(engine_index, context_id, token_ids + result.token_ids)
+        if self.config.prefix_sharing:
+            await self._keep(engine_index, context_id, token_ids + result.token_ids)
+        else:
+            await self._free(engine_index, context_id)
         if step.index + 1 < len(call.steps):
             raw = {**(progress.raw_outputs if progress is not None else {}), step.gen.var_id: result.text}
             self._calls[key] = _CallProgress(engine_index, raw)
@@ -522,7 +530,7 @@ class Manager:
         """Make ``context_id`` hold ``token_ids``: a fork of the longest cached context they extend (held
         against eviction while the fork is made), filled with the rest."""
         match = self._prefixes.longest_prefix(str(engine_index), token_ids)
-        if match is None:
+        if match is None or not self.config.prefix_sharing:
             await self.engines[engine_index].fill(context_id, token_ids)
             return
         self._prefixes.acquire(match.entry)

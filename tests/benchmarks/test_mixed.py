@@ -23,7 +23,8 @@ def test_the_workload_is_a_function_of_the_seed() -> None:
     assert len(a.apps) == 3 and all(2 <= len(app.doc.chunks) <= 4 for app in a.apps)
     assert all(0 <= app.arrival < cfg.window_s for app in a.apps)
     assert all(0 < c.arrival < cfg.window_s for c in a.chats)
-    assert all(cfg.chat_output_min <= c.max_tokens <= cfg.chat_output_max for c in a.chats)
+    reply = cfg.chat_lengths.reply
+    assert all(reply.lo <= c.max_tokens <= reply.hi for c in a.chats)
     assert all(c.prompt_tokens > 0 for c in a.chats)
 
 

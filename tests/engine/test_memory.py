@@ -37,6 +37,10 @@ async def test_forks_share_the_prefix_blocks(gqa_model: Path) -> None:
             for i in range(n):
                 await engine.free_context(i + 1)
             assert engine.stats().blocks_used == 0
+            # The high-water mark outlives the frees, exactly: all contexts were alive at once.
+            assert engine.stats().blocks_peak == blocks_for(p, B) + n * own
+            engine.reset_peak_blocks()
+            assert engine.stats().blocks_peak == 0
 
 
 async def test_prefill_is_computed_once_for_shared_prefix(gqa_model: Path) -> None:

@@ -1,0 +1,771 @@
+"""Multi-agent programming (Fig. 18 of the Parrot paper): latency and KV memory vs number of files, one run.
+
+The application (`benchmarks.workloads.multi_agent`): a MetaGPT-like team writes a package of ``files``
+files — an architect, then ``rounds`` rounds of parallel coders, an integrator, parallel reviewers,
+parallel revisers and a merger; ``1 + rounds * (3 * files + 2)`` LLM calls. Every prompt starts with the
+shared message pool (a long project brief + every message so far), which is the prompt + output of an
+earlier call, so Parrot forks it instead of prefilling it again. Greedy, EOS ignored: every call writes
+exactly its token budget. Four clients, each on its own server (one engine each, the same `EngineConfig`,
+the same engine code), measured in one run:
+
+* **parrot** — the `parrot` frontend: every call of the job queued as a semantic call in one session, then
+  one ``aget(criteria=P.LATENCY)`` of the final output (the last changelog) sends the whole DAG in one
+  batch request. Objective deduction puts each parallel stage in a task group (placed together at the
+  engine's full capacity); the manager's latency cap (``latency_cap_tokens``) binds latency-bound steps
+  only (here: the final merger).
+* **parrot, no sharing** — the same client and DAG on a manager with ``ManagerConfig(prefix_sharing=False)``:
+  no shared constant-prefix contexts, no forks from cached contexts, every step fills its whole prompt.
+* **parrot, no deduction** — the same client and DAG (sharing on) on a manager that holds every step to the
+  latency cap (``ManagerConfig(engine_capacity_tokens=latency_cap_tokens)``), i.e. every request treated as
+  latency-critical, as a service that cannot deduce objectives must. Why not simply omit the criteria: on
+  one engine running one app, a plain ``get`` makes every step's objective "none", which the scheduler
+  treats as throughput work capped by the engine's capacity — the very same batches as the task groups
+  (it differs only for the final merger, which runs alone anyway). What deduction buys over a
+  request-level service is permission to exceed the latency cap for task groups; this ablation takes it
+  away and keeps the rest (server-side DAG, no client round trips, sharing).
+* **baseline** — what a LangChain app does against an OpenAI-style service: the client renders each prompt
+  itself (`benchmarks.common.render_template`), sends the calls of one stage as concurrent
+  ``POST /v1/completions`` (``asyncio.gather``), waits for all of them, renders the next stage: one client
+  round trip per dependent stage (``1 + 5 * rounds`` stages). The OpenAI path shares
+  nothing (`server.openai_api`), and the baseline's engine admits requests FIFO under the running-token cap
+  ``latency_cap_tokens`` (`EngineConfig.max_running_tokens`): the paper's latency-centric baseline.
+
+Measurements, per number of files (a fresh set of servers for each, so nothing is cached at the start):
+
+* **KV memory**: the peak number of KV blocks in use on the client's engine during its first job on the
+  fresh server, counted exactly (the engine's high-water mark `EngineStats.blocks_peak`, restarted before
+  the job — not sampled). Parrot keeps finished contexts cached for reuse (up to
+  ``ManagerConfig.max_cached_prefixes``), and they are part of its peak. That first job of each client is
+  also the check: all four clients' outputs of every call must be identical (greedy on all sides), else
+  the run stops. It is untimed (the warm-up).
+* **Latency**: end-to-end latency of one job, from the client's first request to the final output in its
+  hands (Parrot: session creation included, the session's ``DELETE`` after the result not), median over
+  ``--repeats`` jobs per client, clients interleaved (rotating which goes first), ± half the range. Two
+  settings: without network delay, and with the simulated client network delay of ``U(0.2, 0.3)`` s per
+  HTTP request (`server.netdelay`, the paper's 200-300 ms, switched on at run time on every server).
+  Per client the engine's work per job (prefill tokens, steps) is recorded too.
+
+Ratios: baseline / parrot latency (the paper's anchor: up to 11.7x at 16 files, one A100, LLaMA 13B),
+no-sharing / parrot (paper: 2.35x from sharing), no-deduction / parrot, and peak-memory ratios
+baseline / parrot and no-sharing / parrot. On a CPU with the tiny model, prefill is cheap next to the
+per-step overhead of decoding, so sharing saves mostly memory and prefill time, not decode time (the
+paper's shared-prefix kernel saving is a GPU effect); and a CPU decode step's cost grows with the batch,
+so the larger batches that deduction allows pay far less than on a GPU — on 2 shared CPU cores the
+no-deduction ablation measured 0.6x-1.1x of Parrot's latency (it can be faster), and Parrot's peak KV
+includes the finished contexts it keeps cached, so with few files it can exceed the baseline's.
+
+    python -m benchmarks.multi_agent [--quick | --tiny] [--json PATH] [--files 2,4,8] [--rounds N] ...
+    (or python benchmarks/multi_agent.py ...)
+
+The last line is ``RESULT multi_agent speedup=... speedup_nodelay=... speedup_vs_nosharing=...
+speedup_vs_nodeduction=... mem_ratio=... mem_ratio_nosharing=... parrot_s=... baseline_s=... files=...
+total_s=...`` (at the largest number of files; ``speedup*`` with the network delay unless noted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import math
+import statistics
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+if not __package__:
+    # Run as a file, this script's directory would come first on sys.path (where `benchmarks/kernels.py`
+    # shadows the `kernels` package); put the repository root there instead.
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import httpx
+import parrot as P
+from parrot.protocol import Criteria
+
+from benchmarks.common import (
+    ClientResult,
+    Spread,
+    add_size_flags,
+    load_average,
+    log,
+    machine_info,
+    markdown_table,
+    result_line,
+    safe_ratio,
+    sized,
+    write_json,
+)
+from benchmarks.map_reduce import ENGINE_COUNTERS, engine_counters
+from benchmarks.workloads.multi_agent import Budgets, Workflow, make_workflow, project_brief, stage_roles
+from server.engine import EngineConfig
+from server.launcher import LaunchedServer, launch
+from server.serve.manager import ManagerConfig
+
+NAME = "multi_agent"
+PARROT = "parrot"
+NO_SHARING = "parrot, no sharing"
+NO_DEDUCTION = "parrot, no deduction"
+BASELINE = "baseline"
+CLIENTS = (PARROT, NO_SHARING, NO_DEDUCTION, BASELINE)
+PAPER_ANCHOR = {
+    "speedup_vs_baseline_max": 11.7,  # Fig. 18a, 16 files, latency-centric baseline
+    "speedup_vs_throughput_baseline_max": 2.45,
+    "speedup_from_sharing": 2.35,
+    "note": "Fig. 18b: Parrot without sharing hits the GPU memory ceiling",
+}
+
+OnResult = Callable[[str], None]
+
+
+# ----------------------------------------------------------------------------------------------- config
+@dataclass(frozen=True)
+class BenchConfig:
+    """What one run measures."""
+
+    files: tuple[int, ...] = (2, 4, 8)  # the sweep
+    rounds: int = 3
+    brief_tokens: int = 256  # the project brief at the head of every prompt
+    design_tokens: int = 32
+    code_tokens: int = 32
+    notes_tokens: int = 8
+    review_tokens: int = 12
+    changelog_tokens: int = 8
+    # The latency cap in running tokens (prompt + max_tokens of what runs): the baseline engine's FIFO
+    # admission cap, the Parrot managers' cap for latency-bound steps, and the no-deduction manager's cap
+    # for every step. It admits the largest request (checked), and only one or two of the long late-round
+    # prompts at once at 8 files, as the paper's 4096-token cap does for LLaMA-13B's long prompts.
+    latency_cap_tokens: int = 4096
+    num_kv_blocks: int = 2048  # per engine, 16-token blocks: room for a whole stage of 8 files at once
+    repeats: int = 3
+    delay_low_s: float = 0.2
+    delay_high_s: float = 0.3
+    seed: int = 0
+
+    def budgets(self) -> Budgets:
+        return Budgets(
+            self.design_tokens, self.code_tokens, self.notes_tokens, self.review_tokens, self.changelog_tokens
+        )
+
+
+FULL = BenchConfig()
+QUICK = BenchConfig(
+    files=(2, 4),
+    rounds=1,
+    brief_tokens=128,
+    design_tokens=16,
+    code_tokens=16,
+    review_tokens=8,
+    latency_cap_tokens=1024,
+    num_kv_blocks=1024,
+    repeats=2,
+)
+TINY = BenchConfig(
+    files=(2,),
+    rounds=1,
+    brief_tokens=32,
+    design_tokens=4,
+    code_tokens=4,
+    notes_tokens=2,
+    review_tokens=2,
+    changelog_tokens=2,
+    latency_cap_tokens=512,
+    num_kv_blocks=256,
+    repeats=1,
+)
+
+
+# ----------------------------------------------------------------------------------------------- clients
+async def parrot_multi_agent(
+    client: httpx.AsyncClient,
+    workflow: Workflow,
+    *,
+    criteria: Criteria = "latency",
+    timeout: float = 600.0,
+    on_result: OnResult | None = None,
+    all_outputs: bool = False,
+) -> dict[str, str]:
+    """The whole job through the `parrot` frontend on the server at ``client.base_url``.
+
+    One session: every call is queued (inputs are earlier calls' output variables), and one ``aget`` of the
+    final output with ``criteria`` sends the queue with the get in one batch request. ``on_result`` gets
+    the final output as soon as it is in hand (before anything else), for timing. Returns the final output
+    by name, and with ``all_outputs`` every call's output (fetched after ``on_result``).
+    """
+    fns = {
+        c.output: P.SemanticFunction.from_template(
+            c.template, name=c.output, sampling=P.SamplingConfig(**workflow.sampling(c))
+        )
+        for c in workflow.calls
+    }
+    async with P.Session(str(client.base_url), client=client, timeout=timeout):
+        made: dict[str, P.Variable] = {}
+        for c in workflow.calls:
+            out = fns[c.output](**{name: made[name] for name in c.inputs})
+            assert isinstance(out, P.Variable)
+            made[c.output] = out
+        final = await made[workflow.final].aget(criteria=criteria)
+        if on_result is not None:
+            on_result(final)
+        values = {workflow.final: final}
+        if all_outputs:
+            values.update({name: await var.aget() for name, var in made.items()})
+    return values
+
+
+async def baseline_multi_agent(
+    client: httpx.AsyncClient,
+    workflow: Workflow,
+    *,
+    model: str | None = None,
+    on_result: OnResult | None = None,
+) -> dict[str, str]:
+    """The job as a request-centric client runs it: each stage's prompts rendered client-side from the
+    answers so far and sent as concurrent ``/v1/completions``; the next stage after all answers are in.
+    Returns every call's output by name."""
+
+    async def complete(output: str, values: dict[str, str]) -> str:
+        call = workflow.call(output)
+        body: dict[str, Any] = {"prompt": workflow.prompt(output, values), **workflow.sampling(call)}
+        if model is not None:
+            body["model"] = model
+        response = await client.post("/v1/completions", json=body)
+        response.raise_for_status()
+        return str(response.json()["choices"][0]["text"])
+
+    values: dict[str, str] = {}
+    for stage in workflow.stages:
+        answers = await asyncio.gather(*(complete(out, values) for out in stage))
+        values.update(zip(stage, answers, strict=True))
+    if on_result is not None:
+        on_result(values[workflow.final])
+    return values
+
+
+# ----------------------------------------------------------------------------------------------- memory
+# ----------------------------------------------------------------------------------------------- servers
+@dataclass
+class Servers:
+    """One server per client (one engine each) and their HTTP clients with request counters."""
+
+    by_client: dict[str, LaunchedServer]
+    clients: dict[str, httpx.AsyncClient] = field(default_factory=dict)
+
+    def set_delay(self, enabled: bool) -> None:
+        for served in self.by_client.values():
+            assert served.network_delay is not None
+            served.network_delay.enabled = enabled
+
+
+def server_configs(cfg: BenchConfig) -> dict[str, tuple[EngineConfig, ManagerConfig]]:
+    """Each client's engine and manager config: one engine config for all but the baseline's FIFO cap."""
+    engine = EngineConfig(num_kv_blocks=cfg.num_kv_blocks)
+    cap = cfg.latency_cap_tokens
+    manager = ManagerConfig(latency_cap_tokens=cap)
+    return {
+        PARROT: (engine, manager),
+        NO_SHARING: (engine, replace(manager, prefix_sharing=False)),
+        NO_DEDUCTION: (engine, replace(manager, engine_capacity_tokens=cap)),
+        BASELINE: (replace(engine, max_running_tokens=cap), manager),
+    }
+
+
+@contextlib.contextmanager
+def serve(model: str, cfg: BenchConfig) -> Iterator[Servers]:
+    """The four servers, their delay middleware switched off."""
+    with contextlib.ExitStack() as stack:
+        by_client = {
+            name: stack.enter_context(
+                launch(
+                    model,
+                    engine_config=engine,
+                    manager_config=manager,
+                    startup_timeout=120,
+                    network_delay=(cfg.delay_low_s, cfg.delay_high_s),
+                    network_delay_seed=cfg.seed,
+                )
+            )
+            for name, (engine, manager) in server_configs(cfg).items()
+        }
+        servers = Servers(by_client)
+        servers.set_delay(False)
+        yield servers
+
+
+# ----------------------------------------------------------------------------------------------- measuring
+@dataclass
+class Run:
+    """One job: latency to the final output, the outputs, HTTP requests made and the engine's work."""
+
+    seconds: float
+    outputs: dict[str, str]
+    requests: int
+    engine: dict[str, int]
+
+
+def runner(
+    servers: Servers, client: str, workflow: Workflow, all_outputs: bool
+) -> Callable[[OnResult], Awaitable[dict[str, str]]]:
+    """The client's job on its server, as a function of the result callback."""
+    http = servers.clients[client]
+    if client == BASELINE:
+        model = servers.by_client[client].engines[0].model_name
+        return lambda on_result: baseline_multi_agent(http, workflow, model=model, on_result=on_result)
+    return lambda on_result: parrot_multi_agent(http, workflow, on_result=on_result, all_outputs=all_outputs)
+
+
+async def run_once(servers: Servers, client: str, workflow: Workflow, all_outputs: bool = False) -> Run:
+    """One timed job of ``client``: requests counted up to the result (Parrot's later gets and delete not)."""
+    served = servers.by_client[client]
+    counter = servers.clients[client].event_hooks["request"][0]
+    assert isinstance(counter, RequestCounter)
+    engine_before = engine_counters(served)
+    done: list[tuple[float, int]] = []
+    requests_before = counter.count
+    start = time.perf_counter()
+    outputs = await runner(servers, client, workflow, all_outputs)(
+        lambda _: done.append((time.perf_counter(), counter.count))
+    )
+    after = engine_counters(served)
+    return Run(
+        seconds=done[0][0] - start,
+        outputs=outputs,
+        requests=done[0][1] - requests_before,
+        engine={k: after[k] - engine_before[k] for k in ENGINE_COUNTERS},
+    )
+
+
+class RequestCounter:
+    """An httpx request hook counting the requests a client sends."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    async def __call__(self, request: httpx.Request) -> None:
+        self.count += 1
+
+
+@dataclass
+class ClientMeasure(ClientResult):
+    """A client in one delay setting; also the engine's work per job."""
+
+    engine: list[dict[str, int]] = field(default_factory=list)
+
+    def engine_median(self, name: str) -> float:
+        values = [e[name] for e in self.engine]
+        return statistics.median(values) if values else math.nan
+
+
+@dataclass
+class DelaySetting:
+    """Every client in one delay setting."""
+
+    delay: bool
+    clients: dict[str, ClientMeasure]
+
+    def speedup(self, slower: str, faster: str = PARROT) -> float:
+        """``slower``'s median latency over ``faster``'s."""
+        return safe_ratio(self.clients[slower].spread.median, self.clients[faster].spread.median)
+
+    def speedup_range(self, slower: str, faster: str = PARROT) -> tuple[float, float]:
+        """The range of the per-repeat ratios (repeat i of ``slower`` over repeat i of ``faster``)."""
+        pairs = zip(self.clients[slower].seconds, self.clients[faster].seconds, strict=True)
+        s = Spread.of(safe_ratio(a, b) for a, b in pairs)
+        return s.lo, s.hi
+
+
+@dataclass
+class Cold:
+    """A client's first job on its fresh server: exact KV peak and the engine's work (untimed)."""
+
+    peak_blocks: int
+    engine: dict[str, int]
+
+
+@dataclass
+class FilesResult:
+    """Everything measured for one number of files."""
+
+    files: int
+    calls: int
+    prompt_tokens: dict[str, list[int]]  # role -> prompt tokens of its calls (BOS included)
+    longest_request: int
+    cold: dict[str, Cold]
+    settings: list[DelaySetting]
+
+    def setting(self, delay: bool) -> DelaySetting | None:
+        return next((s for s in self.settings if s.delay == delay), None)
+
+    def mem_ratio(self, client: str) -> float:
+        return safe_ratio(self.cold[client].peak_blocks, self.cold[PARROT].peak_blocks)
+
+
+async def verify_cold(servers: Servers, workflow: Workflow) -> tuple[dict[str, str], dict[str, Cold]]:
+    """Each client's first job, one at a time: exact KV peak, and every output identical to the baseline's
+    (greedy); stops the run otherwise. Also the warm-up."""
+    cold: dict[str, Cold] = {}
+    outputs: dict[str, dict[str, str]] = {}
+    for client in (BASELINE, PARROT, NO_SHARING, NO_DEDUCTION):
+        engine = servers.by_client[client].engines[0]
+        engine.reset_peak_blocks()
+        run = await run_once(servers, client, workflow, all_outputs=True)
+        cold[client] = Cold(engine.stats().blocks_peak, run.engine)
+        outputs[client] = run.outputs
+        if client != BASELINE:
+            diff = [k for k, v in outputs[BASELINE].items() if run.outputs.get(k) != v]
+            if diff:
+                k = diff[0]
+                raise SystemExit(
+                    f"outputs differ ({client} vs baseline) at {k} and {len(diff) - 1} more\n"
+                    f"  {client}: {run.outputs.get(k)!r}\n  baseline: {outputs[BASELINE][k]!r}"
+                )
+    return outputs[BASELINE], cold
+
+
+async def measure_setting(
+    servers: Servers, workflow: Workflow, repeats: int, delay: bool, expected: str
+) -> DelaySetting:
+    """``repeats`` jobs per client, interleaved, rotating which client goes first."""
+    servers.set_delay(delay)
+    results = {name: ClientMeasure() for name in CLIENTS}
+    try:
+        for rep in range(repeats):
+            order = CLIENTS[rep % len(CLIENTS) :] + CLIENTS[: rep % len(CLIENTS)]
+            for name in order:
+                run = await run_once(servers, name, workflow)
+                if run.outputs[workflow.final] != expected:
+                    raise SystemExit(f"{name}: the final output changed between runs (not deterministic?)")
+                results[name].seconds.append(run.seconds)
+                results[name].requests.append(run.requests)
+                results[name].engine.append(run.engine)
+            log(
+                f"  {'delay' if delay else 'no delay'} repeat {rep + 1}: "
+                + " | ".join(f"{n} {r.seconds[-1]:.2f}s" for n, r in results.items())
+            )
+    finally:
+        servers.set_delay(False)
+    return DelaySetting(delay, results)
+
+
+async def measure_files(
+    servers: Servers, cfg: BenchConfig, files: int, delays: Sequence[bool]
+) -> tuple[Workflow, FilesResult]:
+    """Build the job for ``files`` files, check it fits, verify outputs and memory, then time it."""
+    engine = servers.by_client[PARROT].engines[0]
+    tokenizer = engine.tokenizer
+    brief = project_brief(tokenizer, cfg.brief_tokens, cfg.seed)
+    workflow = make_workflow(brief, files, cfg.rounds, cfg.seed, cfg.budgets())
+    async with contextlib.AsyncExitStack() as stack:
+        for name, served in servers.by_client.items():
+            http = httpx.AsyncClient(
+                base_url=served.url, timeout=600, event_hooks={"request": [RequestCounter()]}
+            )
+            servers.clients[name] = await stack.enter_async_context(http)
+        log(f"{files} files: {len(workflow.calls)} calls; cold jobs (memory, output check) ...")
+        # The baseline goes first: its outputs size every prompt, checked against the window and the cap
+        # before any Parrot job (an oversized step would fail there, not wait).
+        values, cold = await verify_cold(servers, workflow)
+        longest = workflow.check_window(tokenizer, values, engine.max_model_len)
+        if longest > cfg.latency_cap_tokens:
+            raise SystemExit(
+                f"the latency cap ({cfg.latency_cap_tokens} tokens) must admit the longest request "
+                f"({longest}): raise --latency-cap or shrink the job"
+            )
+        prompts: dict[str, list[int]] = {}
+        for c in workflow.calls:
+            prompts.setdefault(c.role, []).append(len(tokenizer.encode(workflow.prompt(c.output, values))))
+        settings = [
+            await measure_setting(servers, workflow, cfg.repeats, d, values[workflow.final]) for d in delays
+        ]
+        servers.clients.clear()
+    return workflow, FilesResult(files, len(workflow.calls), prompts, longest, cold, settings)
+
+
+# ----------------------------------------------------------------------------------------------- report
+def delay_label(delay: bool) -> str:
+    return "250 ms (0.2-0.3 s)" if delay else "none"
+
+
+def results_table(results: Sequence[FilesResult]) -> str:
+    """Per files, setting and client: median latency, spread, requests, engine work, ratio, KV peak."""
+    rows = []
+    for fr in results:
+        for st in fr.settings:
+            for name in CLIENTS:
+                c = st.clients[name]
+                s = c.spread
+                lo, hi = st.speedup_range(name)
+                rows.append(
+                    [
+                        str(fr.files),
+                        delay_label(st.delay),
+                        name,
+                        f"{s.median:.2f} ±{s.rel_half_range:.0%}",
+                        str(c.requests[0]) if c.requests else "",
+                        f"{c.engine_median('prefill_tokens_computed'):,.0f}",
+                        f"{c.engine_median('steps'):,.0f}",
+                        "" if name == PARROT else f"{st.speedup(name):.2f}x ({lo:.2f}-{hi:.2f})",
+                        f"{fr.cold[name].peak_blocks:,}",
+                    ]
+                )
+    return markdown_table(
+        [
+            "files",
+            "network delay",
+            "client",
+            "latency s (median)",
+            "requests/job",
+            "prefill tokens",
+            "engine steps",
+            "this / parrot",
+            "peak KV blocks",
+        ],
+        rows,
+        [True, False, False, True, True, True, True, True, True],
+    )
+
+
+def print_report(
+    cfg: BenchConfig, model: str, machine: dict[str, Any], results: Sequence[FilesResult], total_s: float
+) -> None:
+    print(
+        f"## multi_agent — {model}, {machine['cpu_model']}, {machine['usable_cores']} cores, "
+        f"torch {machine['torch']} ({machine['torch_threads']} threads), "
+        f"load average {machine['load_average_1m']} at start\n"
+    )
+    shapes = "; ".join(
+        f"{fr.files} files: {fr.calls} calls, prompts "
+        f"{min(min(v) for v in fr.prompt_tokens.values())}-{fr.longest_request} tokens"
+        for fr in results
+    )
+    print(
+        f"MetaGPT-like job: architect, then {cfg.rounds} rounds of coders / integrator / reviewers / "
+        f"revisers / merger; brief {cfg.brief_tokens} tokens, outputs design {cfg.design_tokens}, code "
+        f"{cfg.code_tokens}, notes {cfg.notes_tokens}, review {cfg.review_tokens}, changelog "
+        f"{cfg.changelog_tokens} tokens (greedy, EOS ignored). {shapes} (longest: prompt + max_tokens). "
+        f"Latency cap {cfg.latency_cap_tokens} running tokens. Latency: median of {cfg.repeats} jobs per "
+        "client after a warm-up, ± half the range; every call's output identical across the clients "
+        "(checked). Peak KV blocks: exact, during each client's first job on a fresh server (16-token "
+        "blocks). Prefill tokens / engine steps: medians per timed job.\n"
+    )
+    print(results_table(results) + "\n")
+    print(
+        f"paper anchor (Fig. 18, one A100, LLaMA 13B): up to {PAPER_ANCHOR['speedup_vs_baseline_max']}x vs "
+        f"the latency-centric baseline, {PAPER_ANCHOR['speedup_from_sharing']}x from sharing. "
+        f"total {total_s:.0f}s"
+    )
+
+
+def json_payload(
+    cfg: BenchConfig,
+    model: str,
+    machine: dict[str, Any],
+    workflows: Sequence[Workflow],
+    results: Sequence[FilesResult],
+    total_s: float,
+) -> dict[str, Any]:
+    """Every figure, the raw times, and what is needed to reproduce or judge them."""
+    return {
+        "benchmark": NAME,
+        "config": asdict(cfg),
+        "model": model,
+        "clients": list(CLIENTS),
+        "engine_config": {
+            name: {k: str(v) for k, v in asdict(engine).items()}
+            for name, (engine, _) in server_configs(cfg).items()
+        },
+        "manager_config": {
+            name: {k: str(v) for k, v in asdict(manager).items()}
+            for name, (_, manager) in server_configs(cfg).items()
+        },
+        "machine": machine,
+        "load_average_1m_at_end": load_average(),
+        "outputs_identical": True,
+        "by_files": [
+            {
+                "files": fr.files,
+                "calls": fr.calls,
+                "stages": [list(s) for s in stage_roles(wf)],
+                "prompt_tokens": fr.prompt_tokens,
+                "longest_request_tokens": fr.longest_request,
+                "memory": {
+                    name: {"peak_blocks": c.peak_blocks, "cold_engine": c.engine}
+                    for name, c in fr.cold.items()
+                },
+                "mem_ratio_vs_parrot": {name: fr.mem_ratio(name) for name in CLIENTS},
+                "settings": [
+                    {
+                        "network_delay": st.delay,
+                        "delay_s": [cfg.delay_low_s, cfg.delay_high_s] if st.delay else None,
+                        "clients": {
+                            name: {
+                                **asdict(c),
+                                "latency": c.spread.as_dict(),
+                                "speedup_vs_this": None if name == PARROT else st.speedup(name),
+                                "speedup_range": None if name == PARROT else list(st.speedup_range(name)),
+                            }
+                            for name, c in st.clients.items()
+                        },
+                    }
+                    for st in fr.settings
+                ],
+            }
+            for wf, fr in zip(workflows, results, strict=True)
+        ],
+        "paper_anchor": PAPER_ANCHOR,
+        "total_s": total_s,
+    }
+
+
+def result_metrics(results: Sequence[FilesResult], total_s: float) -> dict[str, float | int]:
+    """The RESULT line at the largest number of files: speedups (with delay, then without), memory ratios,
+    medians; NaN for a setting not measured (``--no-delay-only``), so the keys are always the same."""
+    fr = max(results, key=lambda r: r.files)
+    delay, nodelay = fr.setting(True), fr.setting(False)
+
+    def speedup(st: DelaySetting | None, client: str) -> float:
+        return st.speedup(client) if st is not None else math.nan
+
+    def median(st: DelaySetting | None, client: str) -> float:
+        return st.clients[client].spread.median if st is not None else math.nan
+
+    return {
+        "speedup": speedup(delay, BASELINE),
+        "speedup_nodelay": speedup(nodelay, BASELINE),
+        "speedup_vs_nosharing": speedup(delay, NO_SHARING),
+        "speedup_vs_nodeduction": speedup(delay, NO_DEDUCTION),
+        "speedup_vs_nosharing_nodelay": speedup(nodelay, NO_SHARING),
+        "speedup_vs_nodeduction_nodelay": speedup(nodelay, NO_DEDUCTION),
+        "mem_ratio": fr.mem_ratio(BASELINE),
+        "mem_ratio_nosharing": fr.mem_ratio(NO_SHARING),
+        "parrot_peak_blocks": fr.cold[PARROT].peak_blocks,
+        "baseline_peak_blocks": fr.cold[BASELINE].peak_blocks,
+        "parrot_s": median(delay, PARROT),
+        "baseline_s": median(delay, BASELINE),
+        "parrot_nodelay_s": median(nodelay, PARROT),
+        "baseline_nodelay_s": median(nodelay, BASELINE),
+        "files": fr.files,
+        "total_s": total_s,
+    }
+
+
+# ----------------------------------------------------------------------------------------------- plot
+def plot(payload: dict[str, Any], path: Path) -> None:
+    """Draw Fig. 18 from a `json_payload`: latency vs files per client (left; the delay setting where
+    measured, else no delay) and peak KV blocks vs files per client (right), as a PNG at ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = sorted(payload["by_files"], key=lambda r: r["files"])
+    files = [r["files"] for r in rows]
+    clients = payload.get("clients", list(CLIENTS))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    delays = {s["network_delay"] for r in rows for s in r["settings"]}
+    delay = True in delays
+    for name in clients:
+        med, lo, hi = [], [], []
+        for r in rows:
+            st = next(s for s in r["settings"] if s["network_delay"] == delay)
+            lat = st["clients"][name]["latency"]
+            med.append(lat["median"])
+            lo.append(lat["median"] - lat["min"])
+            hi.append(lat["max"] - lat["median"])
+        left.errorbar(files, med, yerr=[lo, hi], marker="o", capsize=3, label=name)
+        right.plot(files, [r["memory"][name]["peak_blocks"] for r in rows], marker="o", label=name)
+    left.set(
+        xlabel="files",
+        ylabel="end-to-end latency (s)",
+        title="latency" + (" (network delay 0.2-0.3 s)" if delay else " (no network delay)"),
+        xticks=files,
+    )
+    right.set(xlabel="files", ylabel="peak KV blocks in use", title="KV memory (exact peak)", xticks=files)
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.set_ylim(bottom=0)
+    left.legend(fontsize=8)
+    fig.suptitle(f"multi-agent programming ({payload.get('model', '')})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------------------------- main
+def parse_files(text: str) -> tuple[int, ...]:
+    """``"2,4,8"`` -> (2, 4, 8)."""
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_size_flags(parser, "2 and 4 files, 1 round, short outputs, 2 repeats (~1 min)")
+    parser.add_argument("--model", default="tiny", help='"tiny" (default) or a local Hugging Face folder')
+    parser.add_argument("--repeats", type=int, help="timed jobs per client and setting (median)")
+    parser.add_argument("--files", type=parse_files, help="numbers of files to sweep, e.g. 2,4,8")
+    parser.add_argument("--rounds", type=int, help="review rounds (paper: 3)")
+    parser.add_argument("--brief-tokens", type=int, help="tokens of the project brief")
+    parser.add_argument("--latency-cap", type=int, help="latency cap in running tokens")
+    parser.add_argument(
+        "--no-delay-only", action="store_true", help="measure without the network delay only (tests)"
+    )
+    parser.add_argument("--plot", metavar="PNG", help="also draw the figure (`plot`) to this file")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    return parser.parse_args(argv)
+
+
+def build_config(args: argparse.Namespace) -> BenchConfig:
+    return sized(
+        args,
+        FULL,
+        QUICK,
+        TINY,
+        repeats=args.repeats,
+        files=args.files,
+        rounds=args.rounds,
+        brief_tokens=args.brief_tokens,
+        latency_cap_tokens=args.latency_cap,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the benchmark (see the module docstring); the last stdout line is the RESULT line."""
+    args = parse_args(argv)
+    cfg = build_config(args)
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    machine = machine_info()
+    delays = (False,) if args.no_delay_only else (False, True)
+    workflows: list[Workflow] = []
+    results: list[FilesResult] = []
+    for files in cfg.files:
+        log(f"starting four servers ({args.model}) for {files} files ...")
+        with serve(args.model, cfg) as servers:  # fresh: nothing cached, so the memory peaks are clean
+            workflow, result = asyncio.run(measure_files(servers, cfg, files, delays))
+        workflows.append(workflow)
+        results.append(result)
+    total_s = time.perf_counter() - started
+    print_report(cfg, args.model, machine, results, total_s)
+    payload = json_payload(cfg, args.model, machine, workflows, results, total_s)
+    if args.json:
+        write_json(args.json, payload)
+    if args.plot:
+        plot(payload, Path(args.plot))
+    print(result_line(NAME, result_metrics(results, total_s)))
+
+
+if __name__ == "__main__":
+    main()

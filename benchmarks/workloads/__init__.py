@@ -1,0 +1,1 @@
+"""Deterministic workloads of the application benchmarks (text built offline from bundled sources)."""
