@@ -90,7 +90,7 @@ class BenchConfig:
 
 
 FULL = BenchConfig()
-QUICK = BenchConfig(prompt_len=64, max_new_tokens=16, repeats=3, min_time_s=3.0)
+QUICK = BenchConfig(prompt_len=64, max_new_tokens=16, repeats=3, min_time_s=1.5)
 TINY = BenchConfig(
     batches=(1, 4), prompt_len=16, max_new_tokens=4, repeats=1, min_time_s=0.0, kv_requests=4, kv_prefix=64
 )

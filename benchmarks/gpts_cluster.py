@@ -13,7 +13,7 @@ Workload (deterministic from ``--seed``): four apps with system prompts of about
 every prompt's whatever the query: a prompt ending in ``"User: "`` would merge that space into the
 query's first token for most queries, giving each app two shared prefixes); each request picks an app
 uniformly, asks a user query of 20-60 tokens and generates 64-128 tokens (EOS ignored, so exactly that
-many). Arrivals are Poisson at rate R for ``--duration`` simulated seconds (15; quick: 6): the same
+many). Arrivals are Poisson at rate R for ``--duration`` simulated seconds (15; quick: 5): the same
 unit-rate gaps scaled by 1/R for every run, and request *i* is the same request in every run (common
 random numbers across rates and policies). Requests arriving in the first ``warmup`` seconds (2; quick:
 1) are served but not measured — a long-running service holds its apps' system prompts already, and an
@@ -56,7 +56,7 @@ ms/token on this profile — the baseline's is ~25, as it prefills whole prompts
 token the paper quotes at a batch of 32 in Fig. 16) and no request failed. The p50 and p90 are reported
 too. For each policy the highest sustained rate is searched: a geometric grid (``--start-rate``, 4 req/s,
 doubled until a rate fails, halved if that one fails already), then bisection in log space between the
-last rate that passed and the first that failed (3 steps, quick: 2; ``--rate R`` measures one rate
+last rate that passed and the first that failed (3 steps, quick: 1; ``--rate R`` measures one rate
 instead, no search). Ratios of the highest sustained rates: parrot over each of the others (paper: 12x vs
 baseline, 3x vs no affinity, 2.4x vs no kernel). The search's resolution is the last bracket (the "first
 failed" column): a ratio is good to about that factor.
@@ -155,7 +155,7 @@ class BenchConfig:
 
 
 FULL = BenchConfig()
-QUICK = BenchConfig(duration_s=6.0, warmup_s=1.0, bisect_steps=2)
+QUICK = BenchConfig(duration_s=5.0, warmup_s=1.0, bisect_steps=1)
 TINY = BenchConfig(duration_s=2.5, warmup_s=0.0, fixed_rate=4.0)
 
 
@@ -713,7 +713,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    add_size_flags(parser, "6 s runs, 2 bisections (~1.5 min)")
+    add_size_flags(parser, "5 s runs, 1 bisection (~1 min)")
     parser.add_argument("--duration", type=float, help="simulated seconds of arrivals per run")
     parser.add_argument("--warmup", type=float, help="simulated seconds of arrivals not measured")
     parser.add_argument("--bound", type=float, help="sustained: mean normalized latency <= this (s/token)")

@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     batches = [2, 8] if args.tiny else [8, 32, 64]
     prefixes = [256] if args.tiny else [1024, 4096] if args.quick else [1024, 4096, 6144]
     suffix = 16 if args.tiny else SUFFIX
-    repeats = args.repeats or (1 if args.tiny else 5 if args.quick else 9)
+    repeats = args.repeats or (1 if args.tiny else 3 if args.quick else 9)
     where = "triton bf16" if device.type == "cuda" else f"torch fp32, {torch.get_num_threads()} threads"
     print(f"shared-prefix vs paged decode on {device} ({where}); heads {HEADS}/{KV_HEADS}, dim {HEAD_DIM}")
     print(

@@ -194,6 +194,8 @@ def plot_summary(records: Mapping[str, Mapping[str, Any]], path: Path) -> bool:
     if not pairs:
         return False
     plt = pyplot()
+    from matplotlib.ticker import FuncFormatter
+
     fig, ax = plt.subplots(figsize=(2 + 1.4 * len(pairs), 3.6))
     xs = list(range(len(pairs)))
     ax.bar([x - 0.2 for x in xs], [p[1] for p in pairs], width=0.4, label="ours", color="tab:blue")
@@ -203,6 +205,8 @@ def plot_summary(records: Mapping[str, Mapping[str, Any]], path: Path) -> bool:
     ax.set_xticks(xs, [p[0] for p in pairs], fontsize=7)
     ax.set_ylabel("speedup (x)")
     ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
+    ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
     ax.legend(fontsize=8)
     ax.set_title("Parrot vs the request-centric baseline: ours and the paper's", fontsize=9)
     save(fig, path)
