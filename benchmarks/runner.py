@@ -124,7 +124,9 @@ def run_one(experiment: Experiment, options: RunOptions, machine: dict[str, Any]
             )
         output, returncode = done.stdout, done.returncode
     except subprocess.TimeoutExpired as exc:
-        output, returncode = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else "", -1
+        partial = exc.stdout  # bytes even under text=True on some Pythons
+        output = partial.decode(errors="replace") if isinstance(partial, bytes) else (partial or "")
+        returncode = -1
         record["error"] = f"timed out after {options.timeout_s:g} s"
     with log_path.open("a") as log_file:
         log_file.write("\n--- stdout ---\n" + output)
