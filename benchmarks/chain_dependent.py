@@ -54,6 +54,7 @@ import parrot as P
 from benchmarks.common import (
     ClientResult,
     Spread,
+    add_engine_flags,
     document_chunks,
     load_average,
     log,
@@ -62,6 +63,7 @@ from benchmarks.common import (
     render_template,
     result_line,
     safe_ratio,
+    set_threads,
     write_json,
 )
 from server.engine import EngineConfig, LLMEngine
@@ -410,12 +412,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--quick", action="store_true", help="short chunks and outputs, 3 repeats (~1 min)")
     parser.add_argument("--json", metavar="PATH", help="write the figures and machine info as JSON")
-    parser.add_argument("--model", default="tiny", help='"tiny" (default) or a local Hugging Face folder')
+    add_engine_flags(parser)
     parser.add_argument("--repeats", type=int, help="timed chains per client and setting (median)")
     parser.add_argument("--steps", type=int, help="dependent steps per chain (default 10)")
     parser.add_argument("--chunk-tokens", type=int, help="document tokens added per step")
     parser.add_argument("--max-tokens", type=int, help="output tokens per step")
-    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     return parser.parse_args(argv)
 
 
@@ -433,10 +434,8 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     cfg = build_config(args)
-    import torch
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args)
     started = time.perf_counter()
     machine = machine_info()
     engine_config = EngineConfig(num_kv_blocks=1024)

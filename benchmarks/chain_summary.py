@@ -67,8 +67,10 @@ import httpx
 from benchmarks import chain_dependent as cd
 from benchmarks.common import (
     Spread,
+    add_engine_flags,
     add_size_flags,
     document_chunks,
+    int_list,
     load_average,
     log,
     machine_info,
@@ -76,9 +78,11 @@ from benchmarks.common import (
     percentile,
     result_line,
     safe_ratio,
+    set_threads,
     sized,
     write_json,
 )
+from benchmarks.plotting import pyplot, save
 from server.engine import EngineConfig
 
 NAME = "chain_summary"
@@ -628,10 +632,7 @@ def result_metrics(cfg: SummaryConfig, res: Results, total_s: float) -> dict[str
 def plot(payload: dict[str, Any], path: Path) -> None:
     """The figures as one PNG: latency vs output length, vs chunk size, with background load, vs number of
     apps (mean, p90 as the error bar's top), and per app the baseline's latency minus Parrot's (Fig. 13)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     sweeps = payload["sweeps"]
     colors = {PARROT: "tab:blue", BASELINE: "tab:orange"}
@@ -713,23 +714,16 @@ def plot(payload: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("latency difference (s)")
 
     fig.suptitle(f"chain summary, {payload['model']}, network delay {payload['network_delay_s']} s")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save(fig, path)
 
 
 # ----------------------------------------------------------------------------------------------- main
-def int_list(text: str) -> tuple[int, ...]:
-    """``"16,32,64"`` -> ``(16, 32, 64)``; an empty string is an empty sweep."""
-    return tuple(int(x) for x in text.split(",") if x.strip())
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_size_flags(parser, "5 steps, short chunks and outputs, 2 repeats (~1.5 min)")
-    parser.add_argument("--model", default="tiny", help='"tiny" (default) or a local Hugging Face folder')
+    add_engine_flags(parser)
     parser.add_argument("--repeats", type=int, help="timed runs per client and point (median)")
     parser.add_argument("--steps", type=int, help="dependent steps per chain")
     parser.add_argument("--outs", type=int_list, help="sweep 1: output tokens per step, e.g. 16,32,64")
@@ -738,7 +732,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--apps", type=int_list, help="sweep 4: concurrent apps")
     parser.add_argument("--max-running-tokens", type=int, help="the engine's FIFO running-token cap")
     parser.add_argument("--plot", metavar="PATH", help="also draw the figures as a PNG")
-    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     return parser.parse_args(argv)
 
 
@@ -772,10 +765,8 @@ def bench_server(model: str, cfg: SummaryConfig) -> Iterator[Bench]:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     cfg = build_config(args)
-    import torch
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args)
     started = time.perf_counter()
     machine = machine_info()
     log(f"starting the server ({args.model}) ...")

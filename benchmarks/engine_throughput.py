@@ -54,6 +54,7 @@ if not __package__:
 
 from benchmarks.common import (
     Spread,
+    add_engine_flags,
     add_size_flags,
     fmt_num,
     load_average,
@@ -62,6 +63,7 @@ from benchmarks.common import (
     markdown_table,
     result_line,
     safe_ratio,
+    set_threads,
     sized,
     stdlib_text,
     write_json,
@@ -561,13 +563,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_size_flags(parser, "short prompts and outputs, 3 repeats (~1 min)")
-    parser.add_argument("--model", default="tiny", help='"tiny" (default) or a local Hugging Face folder')
+    add_engine_flags(parser)
     parser.add_argument("--repeats", type=int, help="least timed repeats per batch size (median)")
     parser.add_argument("--batches", type=int, nargs="+", help="batch sizes (default 1 16 64)")
     parser.add_argument("--prompt-len", type=int, help="longest prompt in tokens")
     parser.add_argument("--new-tokens", type=int, help="tokens generated per request")
     parser.add_argument("--spread", type=float, help="shortest prompt / longest prompt (1: all equal)")
-    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     return parser.parse_args(argv)
 
 
@@ -672,8 +673,7 @@ def json_payload(
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     cfg = build_config(args)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args)
     import transformers
 
     # Quiet: the weight-loading progress bar and the over-long-sequence warning of the workload tokenizer.

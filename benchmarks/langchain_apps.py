@@ -55,6 +55,7 @@ from langchain_parrot import TINY_MODEL_DIR, ChatFormat, ChatParrot, compile_cha
 from benchmarks.common import (
     ClientResult,
     Spread,
+    add_engine_flags,
     add_size_flags,
     load_average,
     log,
@@ -62,6 +63,7 @@ from benchmarks.common import (
     markdown_table,
     result_line,
     safe_ratio,
+    set_threads,
     sized,
     write_json,
 )
@@ -346,19 +348,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    add_engine_flags(parser, model=False)
     add_size_flags(parser, "fewer, shorter chunks and outputs (~1 min)")
     parser.add_argument("--repeats", type=int, help="timed runs per client, app and setting (median)")
-    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     cfg = sized(args, FULL, QUICK, TINY, repeats=args.repeats)
-    import torch
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args)
     started = time.perf_counter()
     machine = machine_info()
     log("starting the server (tiny) ...")

@@ -56,6 +56,7 @@ from llamaindex_parrot import ParrotLLM, ParrotRefine, ParrotTreeSummarize
 from benchmarks.chain_dependent import Served, serve
 from benchmarks.common import (
     ClientResult,
+    add_engine_flags,
     add_size_flags,
     document_chunks,
     load_average,
@@ -64,6 +65,7 @@ from benchmarks.common import (
     markdown_table,
     result_line,
     safe_ratio,
+    set_threads,
     sized,
     write_json,
 )
@@ -290,21 +292,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_size_flags(parser, "6 short chunks, 16-token outputs, 3 repeats, fewer clients")
-    parser.add_argument("--model", default="tiny", help='"tiny" (default) or a local Hugging Face folder')
+    add_engine_flags(parser)
     parser.add_argument("--repeats", type=int, help="timed queries per client, workload and setting")
     parser.add_argument("--chunks", type=int, help="document chunks per query")
     parser.add_argument("--max-tokens", type=int, help="output tokens per call")
-    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     cfg = sized(args, FULL, QUICK, TINY, repeats=args.repeats, chunks=args.chunks, max_tokens=args.max_tokens)
-    import torch
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args)
     started = time.perf_counter()
     machine = machine_info()
     engine_config = EngineConfig(num_kv_blocks=1024)

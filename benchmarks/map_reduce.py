@@ -85,6 +85,7 @@ from parrot.protocol import Criteria
 from benchmarks.common import (
     ClientResult,
     Spread,
+    add_engine_flags,
     add_size_flags,
     document_chunks,
     load_average,
@@ -94,6 +95,7 @@ from benchmarks.common import (
     render_template,
     result_line,
     safe_ratio,
+    set_threads,
     sized,
     write_json,
 )
@@ -637,7 +639,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_size_flags(parser, "8 map calls, 3 repeats (~1 min)")
-    parser.add_argument("--model", default="tiny", help='"tiny" (default) or a local Hugging Face folder')
+    add_engine_flags(parser)
     parser.add_argument("--repeats", type=int, help="timed jobs per client and setting (median)")
     parser.add_argument("--chunks", type=int, help="map calls (document parts)")
     parser.add_argument("--chunk-tokens", type=int, help="document tokens per part")
@@ -647,7 +649,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--no-delay-only", action="store_true", help="measure without the network delay only (tests)"
     )
-    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     parser.add_argument("--sim-chunks", type=int, help="map calls of the simulated GPU-scale job")
     return parser.parse_args(argv)
 
@@ -693,10 +694,8 @@ async def run_benchmark(
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     cfg = build_config(args)
-    import torch
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args)
     started = time.perf_counter()
     machine = machine_info()
     log(

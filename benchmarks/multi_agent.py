@@ -88,17 +88,21 @@ from parrot.protocol import Criteria
 from benchmarks.common import (
     ClientResult,
     Spread,
+    add_engine_flags,
     add_size_flags,
+    int_list,
     load_average,
     log,
     machine_info,
     markdown_table,
     result_line,
     safe_ratio,
+    set_threads,
     sized,
     write_json,
 )
 from benchmarks.map_reduce import ENGINE_COUNTERS, engine_counters
+from benchmarks.plotting import pyplot, save
 from benchmarks.workloads.multi_agent import Budgets, Workflow, make_workflow, project_brief, stage_roles
 from server.engine import EngineConfig
 from server.launcher import LaunchedServer, launch
@@ -655,10 +659,7 @@ def result_metrics(results: Sequence[FilesResult], total_s: float) -> dict[str, 
 def plot(payload: dict[str, Any], path: Path) -> None:
     """Draw Fig. 18 from a `json_payload`: latency vs files per client (left; the delay setting where
     measured, else no delay) and peak KV blocks vs files per client (right), as a PNG at ``path``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = sorted(payload["by_files"], key=lambda r: r["files"])
     files = [r["files"] for r in rows]
@@ -688,20 +689,15 @@ def plot(payload: dict[str, Any], path: Path) -> None:
         ax.set_ylim(bottom=0)
     left.legend(fontsize=8)
     fig.suptitle(f"multi-agent programming ({payload.get('model', '')})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 # ----------------------------------------------------------------------------------------------- main
 def parse_files(text: str) -> tuple[int, ...]:
-    """``"2,4,8"`` -> (2, 4, 8)."""
-    try:
-        values = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    """``"2,4,8"`` -> (2, 4, 8): at least one file count."""
+    values = int_list(text)
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected at least one number of files, got {text!r}")
     return values
 
 
@@ -710,7 +706,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_size_flags(parser, "2 and 4 files, 1 round, short outputs, 2 repeats (~1 min)")
-    parser.add_argument("--model", default="tiny", help='"tiny" (default) or a local Hugging Face folder')
+    add_engine_flags(parser)
     parser.add_argument("--repeats", type=int, help="timed jobs per client and setting (median)")
     parser.add_argument("--files", type=parse_files, help="numbers of files to sweep, e.g. 2,4,8")
     parser.add_argument("--rounds", type=int, help="review rounds (paper: 3)")
@@ -720,7 +716,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--no-delay-only", action="store_true", help="measure without the network delay only (tests)"
     )
     parser.add_argument("--plot", metavar="PNG", help="also draw the figure (`plot`) to this file")
-    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     return parser.parse_args(argv)
 
 
@@ -742,10 +737,8 @@ def main(argv: list[str] | None = None) -> None:
     """Run the benchmark (see the module docstring); the last stdout line is the RESULT line."""
     args = parse_args(argv)
     cfg = build_config(args)
-    import torch
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args)
     started = time.perf_counter()
     machine = machine_info()
     delays = (False,) if args.no_delay_only else (False, True)

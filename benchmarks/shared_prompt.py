@@ -83,6 +83,7 @@ import parrot as P
 
 from benchmarks.common import (
     Spread,
+    add_engine_flags,
     add_size_flags,
     fmt_num,
     load_average,
@@ -91,9 +92,11 @@ from benchmarks.common import (
     markdown_table,
     result_line,
     safe_ratio,
+    set_threads,
     sized,
     write_json,
 )
+from benchmarks.plotting import pyplot, save
 from benchmarks.workloads.copilot import CopilotWorkload, make_workload
 from server.engine import EngineConfig, LLMEngine
 from server.engine.step_features import StepRecord
@@ -680,10 +683,7 @@ def result_metrics(
 # ----------------------------------------------------------------------------------------------- plot
 def plot(payload: dict[str, Any], path: Path) -> None:
     """Batch latency, per-output-token latency and peak KV blocks against batch size, per system (PNG)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = payload["batches"]
     xs = [r["batch"] for r in rows]
@@ -705,9 +705,7 @@ def plot(payload: dict[str, Any], path: Path) -> None:
     axes[0].legend()
     tokens = payload["system_prompt_tokens"]["used"]
     fig.suptitle(f"shared system prompt ({tokens} tokens), {payload['model']['name']}: Fig. 15/16 analogue")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 # ----------------------------------------------------------------------------------------------- main
@@ -717,14 +715,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     add_size_flags(parser, "1k-token system prompt, batches 4 8 16, 4 repeats (~1 min)")
     parser.add_argument("--plot", metavar="PATH", help="also write the figure (PNG)")
-    parser.add_argument("--model", default="tiny", help='"tiny" (default) or a local Hugging Face folder')
+    add_engine_flags(parser)
     parser.add_argument("--repeats", type=int, help="timed repeats per batch size and system (median)")
     parser.add_argument("--batches", type=int, nargs="+", help="batch sizes (default 8 16 32 64)")
     parser.add_argument("--system-tokens", type=int, help="system prompt tokens asked for (default 6000)")
     parser.add_argument("--query-tokens", type=int, nargs=2, metavar=("MIN", "MAX"), help="query lengths")
     parser.add_argument("--max-tokens", type=int, help="answer tokens per request")
     parser.add_argument("--kernel-mode", choices=("auto", "always"), help="parrot's shared_prefix_decode")
-    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     return parser.parse_args(argv)
 
 
@@ -748,11 +745,9 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     cfg = build_config(args)
-    import torch
     import transformers
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args)
     # Quiet: the over-long-sequence warning of tokenizing the whole workload text at once.
     transformers.utils.logging.set_verbosity_error()
     started = time.perf_counter()

@@ -13,6 +13,7 @@ import pytest
 
 from benchmarks import chain_dependent as cd
 from benchmarks import chain_summary as cs
+from benchmarks import common
 
 
 def test_sweeps_of_the_quick_and_full_configurations() -> None:
@@ -34,7 +35,7 @@ def test_flags_override_the_chosen_size() -> None:
     cfg = cs.build_config(cs.parse_args(["--quick", "--outs", "4,12", "--apps", "", "--repeats", "5"]))
     assert (cfg.outs, cfg.apps, cfg.repeats, cfg.chunks) == ((4, 12), (), 5, cs.QUICK.chunks)
     assert cs.build_config(cs.parse_args([])) == cs.FULL
-    assert cs.int_list(" 8, 16 ,") == (8, 16)
+    assert common.int_list(" 8, 16 ,") == (8, 16)
 
 
 def _counting_transport(delay_s: float, status: int = 200) -> tuple[httpx.MockTransport, dict[str, int]]:
