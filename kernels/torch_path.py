@@ -18,6 +18,7 @@ All math is float32 whatever the cache dtype; results are cast back to ``q.dtype
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 
@@ -32,8 +33,12 @@ __all__ = [
 
 # Gathered tokens per chunk of the paged pass, and score elements per chunk of the prefix pass. Both keep the
 # working set near the size of a last-level cache while leaving each GEMM big enough to run at full speed.
+# Prefix passes with fewer query rows than _PREFIX_MIN_GEMM_ROWS or fewer score elements than
+# _PREFIX_MIN_GEMM_ELEMS take the batched small-problem form (measured crossover on 2 cores, fp32, d128).
 _PAGED_CHUNK_BYTES = 4 << 20
-_PREFIX_CHUNK_ELEMS = 1 << 18
+_PREFIX_CHUNK_ELEMS = 1 << 19
+_PREFIX_MIN_GEMM_ROWS = 64
+_PREFIX_MIN_GEMM_ELEMS = 1 << 16
 
 _softmax_out = torch.ops.aten._softmax.out
 
@@ -63,35 +68,45 @@ def _mkldnn_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
 
 
-def _probe_mkldnn_linear() -> bool:
-    """Whether oneDNN's fp32 linear is usable and exact here (it is torch-internal: check, not assume)."""
+@functools.cache
+def _mkldnn_usable() -> bool:
+    """Whether oneDNN's fp32 linear is usable and exact here, for both operand layouts the GEMM helpers pass
+    (it is torch-internal: check, not assume)."""
     try:
         x, w = torch.randn(5, 32), torch.randn(40, 32)
-        return torch.allclose(_mkldnn_linear(x, w), x @ w.t(), rtol=1e-5, atol=1e-5)
+        nt = torch.allclose(_mkldnn_linear(x, w), x @ w.t(), rtol=1e-5, atol=1e-5)
+        v = torch.randn(32, 40)
+        nn = torch.allclose(_mkldnn_linear(x, v.t()), x @ v, rtol=1e-5, atol=1e-5)
+        return nt and nn
     except Exception:  # missing op, torch built without oneDNN, ...
         return False
 
 
-_use_mkldnn: bool | None = None
+def _use_mkldnn(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype == torch.float32 and _mkldnn_usable()
+
+
+# On CPU, torch.mm goes to MKL, which on some x86 parts (AMD EPYC here) runs only its AVX2 kernels: ~170
+# GFLOP/s on 2 cores, where oneDNN's linear uses AVX-512 and runs these shapes (a few hundred rows against
+# thousands of keys, head_dim 128) at 330-420. oneDNN reads the weight either row-major or as the transpose
+# of a row-major matrix; any other stride (a head sliced out of a [tokens, heads, dim] tensor) takes a path
+# a thousand times slower, so the callers pass contiguous per-head matrices.
 
 
 def _gemm_nt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x @ w.T`` for contiguous float32 ``x [M, K]``, ``w [N, K]``.
+    """``x @ w.T`` for contiguous float32 ``x [M, K]`` and ``w [N, K]``."""
+    return _mkldnn_linear(x, w) if _use_mkldnn(x) else torch.mm(x, w.t())
 
-    On CPU, oneDNN's linear runs this shape (a few hundred rows against thousands of keys, K = head_dim)
-    about twice as fast as the default BLAS GEMM; it needs ``w`` contiguous, which the callers arrange.
-    """
-    global _use_mkldnn
-    if x.device.type == "cpu" and x.dtype == torch.float32:
-        if _use_mkldnn is None:
-            _use_mkldnn = _probe_mkldnn_linear()
-        if _use_mkldnn:
-            return _mkldnn_linear(x, w)
-    return torch.mm(x, w.t())
+
+def _gemm_nn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w`` for contiguous float32 ``x [M, K]`` and ``w [K, N]``."""
+    return _mkldnn_linear(x, w.t()) if _use_mkldnn(x) else torch.mm(x, w)
 
 
 def _softmax_with_lse(scores: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
     """Write ``softmax(scores)`` over the last dim into ``probs``; return the natural-log LSE ``[..., 1]``.
+
+    ``probs`` may be ``scores`` itself (in place).
 
     torch's softmax is one fused pass (max, exp, sum, scale) but does not return the normaliser. It is
     recovered from the largest probability: ``max p = exp(m - lse)``, so ``lse = m - log(max p)``, and
@@ -252,9 +267,9 @@ def _prefix_partial(
     k = torch.index_select(k_cache, 0, table, out=_ws.get("pk", kv_shape, k_cache.dtype, device))
     v = torch.index_select(v_cache, 0, table, out=_ws.get("pv", kv_shape, v_cache.dtype, device))
     k = k.view(nblk * block_size, num_kv_heads, head_dim)[:prefix_len]
-    v = v.float().view(nblk * block_size, num_kv_heads, head_dim)[:prefix_len]
+    v = v.view(nblk * block_size, num_kv_heads, head_dim)[:prefix_len]
 
-    if rows * prefix_len <= _PREFIX_CHUNK_ELEMS:
+    if rows < _PREFIX_MIN_GEMM_ROWS or rows * prefix_len < _PREFIX_MIN_GEMM_ELEMS:
         # Small: a handful of batched ops over all heads beats per-head GEMM calls (fixed costs dominate).
         shape = (num_kv_heads, rows, prefix_len)
         scores = _ws.get("ps", shape, torch.float32, device)
@@ -262,13 +277,15 @@ def _prefix_partial(
         torch.bmm(q_rows, k.float().permute(1, 2, 0), out=scores)
         lse = _softmax_with_lse(scores, probs)
         out = _ws.get("po", (num_kv_heads, rows, head_dim), torch.float32, device)
-        return torch.bmm(probs, v.transpose(0, 1), out=out), lse
+        return torch.bmm(probs, v.float().transpose(0, 1), out=out), lse
 
-    # Large: K re-laid out head-major so that each head's keys are one contiguous [P, D] matrix, the operand
-    # layout the fast GEMM needs; key chunks keep one head's [M, chunk] scores in a core's cache between
-    # the QK GEMM, the softmax and the PV GEMM, and are merged by log-sum-exp.
+    # Large: K and V re-laid out head-major in float32, so that each head's keys and values are contiguous
+    # [P, D] matrices, the operand layout the fast GEMMs need; key chunks keep one head's [M, chunk] scores
+    # in cache between the QK GEMM, the softmax and the PV GEMM, and are merged by log-sum-exp.
     k_heads = _ws.get("pkh", (num_kv_heads, prefix_len, head_dim), torch.float32, device)
+    v_heads = _ws.get("pvh", (num_kv_heads, prefix_len, head_dim), torch.float32, device)
     k_heads.copy_(k.transpose(0, 1))
+    v_heads.copy_(v.transpose(0, 1))
     chunk = min(prefix_len, max(256, _PREFIX_CHUNK_ELEMS // rows))
     out = _ws.get("po", (num_kv_heads, rows, head_dim), torch.float32, device)
     lse = torch.empty(num_kv_heads, rows, 1, dtype=torch.float32, device=device)
@@ -277,13 +294,14 @@ def _prefix_partial(
         for lo in range(0, prefix_len, chunk):
             hi = min(prefix_len, lo + chunk)
             scores = _gemm_nt(q_rows[h], k_heads[h, lo:hi])
-            probs = _ws.get("pp", scores.shape, torch.float32, device)
-            part_lse = _softmax_with_lse(scores, probs)
+            # In place: the scores are a fresh GEMM output, and one buffer less keeps the chunk in cache.
+            part_lse = _softmax_with_lse(scores, scores)
+            part = _gemm_nn(scores, v_heads[h, lo:hi])
             if acc_lse is None:
-                torch.mm(probs, v[lo:hi, h], out=acc)
+                acc.copy_(part)
                 acc_lse = part_lse
             else:
-                acc_lse = _merge_into(acc, acc_lse, torch.mm(probs, v[lo:hi, h]), part_lse)
+                acc_lse = _merge_into(acc, acc_lse, part, part_lse)
         assert acc_lse is not None
         lse[h] = acc_lse
     return out, lse

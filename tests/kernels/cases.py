@@ -64,11 +64,13 @@ def random_case(
     max_suffix: int = 70,
     allow_empty_suffix: bool = False,
     min_groups: int = 0,
+    long_prefix: int | None = None,
 ) -> Case:
     """A seeded random problem: several groups plus ungrouped sequences, MHA or GQA, shuffled blocks.
 
     Prefix lengths include 0 and non-multiples of the block size. Table slots past a sequence's length
-    hold junk block ids (a real cache's stale entries) that the kernels must never read.
+    hold junk block ids (a real cache's stale entries) that the kernels must never read. ``long_prefix``
+    gives group 0 that many tokens and at least two members.
     """
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -78,6 +80,11 @@ def random_case(
     num_groups = rng.randint(min_groups, 3)
     prefix_lens = [rng.choice([0, block_size, rng.randint(1, max_prefix)]) for _ in range(num_groups)]
     group_of = [rng.randint(-1, num_groups - 1) for _ in range(batch)]
+    if long_prefix is not None:
+        num_groups = max(num_groups, 1)
+        prefix_lens = prefix_lens or [0]
+        prefix_lens[0] = long_prefix
+        group_of[: min(2, batch)] = [0] * min(2, batch)
     lo = 0 if allow_empty_suffix else 1
     suffix_lens = [rng.randint(lo, max_suffix) for _ in range(batch)]
 

@@ -138,6 +138,29 @@ def test_every_prefix_length_shape() -> None:
             torch.testing.assert_close(_shared(case, "torch"), expected, **FP32)
 
 
+@pytest.mark.parametrize("mkldnn", [True, False], ids=["onednn", "torch_mm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("seed", range(3))
+def test_torch_prefix_gemm_path(
+    monkeypatch: pytest.MonkeyPatch, seed: int, dtype: torch.dtype, mkldnn: bool
+) -> None:
+    """The torch path's large-group prefix pass (per-head GEMMs over key chunks merged by LSE), which the
+    small random cases never reach: forced on every group, with chunks short enough to merge several."""
+    from kernels import torch_path
+
+    monkeypatch.setattr(torch_path, "_PREFIX_MIN_GEMM_ROWS", 1)
+    monkeypatch.setattr(torch_path, "_PREFIX_MIN_GEMM_ELEMS", 0)
+    monkeypatch.setattr(torch_path, "_PREFIX_CHUNK_ELEMS", 1)  # the 256-key floor: 2+ chunks past 256
+    if not mkldnn:
+        monkeypatch.setattr(torch_path, "_use_mkldnn", lambda x: False)
+    # Group 0 spans three key chunks, the last one partial.
+    case = random_case(700 + seed, min_batch=4, long_prefix=600).to("cpu", dtype)
+    expected = reference.shared_prefix_decode_attention(*case.to("cpu", torch.float32).shared_args)
+    out = _shared(case, "torch")
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected, **(FP32 if dtype == torch.float32 else HALF))
+
+
 def test_reference_shared_equals_paged_over_concatenated_tables() -> None:
     """The spec is consistent with itself: a whole-block prefix + suffix is the plain paged context."""
     case = random_case(11, max_batch=6)
