@@ -158,10 +158,15 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         metrics=(
             Metric("speedup_b32_p4096", "batch 32, 4k prefix"),
             Metric("ceiling_b32_p4096", "memory-traffic ceiling"),
+            Metric("speedup_b64_p4096", "batch 64, 4k prefix"),
+            Metric("ceiling_b64_p4096", "memory-traffic ceiling"),
         ),
         backend="operator",
         engines=0,
-        conditions="one decode step, GQA 32/8 heads, head dim 128, suffix 256; CPU: torch path in fp32",
+        conditions=(
+            "one decode step, GQA 32/8 heads, head dim 128, suffix 256; speedup = median of back-to-back "
+            "pairs' ratios; CPU: torch path in fp32"
+        ),
     ),
     Experiment(
         name="gpts_cluster",

@@ -119,14 +119,26 @@ def run_case(batch: int, prefix: int, suffix: int, repeats: int, device: torch.d
 
     # The first calls also warm up (compilation, workspaces, caches).
     diff = (plain().float() - shared().float()).abs().max().item()
-    # Interleave the two so that drift in machine state (frequency, other load) hits both alike.
+    # Interleave the two so that drift in machine state (frequency, other load) hits both alike, and take
+    # the speedup as the median of the back-to-back pairs' ratios: on a shared machine whose speed shifts
+    # between runs, a pair sees one state, while a ratio of two medians can mix states.
     plain_ms, shared_ms = [], []
     for _ in range(repeats):
         plain_ms.append(_time_once(plain, device))
         shared_ms.append(_time_once(shared, device))
-    p, s = statistics.median(plain_ms), statistics.median(shared_ms)
+    speedup = statistics.median(p / s for p, s in zip(plain_ms, shared_ms, strict=True))
     ceil = ceiling(batch, prefix, suffix)
-    return Row(batch, prefix, suffix, p, s, p / s, ceil, p / s / ceil, diff)
+    return Row(
+        batch,
+        prefix,
+        suffix,
+        statistics.median(plain_ms),
+        statistics.median(shared_ms),
+        speedup,
+        ceil,
+        speedup / ceil,
+        diff,
+    )
 
 
 def _key(row: Row) -> str:
@@ -148,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     batches = [2, 8] if args.tiny else [8, 32, 64]
     prefixes = [256] if args.tiny else [1024, 4096] if args.quick else [1024, 4096, 6144]
     suffix = 16 if args.tiny else SUFFIX
-    repeats = args.repeats or (1 if args.tiny else 3 if args.quick else 9)
+    repeats = args.repeats or (1 if args.tiny else 5 if args.quick else 15)
     where = "triton bf16" if device.type == "cuda" else f"torch fp32, {torch.get_num_threads()} threads"
     print(f"shared-prefix vs paged decode on {device} ({where}); heads {HEADS}/{KV_HEADS}, dim {HEAD_DIM}")
     print(

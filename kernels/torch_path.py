@@ -246,6 +246,25 @@ def _paged_chunk(
         lse.index_copy_(0, idx_t, part_lse.view(count, -1))
 
 
+def _gather_head_major(cache: torch.Tensor, table: torch.Tensor, name: str) -> torch.Tensor:
+    """The blocks ``table`` of ``cache`` as float32 ``[num_kv_heads, len(table) * block_size, head_dim]``.
+
+    A float32 cache is gathered straight into that layout, one head at a time (one pass over the data; a
+    gather then a transposing copy is two); other dtypes are gathered, then converted by that copy.
+    """
+    _, block_size, num_kv_heads, head_dim = cache.shape
+    nblk = table.numel()
+    out = _ws.get(name, (num_kv_heads, nblk, block_size, head_dim), torch.float32, cache.device)
+    if cache.dtype == torch.float32:
+        for h in range(num_kv_heads):
+            torch.index_select(cache[:, :, h], 0, table, out=out[h])
+    else:
+        staging = _ws.get(name + "g", (nblk, block_size, num_kv_heads, head_dim), cache.dtype, cache.device)
+        gathered = torch.index_select(cache, 0, table, out=staging)
+        out.copy_(gathered.permute(2, 0, 1, 3))
+    return out.view(num_kv_heads, nblk * block_size, head_dim)
+
+
 def _prefix_partial(
     q_rows: torch.Tensor,
     k_cache: torch.Tensor,
@@ -262,15 +281,15 @@ def _prefix_partial(
     rows = q_rows.shape[1]
     nblk = -(-prefix_len // block_size)
     table = prefix_table[:nblk].long()
-    # Gathered once per group (never per sequence).
-    kv_shape = (nblk, block_size, num_kv_heads, head_dim)
-    k = torch.index_select(k_cache, 0, table, out=_ws.get("pk", kv_shape, k_cache.dtype, device))
-    v = torch.index_select(v_cache, 0, table, out=_ws.get("pv", kv_shape, v_cache.dtype, device))
-    k = k.view(nblk * block_size, num_kv_heads, head_dim)[:prefix_len]
-    v = v.view(nblk * block_size, num_kv_heads, head_dim)[:prefix_len]
+    # The prefix KV is gathered once per group (never per sequence).
 
     if rows < _PREFIX_MIN_GEMM_ROWS or rows * prefix_len < _PREFIX_MIN_GEMM_ELEMS:
         # Small: a handful of batched ops over all heads beats per-head GEMM calls (fixed costs dominate).
+        kv_shape = (nblk, block_size, num_kv_heads, head_dim)
+        k = torch.index_select(k_cache, 0, table, out=_ws.get("pk", kv_shape, k_cache.dtype, device))
+        v = torch.index_select(v_cache, 0, table, out=_ws.get("pv", kv_shape, v_cache.dtype, device))
+        k = k.view(nblk * block_size, num_kv_heads, head_dim)[:prefix_len]
+        v = v.view(nblk * block_size, num_kv_heads, head_dim)[:prefix_len]
         shape = (num_kv_heads, rows, prefix_len)
         scores = _ws.get("ps", shape, torch.float32, device)
         probs = _ws.get("pp", shape, torch.float32, device)
@@ -279,13 +298,11 @@ def _prefix_partial(
         out = _ws.get("po", (num_kv_heads, rows, head_dim), torch.float32, device)
         return torch.bmm(probs, v.float().transpose(0, 1), out=out), lse
 
-    # Large: K and V re-laid out head-major in float32, so that each head's keys and values are contiguous
+    # Large: K and V gathered head-major in float32, so that each head's keys and values are contiguous
     # [P, D] matrices, the operand layout the fast GEMMs need; key chunks keep one head's [M, chunk] scores
     # in cache between the QK GEMM, the softmax and the PV GEMM, and are merged by log-sum-exp.
-    k_heads = _ws.get("pkh", (num_kv_heads, prefix_len, head_dim), torch.float32, device)
-    v_heads = _ws.get("pvh", (num_kv_heads, prefix_len, head_dim), torch.float32, device)
-    k_heads.copy_(k.transpose(0, 1))
-    v_heads.copy_(v.transpose(0, 1))
+    k_heads = _gather_head_major(k_cache, table, "pkh")
+    v_heads = _gather_head_major(v_cache, table, "pvh")
     chunk = min(prefix_len, max(256, _PREFIX_CHUNK_ELEMS // rows))
     out = _ws.get("po", (num_kv_heads, rows, head_dim), torch.float32, device)
     lse = torch.empty(num_kv_heads, rows, 1, dtype=torch.float32, device=device)
