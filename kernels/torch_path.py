@@ -281,8 +281,7 @@ def _prefix_partial(
     rows = q_rows.shape[1]
     nblk = -(-prefix_len // block_size)
     table = prefix_table[:nblk].long()
-    # The prefix KV is gathered once per group (never per sequence).
-
+    # Either way the prefix KV is gathered once per group (never per sequence).
     if rows < _PREFIX_MIN_GEMM_ROWS or rows * prefix_len < _PREFIX_MIN_GEMM_ELEMS:
         # Small: a handful of batched ops over all heads beats per-head GEMM calls (fixed costs dominate).
         kv_shape = (nblk, block_size, num_kv_heads, head_dim)
