@@ -81,7 +81,6 @@ def random_case(
     prefix_lens = [rng.choice([0, block_size, rng.randint(1, max_prefix)]) for _ in range(num_groups)]
     group_of = [rng.randint(-1, num_groups - 1) for _ in range(batch)]
     if long_prefix is not None:
-        num_groups = max(num_groups, 1)
         prefix_lens = prefix_lens or [0]
         prefix_lens[0] = long_prefix
         group_of[: min(2, batch)] = [0] * min(2, batch)
