@@ -245,6 +245,24 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         engines=1,
         conditions="embedded tiny LLaMA on CPU; latency model fitted to its measured steps",
     ),
+    Experiment(
+        name="multi_turn",
+        title="Multi-turn chat over /v1/chat/completions: conversation KV kept across turns vs recomputed",
+        figure="—",
+        paper="(multi-turn chat: each turn resends the conversation; not a paper figure)",
+        metrics=(
+            Metric("prefill_ratio", "prefill / new tokens, turns >= 2 (goal <= 1.10)"),
+            Metric("prefill_saving", "prefill tokens, recompute / cached, turns >= 2"),
+            Metric("ttft_speedup", "TTFT, recompute / cached, turns >= 2"),
+        ),
+        backend="engine",
+        engines=1,
+        conditions=(
+            "embedded tiny LLaMA on CPU, one engine per system (prefix_sharing on / off), concurrent "
+            "conversations, streamed greedy answers, no network delay; answers compared"
+        ),
+        takes_model=True,
+    ),
 )
 
 

@@ -22,6 +22,7 @@ from parrot.protocol import (
     BatchGetAnswer,
     BatchRequest,
     CallError,
+    CreateSessionRequest,
     CreateSessionResponse,
     CreateVariableRequest,
     Criteria,
@@ -149,7 +150,9 @@ def create_app(manager: Manager, reap_interval: float | None = None) -> FastAPI:
     )
 
     @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.loop = asyncio.get_running_loop()  # the manager's loop, for `LaunchedServer.run`
+
         async def reap() -> None:
             while True:
                 await asyncio.sleep(interval)
@@ -239,8 +242,8 @@ def create_app(manager: Manager, reap_interval: float | None = None) -> FastAPI:
         return Response(status_code=204)
 
     @app.post("/v1/sessions")
-    async def create_session() -> CreateSessionResponse:
-        return manager.create_session()
+    async def create_session(req: CreateSessionRequest | None = None) -> CreateSessionResponse:
+        return manager.create_session(req.cache_salt if req is not None else None)
 
     @app.delete("/v1/sessions/{session_id}", status_code=204)
     async def delete_session(s: SessionDep) -> Response:

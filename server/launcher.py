@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import uvicorn
 from fastapi import FastAPI
@@ -16,6 +18,8 @@ from server.app import create_app
 from server.engine import EngineConfig, LLMEngine
 from server.netdelay import NetworkDelayMiddleware
 from server.serve.manager import Manager, ManagerConfig
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -27,6 +31,11 @@ class LaunchedServer:
     manager: Manager
     engines: list[LLMEngine]
     network_delay: NetworkDelayMiddleware | None = None  # switch with `.enabled` between measurements
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 60.0) -> T:
+        """Run ``coro`` on the server's event loop (where the manager lives) and return its result — for
+        tests and tools that drive the manager directly, e.g. ``served.run(served.manager.drop_cache())``."""
+        return asyncio.run_coroutine_threadsafe(coro, self.app.state.loop).result(timeout)
 
     @property
     def request_counts(self) -> Counter[tuple[str, str]]:

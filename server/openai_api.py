@@ -2,7 +2,10 @@
 
 Any OpenAI client works against them, and they are the request-centric baseline of the benchmarks: each
 request tokenizes its prompt with the engine's tokenizer, fills a fresh engine context, generates from it and
-frees it (always, also on error or a client that goes away). No prefix sharing happens here on purpose.
+hands the context back to the backend (always, also on error or a client that goes away). The manager's
+backend fills from the longest cached token prefix and keeps a finished context as a prefix for later
+requests — turn 2 of a chat prefills only its new tokens, as vLLM's automatic prefix caching does — within
+the request's ``cache_salt``; `StaticBackend` fills whole and frees.
 
 The router is built over an `OpenAIBackend` — anything that picks an engine by model name and hands out
 unique context ids — so the manager and the tests plug in their own. Errors answer
@@ -102,6 +105,19 @@ class OpenAIBackend(Protocol):
         """A context id no other user of any engine holds (the router frees it after the request)."""
         ...
 
+    async def fill_prompt(
+        self, engine: LLMEngine, context_id: int, token_ids: list[int], cache_salt: str | None
+    ) -> None:
+        """Create ``context_id`` holding ``token_ids`` (from a cached prefix where the backend has one)."""
+        ...
+
+    async def finish_context(
+        self, engine: LLMEngine, context_id: int, token_ids: list[int] | None, cache_salt: str | None
+    ) -> None:
+        """The request is over: ``token_ids`` is what its context holds (prompt and output) when it
+        completed — the backend may keep it as a cached prefix — or None (failed or aborted: free it)."""
+        ...
+
 
 class StaticBackend:
     """An `OpenAIBackend` over fixed engines keyed by model name (the first one is the default).
@@ -129,6 +145,16 @@ class StaticBackend:
 
     def new_context_id(self) -> int:
         return next(self._ids)
+
+    async def fill_prompt(
+        self, engine: LLMEngine, context_id: int, token_ids: list[int], cache_salt: str | None
+    ) -> None:
+        await engine.fill(context_id, token_ids)
+
+    async def finish_context(
+        self, engine: LLMEngine, context_id: int, token_ids: list[int] | None, cache_salt: str | None
+    ) -> None:
+        await _free_quietly(engine, context_id)
 
 
 def create_openai_router(backend: OpenAIBackend) -> APIRouter:
@@ -277,8 +303,13 @@ class _Job:
     """One prompt in flight: its engine context and its generate."""
 
     context_id: int
-    prompt_tokens: int
+    prompt: list[int]
     stream: GenerationStream | None = None
+    output: list[int] | None = None  # its generated tokens, once it completed
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt)
 
 
 async def _serve(
@@ -294,10 +325,11 @@ async def _serve(
     A streaming answer starts only once every generate has produced its first token, so that bad input
     still answers with a status code rather than an error event inside a 200 stream.
     """
-    jobs = [_Job(backend.new_context_id(), len(p)) for p in prompts]
+    jobs = [_Job(backend.new_context_id(), p) for p in prompts]
+    release = _Release(backend, engine, jobs, req.cache_salt)
     handed_off = False
     try:
-        await _gather_all([engine.fill(j.context_id, p) for j, p in zip(jobs, prompts, strict=True)])
+        await _gather_all([backend.fill_prompt(engine, j.context_id, j.prompt, req.cache_salt) for j in jobs])
         for j in jobs:
             j.stream = engine.submit_generate(j.context_id, sampling, stream=bool(req.stream))
         meta = _Meta(
@@ -307,6 +339,8 @@ async def _serve(
         )
         if not req.stream:
             results = await _gather_all([j.stream.result() for j in jobs if j.stream is not None])
+            for j, r in zip(jobs, results, strict=True):
+                j.output = r.token_ids
             usage = _usage(jobs, results)
             body: BaseModel = (
                 _chat_response(meta, results, usage) if chat else _text_response(meta, results, usage)
@@ -314,7 +348,7 @@ async def _serve(
             return JSONResponse(body.model_dump())
         firsts = [await _first_token(j.stream) for j in jobs if j.stream is not None]
         include_usage = req.stream_options is not None and req.stream_options.include_usage
-        events = _stream_events(engine, jobs, firsts, sampling, meta, chat, include_usage)
+        events = _stream_events(release, firsts, sampling, meta, chat, include_usage)
         handed_off = True
         # Started here, so that its `finally` (which frees the contexts) runs even if the client is gone
         # before the response begins: asyncio closes a started async generator when it is collected.
@@ -322,7 +356,7 @@ async def _serve(
         return StreamingResponse(_prepend(head, events), media_type="text/event-stream")
     finally:
         if not handed_off:
-            await _release(engine, jobs)
+            await release()
 
 
 async def _gather_all(aws: Sequence[Any]) -> list[Any]:
@@ -334,19 +368,43 @@ async def _gather_all(aws: Sequence[Any]) -> list[Any]:
     return results
 
 
-async def _release(engine: LLMEngine, jobs: list[_Job]) -> None:
-    """Abort what still runs and free every context (a fill that failed may have created none).
+@dataclass
+class _Release:
+    """Hands a request's contexts back to the backend once: completed ones with their tokens (the backend
+    may keep them as cached prefixes), the rest aborted and freed.
 
-    The frees run in shielded tasks: a caller cancelled while waiting (a client that hung up) still frees
-    all of them, not only the first.
+    The hand-backs run in a shielded task: a caller cancelled while waiting (a client that hung up) still
+    hands back all of them, not only the first.
     """
-    for j in jobs:
-        if j.stream is not None:
-            j.stream.cancel()
-    frees = [_free_quietly(engine, j.context_id) for j in jobs]
-    jobs.clear()  # released once, whoever calls first
-    if frees:
-        await asyncio.shield(asyncio.gather(*frees))
+
+    backend: OpenAIBackend
+    engine: LLMEngine
+    jobs: list[_Job]
+    cache_salt: str | None
+
+    async def __call__(self) -> None:
+        jobs = list(self.jobs)
+        self.jobs.clear()  # released once, whoever calls first
+        for j in jobs:
+            if j.stream is not None and j.output is None:
+                j.stream.cancel()
+        backs = [
+            self.backend.finish_context(
+                self.engine,
+                j.context_id,
+                None if j.output is None else j.prompt + j.output,
+                self.cache_salt,
+            )
+            for j in jobs
+        ]
+        if backs:
+            await asyncio.shield(_gather_quietly(backs))
+
+
+async def _gather_quietly(aws: Sequence[Any]) -> None:
+    for r in await asyncio.gather(*aws, return_exceptions=True):
+        if isinstance(r, BaseException) and not isinstance(r, EngineError):
+            raise r
 
 
 async def _free_quietly(engine: LLMEngine, context_id: int) -> None:
@@ -413,8 +471,7 @@ def _sse(payload: str) -> str:
 
 
 async def _stream_events(
-    engine: LLMEngine,
-    jobs: list[_Job],
+    release: _Release,
     firsts: list[int | None],
     sampling: SamplingParams,
     meta: _Meta,
@@ -432,6 +489,7 @@ async def _stream_events(
             _chat_chunk(meta, index, text, finish) if chat else _text_chunk(meta, index, text or "", finish)
         )
 
+    engine, jobs = release.engine, list(release.jobs)
     results: list[GenerateResult] = []
     try:
         for index, (job, first) in enumerate(zip(jobs, firsts, strict=True)):
@@ -446,6 +504,7 @@ async def _stream_events(
                     if delta := detok.push(token_id):
                         yield chunk(index, delta, None)
             result = await job.stream.result()
+            job.output = result.token_ids
             results.append(result)
             yield chunk(index, detok.finish(result.text) or None, result.finish_reason)
         if include_usage:
@@ -460,12 +519,12 @@ async def _stream_events(
                 )
             )
             yield _sse(body.model_dump_json())
-        await _release(engine, jobs)  # before [DONE]: a client that saw the end sees the contexts gone
+        await release()  # before [DONE]: a client that saw the end sees the contexts handed back
         yield _sse("[DONE]")
     except EngineError as e:
         yield _sse(ErrorResponse(error=ErrorBody(type=e.error_type, message=str(e))).model_dump_json())
     finally:
-        await _release(engine, jobs)
+        await release()
 
 
 def _text_chunk(meta: _Meta, index: int, text: str, finish: str | None) -> str:

@@ -49,13 +49,18 @@ class SamplingConfig(_Strict):
 class EngineFillRequest(_Strict):
     """Append tokens (or text, tokenized by the engine without special tokens) to a context.
 
-    A new ``context_id`` is created, forked from ``parent_context_id`` when given.
+    A new ``context_id`` is created, forked from ``parent_context_id`` when given: from all of the parent's
+    tokens, or from its first ``parent_len`` (``0 <= parent_len <=`` the parent's length; only with
+    ``parent_context_id``, and only when ``context_id`` is new).
     """
 
     context_id: int
     token_ids: list[int] | None = None
     text: str | None = None
     parent_context_id: int | None = None
+    # Fork from the parent's first this many tokens (full blocks shared, a partial one copied on write);
+    # None: the whole parent.
+    parent_len: int | None = Field(default=None, ge=0)
 
     @model_validator(mode="after")
     def _one_input(self) -> EngineFillRequest:
@@ -70,10 +75,13 @@ class EngineFillResponse(BaseModel):
 
 
 class EngineGenerateRequest(_Strict):
-    """Generate from the end of a context (forked from ``parent_context_id`` first, if new)."""
+    """Generate from the end of a context (forked from ``parent_context_id`` first, if new: from its first
+    ``parent_len`` tokens when given, as in `EngineFillRequest`)."""
 
     context_id: int
     parent_context_id: int | None = None
+    # Fork from the parent's first this many tokens; None: the whole parent (see `EngineFillRequest`).
+    parent_len: int | None = Field(default=None, ge=0)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     stream: bool = False
     # While this generate runs, the engine's running requests reserve at most this many tokens (prompt
@@ -513,6 +521,9 @@ class SubmitCallRequest(_Strict):
     func_name: str | None = None
     model: str | None = None
     criteria: Criteria | None = None
+    # The call's prompt KV is shared only with calls and requests carrying the same salt (it overrides the
+    # session's); None: the session's salt, or shared with everyone.
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
 
 
 class SubmitCallResponse(BaseModel):
@@ -595,8 +606,16 @@ ValueKind = Literal["text", "json"]
 CRITERIA: tuple[Criteria, ...] = ("latency", "throughput")
 
 
+class CreateSessionRequest(_Strict):
+    """``POST /v1/sessions`` (the body is optional). ``cache_salt``: the session's prompts share KV only
+    with calls and requests carrying the same salt — never with other sessions' by default — closing the
+    timing side channel by which a faster answer tells that someone sent the same prefix before."""
+
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
+
+
 class CreateSessionResponse(BaseModel):
-    """``POST /v1/sessions`` (no body): the new session's id and its bearer token.
+    """``POST /v1/sessions``: the new session's id and its bearer token.
 
     Every session-scoped call carries ``Authorization: Bearer <token>``; ``DELETE /v1/sessions/{sid}``
     frees everything the session owns.
@@ -742,6 +761,9 @@ class _OpenAISamplingRequest(_OpenAIRequest):
     # Extensions (as in vLLM): top-k sampling and ignoring the end-of-sequence token.
     top_k: int | None = None
     ignore_eos: bool | None = None
+    # Extension (as vLLM's): the prompt's KV is reused only by requests carrying the same salt, so another
+    # tenant cannot learn from a faster answer that this prompt was seen before.
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
 
 
 class OpenAICompletionRequest(_OpenAISamplingRequest):

@@ -109,7 +109,7 @@ def create_engine_app(engine: LLMEngine, link: ManagerLink | None = None) -> Fas
         ids = req.token_ids
         if ids is None:
             ids = engine.tokenizer.encode(req.text, add_special_tokens=False)
-        n = await engine.fill(req.context_id, ids, req.parent_context_id)
+        n = await engine.fill(req.context_id, ids, req.parent_context_id, parent_len=req.parent_len)
         return EngineFillResponse(context_id=req.context_id, num_tokens=n)
 
     @app.post("/generate", response_model=None)
@@ -117,11 +117,19 @@ def create_engine_app(engine: LLMEngine, link: ManagerLink | None = None) -> Fas
         sampling = SamplingParams(**req.sampling.model_dump())
         if not req.stream:
             result = await engine.generate(
-                req.context_id, sampling, req.parent_context_id, latency_cap=req.latency_cap
+                req.context_id,
+                sampling,
+                req.parent_context_id,
+                latency_cap=req.latency_cap,
+                parent_len=req.parent_len,
             )
             return _response(req.context_id, result)
         handle = engine.submit_generate(
-            req.context_id, sampling, req.parent_context_id, latency_cap=req.latency_cap
+            req.context_id,
+            sampling,
+            req.parent_context_id,
+            latency_cap=req.latency_cap,
+            parent_len=req.parent_len,
         )
         first = await _first_event(handle)  # validation errors answer with a status code, not a stream
         return StreamingResponse(

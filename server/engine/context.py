@@ -1,13 +1,18 @@
 """Contexts: token sequences whose KV lives in paged blocks, forked copy-free from one another.
 
 A context holds every token id it has (inherited ones included), the block table covering the first
-``num_cached`` of them, and, when every token is cached, the final hidden state of the last one (so a
-generate can sample its first token without recomputing anything). Tokens past ``num_cached`` are pending:
-the next fill or generate computes them (a generated token is pending until the model reads it back).
+``num_cached`` of them, and, usually when every token is cached, the final hidden state of the last one (so
+a generate can sample its first token without recomputing anything). Tokens past ``num_cached`` are
+pending: the next fill or generate computes them (a generated token is pending until the model reads it
+back).
 
-A fork shares all of the parent's blocks by reference, the partial last one too; whoever writes next into a
-block that someone else also holds copies it first (copy-on-write), so a shared block is never written and a
-fork costs at most one block copy. Blocks are only ever appended to, which is why full blocks stay shareable.
+A fork takes the parent's first ``k`` tokens — all of them by default, or a prefix (``parent_len``) — and
+shares the blocks holding their KV by reference, a partial last one too; whoever writes next into a block
+that someone else also holds copies it first (copy-on-write), so a shared block is never written and a fork
+costs at most one block copy. Blocks are only ever appended to, which is why full blocks stay shareable. A
+fork keeps the parent's last hidden state only when it takes the whole parent; a fully cached context
+without one (a prefix fork nothing was filled into) has its last token recomputed by the next generate
+(`ContextTable.uncache_last`).
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ class Context:
     token_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0
-    last_hidden: torch.Tensor | None = None  # set iff every token is cached (and there is one)
+    # Set only when every token is cached (and there is one); a prefix fork may lack it (`uncache_last`).
+    last_hidden: torch.Tensor | None = None
     busy: bool = False  # a request is extending this context
     last_used: int = 0  # engine step of the last use, for LRU eviction
     num_inherited: int = 0  # tokens it was forked with: the parent's, not its own
@@ -70,18 +76,22 @@ class ContextTable:
                 f"context {context_id} does not exist (never created, or freed)"
             ) from None
 
-    def create(self, context_id: int, parent: Context | None) -> Context:
-        """A new empty context, or a fork of ``parent`` sharing all of its cached blocks."""
+    def create(self, context_id: int, parent: Context | None, parent_len: int | None = None) -> Context:
+        """A new empty context, or a fork of the first ``parent_len`` tokens of ``parent`` (all of them if
+        None) sharing the blocks that hold their KV. The caller checked ``0 <= parent_len <= len(parent)``."""
         if context_id in self._contexts:
             raise ContextExistsError(f"context {context_id} already exists")
         ctx = Context(context_id, None if parent is None else parent.context_id)
         if parent is not None:
-            ctx.token_ids = list(parent.token_ids)
-            ctx.num_inherited = len(parent.token_ids)
-            ctx.num_cached = parent.num_cached
-            ctx.block_table = parent.block_table[: blocks_for(parent.num_cached, self.block_size)]
+            k = len(parent.token_ids) if parent_len is None else parent_len
+            assert 0 <= k <= len(parent.token_ids), f"parent_len {k} outside [0, {len(parent.token_ids)}]"
+            ctx.token_ids = parent.token_ids[:k]
+            ctx.num_inherited = k
+            ctx.num_cached = min(parent.num_cached, k)
+            ctx.block_table = parent.block_table[: blocks_for(ctx.num_cached, self.block_size)]
             self.allocator.share(ctx.block_table)
-            ctx.last_hidden = parent.last_hidden
+            if k == len(parent.token_ids):
+                ctx.last_hidden = parent.last_hidden
         self._contexts[context_id] = ctx
         return ctx
 
@@ -112,6 +122,17 @@ class ContextTable:
         extra = blocks_for(ctx.num_cached + num_new, self.block_size) - len(ctx.block_table)
         if extra > 0:
             ctx.block_table.extend(self.allocator.allocate(extra))
+
+    def uncache_last(self, ctx: Context) -> None:
+        """Make the last cached token pending again, so the next step recomputes its hidden state: for a
+        generate on a fully cached context without `Context.last_hidden` (a prefix fork). A block it leaves
+        empty is released; a shared block it stays in is copied when the token is written back."""
+        assert ctx.num_cached > 0, "no cached token to recompute"
+        ctx.num_cached -= 1
+        ctx.last_hidden = None
+        keep = blocks_for(ctx.num_cached, self.block_size)
+        self.allocator.release(ctx.block_table[keep:])
+        del ctx.block_table[keep:]
 
     def reclaimable(self, ctx: Context) -> int:
         """Blocks that `evict` would return to the free list."""

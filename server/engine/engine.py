@@ -102,6 +102,7 @@ class _Submit:
     token_ids: list[int] = field(default_factory=list)
     sampling: SamplingParams | None = None  # None: a fill
     latency_cap: int | None = None  # a generate's latency cap (`Scheduler`); None: none
+    parent_len: int | None = None  # fork from the parent's first this many tokens; None: all of them
 
 
 @dataclass
@@ -272,13 +273,27 @@ class LLMEngine:
         return cls(model, tokenizer, model_config, config, name)
 
     # ----------------------------------------------------------------------------------- public API
-    async def fill(self, context_id: int, token_ids: list[int], parent_context_id: int | None = None) -> int:
+    async def fill(
+        self,
+        context_id: int,
+        token_ids: list[int],
+        parent_context_id: int | None = None,
+        *,
+        parent_len: int | None = None,
+    ) -> int:
         """Append ``token_ids`` to a context (created, or forked from the parent, if new); compute their KV.
+
+        ``parent_len``: fork from only the first ``parent_len`` tokens of the parent (``0 <= parent_len <=``
+        its length when the fork happens; None: all of them). The fork shares the parent's full blocks and
+        copies a partial last block when it first writes into it. Only with ``parent_context_id``, and only
+        when the context is new. A fork from a busy parent waits for the parent's request to finish.
 
         Returns the context's length in tokens.
         """
         sink = self._post_submit(
-            _Submit(self._new_sink(False), context_id, parent_context_id, list(token_ids))
+            _Submit(
+                self._new_sink(False), context_id, parent_context_id, list(token_ids), parent_len=parent_len
+            )
         )
         return await self._wait(sink)
 
@@ -289,14 +304,22 @@ class LLMEngine:
         parent_context_id: int | None = None,
         *,
         latency_cap: int | None = None,
+        parent_len: int | None = None,
     ) -> GenerateResult:
         """Generate from the end of a context (forked from the parent first if the context is new).
 
         ``latency_cap``: while this generate runs, the engine's running requests reserve at most this many
         tokens in all, its own included (it waits until they do; alone, it runs whatever its size).
+        ``parent_len``: fork from the parent's first ``parent_len`` tokens only, as in `fill`; the last of
+        them is then recomputed (one token of prefill) to sample from.
         """
         stream = self.submit_generate(
-            context_id, sampling, parent_context_id, stream=False, latency_cap=latency_cap
+            context_id,
+            sampling,
+            parent_context_id,
+            stream=False,
+            latency_cap=latency_cap,
+            parent_len=parent_len,
         )
         return await stream.result()
 
@@ -307,9 +330,13 @@ class LLMEngine:
         parent_context_id: int | None = None,
         *,
         latency_cap: int | None = None,
+        parent_len: int | None = None,
     ) -> AsyncIterator[int]:
-        """Yield token ids as they are sampled; leaving the loop early aborts the request."""
-        stream = self.submit_generate(context_id, sampling, parent_context_id, latency_cap=latency_cap)
+        """Yield token ids as they are sampled; leaving the loop early aborts the request. The arguments are
+        `generate`'s."""
+        stream = self.submit_generate(
+            context_id, sampling, parent_context_id, latency_cap=latency_cap, parent_len=parent_len
+        )
         try:
             async for token_id in stream:
                 yield token_id
@@ -324,11 +351,21 @@ class LLMEngine:
         stream: bool = True,
         *,
         latency_cap: int | None = None,
+        parent_len: int | None = None,
     ) -> GenerationStream:
-        """Start a generate; the returned stream yields token ids and then its `result()`."""
+        """Start a generate; the returned stream yields token ids and then its `result()`. The arguments
+        are `generate`'s."""
         sampling = sampling or SamplingParams()
         sink = self._post_submit(
-            _Submit(self._new_sink(stream), context_id, parent_context_id, [], sampling, latency_cap)
+            _Submit(
+                self._new_sink(stream),
+                context_id,
+                parent_context_id,
+                [],
+                sampling,
+                latency_cap,
+                parent_len,
+            )
         )
         return GenerationStream(self, sink)
 
@@ -470,12 +507,29 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"{kind}: latency_cap must be a positive token count, not {cmd.latency_cap}"
             )
+        if cmd.parent_len is not None:
+            if cmd.parent_id is None:
+                raise InvalidRequestError(
+                    f"{kind}: parent_len ({cmd.parent_len}) needs parent_context_id: it is how many of the "
+                    "parent's tokens a new context is forked from"
+                )
+            if isinstance(cmd.parent_len, bool) or not isinstance(cmd.parent_len, int) or cmd.parent_len < 0:
+                known = cmd.parent_id in self._contexts
+                top = len(self._contexts.get(cmd.parent_id).token_ids) if known else "the parent's length"
+                raise InvalidRequestError(
+                    f"{kind}: parent_len must be a token count in [0, {top}], not {cmd.parent_len!r}"
+                )
         if cmd.context_id in self._contexts:
             ctx = self._contexts.get(cmd.context_id)
             if cmd.parent_id is not None and cmd.parent_id != ctx.parent_id:
                 raise ContextExistsError(
                     f"{kind}: context {cmd.context_id} already exists (forked from {ctx.parent_id}); "
                     f"it cannot be forked again from {cmd.parent_id} — use a new context id"
+                )
+            if cmd.parent_len is not None:
+                raise InvalidRequestError(
+                    f"{kind}: context {cmd.context_id} already exists, so nothing is forked and parent_len "
+                    f"({cmd.parent_len}) does not apply; leave it out, or fork into a new context id"
                 )
             if ctx.busy:
                 raise ContextBusyError(
@@ -499,10 +553,23 @@ class LLMEngine:
                 if parent.busy:  # fork once the parent's own request is done: its state is in flux
                     self._deferred.append(cmd)
                     return
-            inherited = 0 if parent is None else len(parent.token_ids)
+            inherited = 0 if parent is None else self._inherited(kind, parent, cmd.parent_len)
             self._check_length(kind, inherited + len(cmd.token_ids), cmd.sampling is not None)
-            ctx = self._contexts.create(cmd.context_id, parent)
+            ctx = self._contexts.create(cmd.context_id, parent, cmd.parent_len)
         self._start(ctx, cmd)
+
+    @staticmethod
+    def _inherited(kind: str, parent: Context, parent_len: int | None) -> int:
+        """The tokens a fork of ``parent`` takes: ``parent_len``, checked against the parent's length now."""
+        n = len(parent.token_ids)
+        if parent_len is None:
+            return n
+        if parent_len > n:
+            raise InvalidRequestError(
+                f"{kind}: parent_len {parent_len} is outside [0, {n}]: parent context "
+                f"{parent.context_id} holds {n} tokens"
+            )
+        return parent_len
 
     def _check_length(self, kind: str, total: int, generate: bool) -> None:
         if generate and total == 0:
@@ -527,6 +594,10 @@ class LLMEngine:
         if cmd.sampling is None and ctx.num_pending == 0:
             cmd.sink.finish(len(ctx.token_ids))  # a pure fork, or an empty fill: nothing to compute
             return
+        if cmd.sampling is not None and ctx.num_pending == 0 and ctx.last_hidden is None:
+            # A prefix fork nothing was filled into: no stored state to sample from, so recompute the
+            # last token (copy-on-write keeps a block shared with the parent intact).
+            self._contexts.uncache_last(ctx)
         req = Request(
             context=ctx,
             on_finish=cmd.sink.finish,

@@ -136,7 +136,8 @@ class ModelRunner:
         for c in batch:
             if c.num_tokens == 0:
                 stored = c.request.context.last_hidden
-                assert stored is not None, "a fully cached context always keeps its last hidden state"
+                # A generate never starts without it: `LLMEngine._start` un-caches the last token instead.
+                assert stored is not None, "a 0-token chunk needs its context's stored last hidden state"
                 rows.append(stored)
             else:
                 assert hidden is not None

@@ -1,17 +1,29 @@
-"""Objective deduction: what each pending step of a session must optimise, from the graph alone.
+"""Objective deduction: what each pending step of a session must optimise (section 5.2 of the Parrot paper).
 
-A pure function of a `SessionGraph` (no I/O, no clock), re-run whenever calls or gets arrive, in the spirit
-of section 5.2 of the Parrot paper:
+The graph keeps each step's objective on its node (`server.serve.graph.StepNode` ``criteria``,
+``task_group``, ``depth``), updated incrementally as calls and gets arrive; this module states the rules and
+reads the result. The rules:
 
-* ``get(criteria="latency")`` of a variable makes its producer **latency-critical**, and everything upstream
-  of it too: every pending step on a path into a latency get is on its critical path.
-* Two or more pending steps feeding one consumer step directly (its distinct input producers — the map stage
-  under a reduce) form a **task group**: their consumer waits for the slowest of them, so the group is
-  scheduled to minimise its completion time (placed together, in large batches) rather than each member's
-  own latency. A group is named by its consumer's step id.
-* ``get(criteria="throughput")`` makes everything upstream **throughput-preferred**, unless a latency get
-  also reaches it (latency wins: it is the stricter promise).
-* Steps no criteria reaches have no objective (``None``); the scheduler treats them as throughput work.
+* ``get(var, criteria="latency")`` makes the pending producer of ``var`` **latency-critical**, and its
+  *immediate* predecessors too: the previous step of its call and the producers of its pending inputs. That
+  is Figure 9's marking — the requests that directly produce a latency-critical variable (Requests 1 and 2)
+  are latency-sensitive, "as are their immediate predecessors (Request 3)" — and not the whole upstream:
+  further up, what the get waits for is the completion of whole stages, which latency-sized batches would
+  slow down (Figure 4's map stage).
+* Every other step upstream of a latency get must still run for it, so it is at least
+  **throughput-preferred**; ``get(criteria="throughput")`` makes everything upstream of ``var``
+  throughput-preferred.
+* A call submitted with ``criteria`` counts as a get of each of its outputs, and a get that arrives before
+  the producing call is applied when that call is submitted.
+* Latency beats throughput beats None, and a step's criteria only ever strengthens: a later, weaker get
+  changes nothing; a later latency get strengthens only its producer and their immediate predecessors.
+* Two or more pending steps from different calls feeding one consumer step directly (the map stage under a
+  reduce: Figure 9's task groups) form a **task group** named by the consumer's step id: the consumer waits
+  for the slowest of them, so the group is scheduled for its completion time (together, in large batches)
+  rather than each member's own latency. The steps of one call are a sequence on one context, never a group.
+  A group is formed when its consumer (or a late producer of one of its inputs) is submitted, and is sticky;
+  a step feeding several consumers joins the first one's group.
+* Steps nothing asked for have no criteria (``None``); the scheduler treats them as throughput work.
 * Each step keeps its topological ``depth`` (0: nothing pending feeds it): app-level priority, lower first.
 """
 
@@ -24,9 +36,7 @@ from parrot.protocol import Criteria
 from server.serve.graph import SessionGraph, StepNode
 from server.serve.variables import StepId
 
-__all__ = ["StepObjective", "deduce"]
-
-_STRENGTH: dict[Criteria | None, int] = {None: 0, "throughput": 1, "latency": 2}
+__all__ = ["StepObjective", "deduce", "objective"]
 
 
 @dataclass(frozen=True)
@@ -43,40 +53,11 @@ class StepObjective:
     depth: int
 
 
+def objective(node: StepNode) -> StepObjective:
+    """The objective of one pending step, as its graph has deduced it so far (O(1))."""
+    return StepObjective(node.criteria, node.task_group, node.depth)
+
+
 def deduce(graph: SessionGraph) -> dict[StepId, StepObjective]:
-    """The objective of every pending step of ``graph`` (see the module docstring for the rules)."""
-    criteria: dict[StepId, Criteria | None] = {node.id: None for node in graph.steps()}
-    for var_id, wanted in graph.wanted().items():
-        if wanted is None:
-            continue
-        for node in graph.steps_upstream(var_id):
-            if _STRENGTH[wanted] > _STRENGTH[criteria[node.id]]:
-                criteria[node.id] = wanted
-    groups = _task_groups(graph)
-    return {
-        node.id: StepObjective(criteria[node.id], groups.get(node.id), node.depth) for node in graph.steps()
-    }
-
-
-def _task_groups(graph: SessionGraph) -> dict[StepId, StepId]:
-    """Step -> the consumer whose parallel producers it is one of (the first such consumer, in submission
-    order, when a step feeds several)."""
-    groups: dict[StepId, StepId] = {}
-    for consumer in graph.steps():
-        producers = _input_producers(graph, consumer)
-        if len({p.id.call_id for p in producers}) < 2:  # the steps of one call are sequential, not parallel
-            continue
-        for producer in producers:
-            groups.setdefault(producer.id, consumer.id)
-    return groups
-
-
-def _input_producers(graph: SessionGraph, consumer: StepNode) -> list[StepNode]:
-    """The distinct pending steps producing ``consumer``'s inputs (not its own call's previous step: the
-    steps of one call run one after the other on one context, never in parallel)."""
-    seen: dict[StepId, StepNode] = {}
-    for var_id in consumer.inputs:
-        producer = graph.producer(var_id)
-        if producer is not None and producer.id.call_id != consumer.id.call_id:
-            seen.setdefault(producer.id, producer)
-    return list(seen.values())
+    """The objective of every pending step of ``graph``, in submission order (O(steps))."""
+    return {node.id: objective(node) for node in graph.steps()}

@@ -21,6 +21,14 @@ the session dies. So the graph holds only pending work and never grows without b
 
 The graph is acyclic by construction: `SessionGraph.add_call` validates a whole call (inputs exist, outputs
 are fresh, no cycle) before it changes anything, so a rejected call leaves no trace.
+
+The graph also keeps each step's *objective* (``criteria`` and ``task_group``, the rules of
+`server.serve.deduction`, after Figure 9 of the Parrot paper) on its node, updated by the operations that can
+change it — `SessionGraph.add_call` and `SessionGraph.activate` — at a cost proportional to the steps they
+touch: criteria only ever strengthen, and a step with criteria has everything upstream of it at least
+throughput-preferred, so every walk stops at the first step already marked and each step is walked from
+``None`` at most once. `SessionGraph.take_reprioritised` reports the steps whose objective changed, so the
+manager re-prioritises exactly those.
 """
 
 from __future__ import annotations
@@ -70,6 +78,10 @@ class StepNode:
     still pending, plus one while the previous step of the call is not done. ``depth`` is the step's
     topological depth at submit time: 0 when nothing pending produces its inputs, else one more than the
     deepest pending step it depends on (the app-level priority of the scheduler: lower runs first).
+
+    ``criteria`` and ``task_group`` are the step's deduced objective (`server.serve.deduction`): the
+    strongest criteria a get asked of it (it only ever strengthens), and the consumer step whose parallel
+    inputs it is one of (set once, when that consumer or the step arrives).
     """
 
     id: StepId
@@ -79,6 +91,8 @@ class StepNode:
     status: StepStatus = "waiting"
     activated: bool = False
     missing: int = 0
+    criteria: Criteria | None = None
+    task_group: StepId | None = None
     error: str | None = field(default=None, repr=False)
 
     @property
@@ -157,7 +171,12 @@ class SessionGraph:
     Mutating operations return exactly what they changed, so a driver reacts to events instead of scanning:
     `complete_step` and `set_variable` the steps that became ready, `activate` the steps it activated,
     `fail_step` the variables that failed, `cancel_all` the steps it cancelled. `runnable_steps` is what may
-    be dispatched now (maintained incrementally, in the order steps became runnable).
+    be dispatched now (maintained incrementally, in the order steps became runnable), and
+    `take_reprioritised` the steps whose objective changed.
+
+    ``visits`` counts the steps the graph's walks have examined (activation, objectives, task groups: one
+    per predecessor or consumer looked at), ever: a measure of work that tests use to prove each operation
+    costs what it changes, never the graph's size.
     """
 
     def __init__(self, variables: VariableTable | None = None) -> None:
@@ -172,6 +191,9 @@ class SessionGraph:
         self._pending_per_call: dict[str, int] = {}
         # Pending variables a get (or a submission with criteria) asked for, with the strongest objective.
         self._wanted: dict[str, Criteria | None] = {}
+        # Pending steps whose criteria or task group changed since `take_reprioritised` (ordered, unique).
+        self._reprioritised: dict[StepId, StepNode] = {}
+        self.visits = 0
 
     # ============================================================================================ reading
     def __len__(self) -> int:
@@ -273,7 +295,9 @@ class SessionGraph:
 
         Output variables missing from the table are created (named after their placeholders). A step whose
         input has already failed fails at once, with everything downstream of it. A call with ``criteria``
-        activates its steps (and everything upstream), as a ``get`` of each output would.
+        activates its steps (and everything upstream) and marks their objectives, as a ``get`` of each output
+        would; so does an earlier get of one of its outputs. The call's steps get their task groups, and
+        may complete those of steps already pending (see `server.serve.deduction`).
         """
         self._validate(call)
         nodes: list[StepNode] = []
@@ -325,6 +349,12 @@ class SessionGraph:
         if first_failure is not None:
             # The earliest step with a failed input fails; its later steps and their consumers follow.
             self._fail_from(first_failure[0], first_failure[1], first_failure[1])
+        # Objectives after the failures: a step that failed at once neither names a group nor marks its
+        # upstream for a variable nobody can have any more.
+        self._deduce_added(
+            [node for node in nodes if node.status != "failed"],
+            [node for node in adopted if node.status != "failed"],
+        )
         return nodes
 
     def _validate(self, call: CallIR) -> None:
@@ -418,7 +448,10 @@ class SessionGraph:
             return []
         self._want(var_id, criteria)
         producer = self._producer.get(var_id)
-        return self._activate([producer]) if producer is not None else []
+        if producer is None:
+            return []
+        self._mark_get(producer, criteria)
+        return self._activate([producer])
 
     def _want(self, var_id: str, criteria: Criteria | None) -> None:
         if var_id not in self._wanted or _STRENGTH[criteria] > _STRENGTH[self._wanted[var_id]]:
@@ -523,7 +556,116 @@ class SessionGraph:
         self._runnable.clear()
         self._pending_per_call.clear()
         self._wanted.clear()
+        self._reprioritised.clear()
         return cancelled
+
+    # ========================================================================================= objectives
+    def take_reprioritised(self) -> list[StepNode]:
+        """The pending steps whose ``criteria`` or ``task_group`` changed since the last call, in the order
+        they first changed, each once; the list starts over empty.
+
+        For the manager, to re-prioritise steps it has already queued (dispatched ones may be included).
+        The steps of a call being added are not reported for the objective they start with: nothing can
+        have queued them yet. Steps that left the graph are dropped from the list.
+        """
+        changed = list(self._reprioritised.values())
+        self._reprioritised.clear()
+        return changed
+
+    def _deduce_added(self, nodes: list[StepNode], adopted: list[StepNode]) -> None:
+        """The objectives a new call's (surviving) ``nodes`` bring: task groups, then criteria.
+
+        ``adopted`` are those of them whose output existing steps already wait for: they are new inputs of
+        those consumers (which may now have parallel producers) and new upstream of whatever those
+        consumers are marked for.
+        """
+        # Older consumers first: a step feeding several consumers joins the first one's group.
+        for node in adopted:
+            for consumer in self._consumers.get(node.output, {}).values():
+                self.visits += 1
+                self._group_inputs(consumer)
+        for node in nodes:
+            self._group_inputs(node)
+        for node in nodes:
+            criteria = self._wanted.get(node.output)  # the call's own criteria, or an earlier get
+            if criteria is not None:
+                self._mark_get(node, criteria)
+        for node in adopted:
+            self._inherit_criteria(node)
+        for node in nodes:
+            self._reprioritised.pop(node.id, None)  # born with this objective: nobody queued them before
+
+    def _group_inputs(self, consumer: StepNode) -> None:
+        """Task groups: the pending producers of ``consumer``'s inputs from two or more calls run in
+        parallel and ``consumer`` waits for the slowest, so they form a group named by ``consumer``.
+        Sticky: a step already in a group stays there."""
+        producers = self._input_producers(consumer)
+        if len({p.id.call_id for p in producers}) < 2:  # the steps of one call are sequential, not parallel
+            return
+        for producer in producers:
+            if producer.task_group is None:
+                producer.task_group = consumer.id
+                self._reprioritised.setdefault(producer.id, producer)
+
+    def _input_producers(self, consumer: StepNode) -> list[StepNode]:
+        """The distinct pending steps producing ``consumer``'s inputs, other than its own call's steps (those
+        run one after the other on one context, never in parallel)."""
+        seen: dict[StepId, StepNode] = {}
+        for var_id in consumer.inputs:
+            producer = self._producer.get(var_id)
+            if producer is not None and producer.id.call_id != consumer.id.call_id:
+                self.visits += 1
+                seen.setdefault(producer.id, producer)
+        return list(seen.values())
+
+    def _mark_get(self, producer: StepNode, criteria: Criteria | None) -> None:
+        """A get of ``producer``'s output with ``criteria``: Figure 9's marking.
+
+        Latency makes the producer and its immediate predecessors (the previous step of its call, the
+        producers of its pending inputs) latency-critical; everything further upstream, and everything
+        upstream of a throughput get, becomes at least throughput-preferred.
+        """
+        if criteria is None:
+            return
+        heads = [producer, *self._predecessors(producer)] if criteria == "latency" else [producer]
+        # A step that already had criteria has its whole upstream marked (the invariant): walk only from
+        # steps that had none, so a repeated get costs the producer's in-degree, not its upstream.
+        unmarked = [node for node in heads if node.criteria is None]
+        for node in heads:
+            self._strengthen(node, criteria)
+        self._mark_upstream(unmarked)
+
+    def _inherit_criteria(self, node: StepNode) -> None:
+        """``node`` (new) produces a variable that existing steps wait for: it is upstream of whatever they
+        are marked for, and an immediate predecessor of any of them that a latency get produces for."""
+        for consumer in self._consumers.get(node.output, {}).values():
+            self.visits += 1
+            if consumer.criteria is None:
+                continue  # nothing asked for the consumer yet: nothing to inherit
+            criteria: Criteria = "latency" if self._wanted.get(consumer.output) == "latency" else "throughput"
+            unmarked = node.criteria is None
+            self._strengthen(node, criteria)
+            if unmarked:
+                self._mark_upstream([node])
+
+    def _mark_upstream(self, start: list[StepNode]) -> None:
+        """Make every pending step upstream of ``start`` at least throughput-preferred.
+
+        Stops at steps that already have criteria: their upstream is marked already (the invariant), so over
+        a step's life the walk passes it once at most.
+        """
+        stack = list(start)
+        while stack:
+            for pred in self._predecessors(stack.pop()):
+                if pred.criteria is None:
+                    self._strengthen(pred, "throughput")
+                    stack.append(pred)
+
+    def _strengthen(self, node: StepNode, criteria: Criteria) -> None:
+        """Raise ``node``'s criteria to ``criteria`` unless it is as strong already: criteria never weaken."""
+        if _STRENGTH[criteria] > _STRENGTH[node.criteria]:
+            node.criteria = criteria
+            self._reprioritised.setdefault(node.id, node)
 
     # ========================================================================================== internals
     def _next(self, node: StepNode) -> StepNode | None:
@@ -531,16 +673,19 @@ class SessionGraph:
         return self._steps.get(StepId(node.id.call_id, node.id.index + 1))
 
     def _predecessors(self, node: StepNode) -> Iterable[StepNode]:
+        # Every upstream walk goes through here, so this is where ``visits`` counts the steps walks look at.
         seen: set[StepId] = set()
         if node.id.index > 0:
             prev = self._steps.get(StepId(node.id.call_id, node.id.index - 1))
             if prev is not None:
                 seen.add(prev.id)
+                self.visits += 1
                 yield prev
         for var_id in node.inputs:
             producer = self._producer.get(var_id)
             if producer is not None and producer.id not in seen:
                 seen.add(producer.id)
+                self.visits += 1
                 yield producer
 
     def _make_ready(self, node: StepNode) -> None:
@@ -567,6 +712,7 @@ class SessionGraph:
         del self._steps[node.id]
         self._ready.pop(node.id, None)
         self._runnable.pop(node.id, None)
+        self._reprioritised.pop(node.id, None)
         if self._producer.get(node.output) is node:
             del self._producer[node.output]
         for var_id in node.inputs:  # a step that fails while waiting is still some variables' consumer

@@ -106,6 +106,7 @@ class CallIR:
     tail: tuple[Fill, ...] = ()
     model: str | None = None
     criteria: Criteria | None = None
+    cache_salt: str | None = None  # its KV is shared only under this salt (None: the session's)
 
     @property
     def outputs(self) -> dict[str, str]:
@@ -191,6 +192,7 @@ def build_call(
         tail=tuple(fills),
         model=request.model,
         criteria=request.criteria,
+        cache_salt=request.cache_salt,
     )
 
 

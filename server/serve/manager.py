@@ -18,8 +18,10 @@ import hashlib
 import itertools
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Literal
 
 import httpx
 from parrot.protocol import (
@@ -44,11 +46,11 @@ from parrot.protocol import (
 
 from server.engine import EngineError, LLMEngine, SamplingParams
 from server.openai_api import ModelNotFoundError
-from server.serve.deduction import StepObjective, deduce
+from server.serve.deduction import StepObjective, objective
 from server.serve.graph import SessionGraph, StepNode
-from server.serve.ir import CallIR, TextFill, build_call, render_prompt
+from server.serve.ir import TextFill, build_call, input_vars, prefix_hashes, render_prompt
 from server.serve.placement import Placement, RequestTooLargeError
-from server.serve.prefix_store import Entry, PrefixStore
+from server.serve.prefix_store import Entry, Match, PrefixStore, common_prefix_len
 from server.serve.remote_engine import RemoteEngine
 from server.serve.scheduler import EngineState, QueuedRequest, SchedulerConfig
 from server.serve.sessions import Session, SessionTable
@@ -98,7 +100,8 @@ class ManagerConfig:
     session_ttl: float = 600.0  # seconds without calls before a session and all it owns are freed
     default_get_timeout: float = 60.0
     max_get_timeout: float = 300.0
-    # Constant template prefixes at least this long (tokens) become shared engine contexts.
+    # Prompt prefixes at least this long (tokens) that several queued steps share (or a call's leading
+    # constant text) become shared engine contexts.
     min_shared_prefix_tokens: int = 16
     max_cached_prefixes: int = 256  # per engine; least recently used go first
     # Scheduling (server.serve.scheduler): tokens an engine runs at once (None: its KV cache in tokens),
@@ -113,6 +116,9 @@ class ManagerConfig:
     # contexts, no forking from cached contexts, and a finished step's context is freed at once (nothing
     # could fork it), so every step fills its whole prompt, as a request-centric service does.
     prefix_sharing: bool = True
+    # "eager": a step runs as soon as its inputs are ready (throughput-preferred until a get reaches it);
+    # "lazy": only once a get (or a call's criteria) activates it — the paper's behaviour, for ablations.
+    dispatch: Literal["eager", "lazy"] = "eager"
     # Remote engines send a heartbeat this often; one silent for `engine_timeout` is out of service.
     heartbeat_interval: float = 2.0
     engine_timeout: float = 10.0
@@ -129,6 +135,18 @@ class _RemoteLink:
     url: str
     last_heartbeat: float
     alive: bool = True
+
+
+@dataclass
+class _Prepared:
+    """A dispatched step's prompt, rendered at dispatch: its text, its cache namespace ("" shared by all
+    sessions, else a salt's), the namespaced prefix hash at each segment boundary (counted in flight while
+    the step runs) and, for a later step of a call, what the earlier steps left."""
+
+    prompt: str
+    namespace: str
+    boundaries: list[tuple[int, str]]
+    progress: _CallProgress | None
 
 
 @dataclass
@@ -160,7 +178,10 @@ class Manager:
         # request forks from the longest one its tokens extend; least recently used ones are freed.
         self._prefixes = PrefixStore(engines[0].block_size if engines else 16)
         self.placement = Placement(self._engine_states, SchedulerConfig(self.config.aging_rounds))
-        self._prefix_fills: dict[tuple[int, tuple[int, ...]], asyncio.Future[None]] = {}
+        self._prefix_fills: dict[tuple[str, tuple[int, ...]], asyncio.Future[None]] = {}
+        # Prefix hash -> dispatched steps (not finished) whose prompt has a segment boundary there.
+        self._inflight: Counter[str] = Counter()
+        self._dispatch_pending: set[str] = set()
         self._tasks: dict[str, set[asyncio.Task[None]]] = {}
         self._waiters: dict[tuple[str, str], asyncio.Event] = {}
         self._calls: dict[tuple[str, str], _CallProgress] = {}  # (session, call) of multi-step calls
@@ -240,15 +261,17 @@ class Manager:
         link = self._remote[engine_id]
         link.alive = False
         log.warning("engine %d (%s) is out of service: %s", engine_id, link.name, why)
-        for entry in self._prefixes.entries(str(engine_id)):  # its contexts are unreachable now
-            self._prefixes.remove(entry)
+        for key in self._prefixes.engines():  # its contexts are unreachable now, in every namespace
+            if key == str(engine_id) or key.startswith(f"{engine_id}#"):
+                self._prefixes.remove_engine(key)
         engine = self.engines[engine_id]
         assert isinstance(engine, RemoteEngine)
         await engine.aclose()
 
     # ------------------------------------------------------------------------------------------ sessions
-    def create_session(self) -> CreateSessionResponse:
-        session = self.sessions.create(self._clock())
+    def create_session(self, cache_salt: str | None = None) -> CreateSessionResponse:
+        """A new session; with ``cache_salt`` its prompts share KV only with requests of the same salt."""
+        session = self.sessions.create(self._clock(), cache_salt)
         self._tasks[session.session_id] = set()
         return CreateSessionResponse(session_id=session.session_id, token=session.token)
 
@@ -339,7 +362,9 @@ class Manager:
                 raise BatchOpError(index, op.op, e) from e
         if req.get is not None:
             try:
-                session.graph.variables.get(req.get.var_id)
+                # Activated now, before the deferred dispatch runs: the batch's steps start with the
+                # objective the get gives them.
+                session.graph.activate(req.get.var_id, req.get.criteria)
             except Exception as e:
                 raise BatchOpError(len(req.ops), "get", e) from e
         return BatchApplied(results=results)
@@ -353,22 +378,73 @@ class Manager:
 
     # ------------------------------------------------------------------------------------------ executor
     def _dispatch(self, session: Session) -> None:
-        runnable = session.graph.runnable_steps()
-        if not runnable:
+        """Dispatch what became runnable, once the operations of this loop iteration are all applied.
+
+        Deferred (and coalesced per session) so that a batch's calls and its get — or calls submitted one
+        after another without awaiting — are all in the graph before anything is dispatched: deduction sees
+        the get first, and parallel steps see each other's prefix boundaries."""
+        if session.session_id in self._dispatch_pending:
             return
-        objectives = deduce(session.graph)  # before dispatching: what each step is for, with its group
-        for node in runnable:
-            session.graph.mark_dispatched(node)
-            objective = objectives[node.id]
-            task = asyncio.get_running_loop().create_task(self._run_step(session, node, objective))
-            tasks = self._tasks.setdefault(session.session_id, set())
+        self._dispatch_pending.add(session.session_id)
+        asyncio.get_running_loop().call_soon(self._dispatch_now, session)
+
+    def _dispatch_now(self, session: Session) -> None:
+        self._dispatch_pending.discard(session.session_id)
+        if session.session_id not in self._tasks:  # deleted meanwhile
+            return
+        graph = session.graph
+        self._reprioritise(session)
+        eager = self.config.dispatch == "eager"
+        steps = graph.ready_steps() if eager else graph.runnable_steps()
+        # Render every step first and count its prefix boundaries as in flight, so that steps dispatched
+        # together (six reviewers of one document) find their common prefix before any of them is placed.
+        prepared = []
+        for node in steps:
+            graph.mark_dispatched(node)
+            prepared.append((node, self._prepare(session, node)))
+        tasks = self._tasks.setdefault(session.session_id, set())
+        for node, prep in prepared:
+            task = asyncio.get_running_loop().create_task(self._run_step(session, node, prep))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
 
-    async def _run_step(self, session: Session, node: StepNode, objective: StepObjective) -> None:
+    def _reprioritise(self, session: Session) -> None:
+        """A get that reached steps already waiting for an engine changes their objective there."""
+        for node in session.graph.take_reprioritised():
+            if node.status != "dispatched":
+                continue  # not queued yet: it is dispatched with its new objective
+            goal = objective(node)
+            group = goal.task_group
+            self.placement.reprioritise(
+                _request_key(session, node),
+                criteria=goal.criteria,
+                task_group=None if group is None else f"{group.call_id}/{group.index}",
+            )
+
+    def _prepare(self, session: Session, node: StepNode) -> _Prepared:
+        """Render a step's prompt and count its prefix boundaries as in flight (`_release_prepared`)."""
+        call = node.call
+        progress = self._calls.pop((session.session_id, call.call_id), None)
+        values = self._values(session.graph, node, progress)
+        prompt = render_prompt(call, node.id.index, values)
+        namespace = _namespace(call.cache_salt or session.cache_salt)
+        boundaries: list[tuple[int, str]] = []
+        if self.config.prefix_sharing:
+            boundaries = [(off, namespace + h) for off, h in prefix_hashes(call, node.id.index, values)]
+            self._inflight.update(h for _, h in boundaries)
+        return _Prepared(prompt, namespace, boundaries, progress)
+
+    def _release_prepared(self, prep: _Prepared) -> None:
+        for _, digest in prep.boundaries:
+            self._inflight[digest] -= 1
+            if self._inflight[digest] <= 0:
+                del self._inflight[digest]
+        prep.boundaries = []
+
+    async def _run_step(self, session: Session, node: StepNode, prep: _Prepared) -> None:
         graph = session.graph
         try:
-            value, kind = await self._execute(session, node, objective)
+            value, kind = await self._execute(session, node, prep)
         except asyncio.CancelledError:
             raise
         except (EngineError, TransformError, RequestTooLargeError, NoEngineError, ModelNotFoundError) as e:
@@ -378,60 +454,86 @@ class Manager:
             log.exception("step %s failed", node.id)
             self._fail(session, node, f"internal error: {e!r}")
             return
+        finally:
+            self._release_prepared(prep)
         if session.session_id not in self._tasks:  # deleted while the step ran
             return
         graph.complete_step(node, value, kind)
         self._settled(session, node.output)
         self._dispatch(session)
 
-    async def _execute(self, session: Session, node: StepNode, objective: StepObjective) -> tuple[str, str]:
+    async def _execute(self, session: Session, node: StepNode, prep: _Prepared) -> tuple[str, str]:
         """Run one step on an engine; returns its output variable's value and kind (after transforms)."""
-        call, step = node.call, node.step
-        key = (session.session_id, call.call_id)
-        progress = self._calls.pop(key, None)
-        values = self._values(session.graph, node, progress)
-        prompt = render_prompt(call, step.index, values)
+        call = node.call
+        progress = prep.progress
         # A call's steps share one context chain, so one engine; engines of one model share a tokenizer.
         serving = [progress.engine] if progress is not None else self._serving(call.model)
-        token_ids = self.engines[serving[0]].tokenizer.encode(prompt)
-        first = step.index == 0 and self.config.prefix_sharing
-        prefix = self._constant_prefix(serving[0], call, token_ids) if first else []
-        request = self._queued(session, node, objective, token_ids, prefix, serving, progress is not None)
+        tokenizer = self.engines[serving[0]].tokenizer
+        token_ids = tokenizer.encode(prep.prompt)
+        shared, shared_key = [], None
+        if self.config.prefix_sharing and progress is None:
+            shared, shared_key = self._shared_prefix(tokenizer, node, prep, token_ids)
+        request = self._queued(
+            session, node, objective(node), token_ids, shared, shared_key, serving, prep, progress is not None
+        )
         engine_index = await self.placement.acquire(request)
         try:
-            return await self._run_on(engine_index, session, node, token_ids, prefix, progress, request)
+            return await self._run_on(engine_index, session, node, prep, token_ids, shared, request)
         finally:
             self.placement.release(engine_index, request)
+
+    def _shared_prefix(
+        self, tokenizer: Any, node: StepNode, prep: _Prepared, token_ids: list[int]
+    ) -> tuple[list[int], str | None]:
+        """The tokens of the longest prompt prefix this step should share, and its key, or ``([], None)``.
+
+        Candidates are the step's segment boundaries (constant text and variable values alike) that
+        another dispatched step also has — the shared part is prefilled once and every step forks it — and,
+        for a call's first step, the end of its leading constant text (a system prompt later calls will
+        share). The prefix's tokens are those of its text that truly prefix ``token_ids`` (whole-prompt
+        tokenization may merge tokens across the boundary), short of the whole prompt."""
+        candidates = [(off, h) for off, h in prep.boundaries if self._inflight[h] >= 2]
+        first = node.step.fills[0] if node.id.index == 0 and node.step.fills else None
+        if isinstance(first, TextFill) and first.name is None and prep.boundaries:
+            candidates.append(prep.boundaries[0])
+        for offset, digest in sorted(candidates, reverse=True):
+            prefix = tokenizer.encode(prep.prompt[:offset])
+            while prefix and (token_ids[: len(prefix)] != prefix or len(prefix) >= len(token_ids)):
+                prefix.pop()
+            if len(prefix) >= self.config.min_shared_prefix_tokens:
+                return prefix, digest
+        return [], None
 
     def _queued(
         self,
         session: Session,
         node: StepNode,
-        objective: StepObjective,
+        goal: StepObjective,
         token_ids: list[int],
-        prefix: list[int],
+        shared: list[int],
+        shared_key: str | None,
         serving: list[int],
+        prep: _Prepared,
         pinned: bool,
     ) -> QueuedRequest:
-        """The scheduler's view of a step: its tokens beyond its shared constant ``prefix``, objective,
-        group, shared prefix key and where its prompt is cached."""
-        shared = len(prefix) >= self.config.min_shared_prefix_tokens
+        """The scheduler's view of a step: its tokens beyond its shared prefix, objective, group, shared
+        prefix key and how much of its prompt each engine holds."""
         cached = {}
         for i in serving:
-            match = self._prefixes.longest_prefix(str(i), token_ids)
+            match = self._cached_match(i, prep.namespace, token_ids)
             if match is not None:
                 cached[i] = match.length
         affinity = self.config.prefix_affinity
-        group = objective.task_group
+        group = goal.task_group
         return QueuedRequest(
-            key=f"{session.session_id}/{node.id.call_id}/{node.id.index}",
+            key=_request_key(session, node),
             app=session.session_id,
             seq=self.placement.next_seq(),
-            tokens=len(token_ids) - (len(prefix) if shared else 0) + node.step.gen.sampling.max_tokens,
-            criteria=objective.criteria,
+            tokens=len(token_ids) - len(shared) + node.step.gen.sampling.max_tokens,
+            criteria=goal.criteria,
             task_group=None if group is None else f"{group.call_id}/{group.index}",
-            depth=objective.depth,
-            shared_prefix=hashlib.sha256(repr(prefix).encode()).hexdigest() if shared and affinity else None,
+            depth=goal.depth,
+            shared_prefix=shared_key if affinity else None,
             cached=cached if affinity else {},
             pinned=serving[0] if pinned else None,
             model=None if pinned else node.call.model,
@@ -442,18 +544,19 @@ class Manager:
         engine_index: int,
         session: Session,
         node: StepNode,
+        prep: _Prepared,
         token_ids: list[int],
-        prefix: list[int],
-        progress: _CallProgress | None,
+        shared: list[int],
         request: QueuedRequest,
     ) -> tuple[str, str]:
         call, step = node.call, node.step
         key = (session.session_id, call.call_id)
         engine = self.engines[engine_index]
-        await self._share_constant_prefix(engine_index, prefix)  # a later step's prefix is empty
+        namespace = prep.namespace
+        await self._share_prefix(engine_index, namespace, shared)
         context_id = next(self._context_ids)
         try:
-            await self._fill_from_cache(engine_index, context_id, token_ids)
+            await self._fill_from_cache(engine_index, namespace, context_id, token_ids)
             # A latency-bound step carries the engine's latency cap, so the engine keeps its batch under
             # it against traffic the placement does not see (the OpenAI endpoints).
             latency_cap = self._caps(engine)[1] if request.latency_bound else None
@@ -461,64 +564,91 @@ class Manager:
         except BaseException:  # failed or cancelled (session deleted): the step's context goes too
             await self._free(engine_index, context_id)
             raise
-        # The finished context stays, as a prefix the call's next step — or any prompt continuing this one
-        # (a consumer that quotes its producer's prompt and output) — forks from.
-        if self.config.prefix_sharing:
-            await self._keep(engine_index, context_id, token_ids + result.token_ids)
-        else:
-            await self._free(engine_index, context_id)
-        if step.index + 1 < len(call.steps):
-            raw = {**(progress.raw_outputs if progress is not None else {}), step.gen.var_id: result.text}
+        held = token_ids + result.token_ids
+        last = step.index + 1 == len(call.steps)
+        if not last:  # the next step continues this context with the raw output
+            raw = {**(prep.progress.raw_outputs if prep.progress else {}), step.gen.var_id: result.text}
             self._calls[key] = _CallProgress(engine_index, raw)
-        if step.gen.transforms:  # parsers may be slow on hostile text: off the event loop
-            transformed = await asyncio.to_thread(apply_transforms, step.gen.transforms, result.text)
+        try:
+            if step.gen.transforms:  # parsers may be slow on hostile text: off the event loop
+                transformed = await asyncio.to_thread(apply_transforms, step.gen.transforms, result.text)
+            else:
+                transformed = apply_transforms((), result.text)
+        except BaseException:
+            await self._free(engine_index, context_id)
+            raise
+        if not self.config.prefix_sharing:
+            await self._free(engine_index, context_id)
+        elif last:
+            # What a consumer continuing this prompt renders is the prompt, then the variable's value.
+            value_text = render_value(transformed.value, transformed.kind)
+            canonical = engine.tokenizer.encode(prep.prompt + value_text)
+            await self._keep_as_value(engine_index, namespace, context_id, held, canonical)
         else:
-            transformed = apply_transforms((), result.text)
+            await self._keep(engine_index, namespace, context_id, held)
         return transformed.value, transformed.kind
 
+    async def _keep_as_value(
+        self, engine_index: int, namespace: str, context_id: int, held: list[int], canonical: list[int]
+    ) -> None:
+        """Keep a finished step's context so that it holds what a consumer continuing its prompt renders.
+
+        The context holds the prompt and the generated tokens, EOS and any stop string included; a consumer
+        renders the prompt and the *value*, tokenized whole. Where the two part within the last block of the
+        value (a stop string cut mid-token, a re-tokenized ending), a fork of the agreeing part filled with
+        the value's own tokens replaces the context — one short fill here instead of one per consumer. An
+        earlier parting (a transform rewrote the value) keeps the context as it is: consumers fork from the
+        part that agrees (`PrefixStore.longest_common_prefix`)."""
+        common = common_prefix_len(held, canonical)
+        engine = self.engines[engine_index]
+        refill = len(canonical) - common
+        if refill == 0 or refill > engine.block_size or common == 0:
+            await self._keep(engine_index, namespace, context_id, held)
+            return
+        fresh = next(self._context_ids)
+        try:
+            await engine.fill(fresh, canonical[common:], context_id, parent_len=common)
+        except EngineError:
+            await self._free(engine_index, fresh)
+            await self._keep(engine_index, namespace, context_id, held)
+            return
+        await self._free(engine_index, context_id)
+        await self._keep(engine_index, namespace, fresh, canonical)
+
     def _values(self, graph: SessionGraph, node: StepNode, progress: _CallProgress | None) -> dict[str, str]:
+        """The text of every variable the step's prompt renders: the inputs of this step *and* of the
+        call's earlier steps (the prompt repeats them), and the earlier outputs as generated."""
         values: dict[str, str] = {}
-        for var_id in node.inputs:
-            var = graph.variables.get(var_id)
-            assert var.value is not None, "a ready step has every input"
-            values[var_id] = render_value(var.value, var.kind)
+        for step in node.call.steps[: node.id.index + 1]:
+            for var_id in input_vars(step):
+                var = graph.variables.get(var_id)
+                assert var.value is not None, "a ready step has every input, and its earlier steps had theirs"
+                values[var_id] = render_value(var.value, var.kind)
         # Earlier outputs of the same call enter the prompt as generated (before transforms): the prompt
         # then continues the previous step's context exactly.
         if progress is not None:
             values.update(progress.raw_outputs)
         return values
 
-    def _constant_prefix(self, engine_index: int, call: CallIR, token_ids: list[int]) -> list[int]:
-        """The tokens of the call's leading constant text that truly prefix ``token_ids`` (whole-prompt
-        tokenization may merge tokens across the boundary), short of the whole prompt."""
-        text = ""
-        for fill in call.steps[0].fills:
-            if not isinstance(fill, TextFill) or fill.name is not None:
-                break
-            text += fill.text
-        prefix = self.engines[engine_index].tokenizer.encode(text) if text else []
-        while prefix and (token_ids[: len(prefix)] != prefix or len(prefix) == len(token_ids)):
-            prefix.pop()
-        return prefix
-
-    async def _share_constant_prefix(self, engine_index: int, prefix: list[int]) -> None:
-        """Make a call's leading constant text (``prefix``, `_constant_prefix`) one shared context, so every
-        call starting with it forks it instead of prefilling it again (across sessions too)."""
+    async def _share_prefix(self, engine_index: int, namespace: str, prefix: list[int]) -> None:
+        """Make ``prefix`` (`_shared_prefix`) one shared context on the engine, unless a kept context
+        already holds it: every step starting with it forks it instead of prefilling it again (steps of
+        one session or of many)."""
         if len(prefix) < self.config.min_shared_prefix_tokens:
             return
-        match = self._prefixes.longest_prefix(str(engine_index), prefix)
-        if match is not None and match.length == len(prefix):
+        match = self._cached_match(engine_index, namespace, prefix)
+        if match is not None and match.length >= len(prefix):
             return
-        key = (engine_index, tuple(prefix))
+        key = (self._store_key(engine_index, namespace), tuple(prefix))
         pending = self._prefix_fills.get(key)
-        if pending is not None:  # another call is filling this very prefix: wait for it
+        if pending is not None:  # another step is filling this very prefix: wait for it
             await asyncio.shield(pending)
             return
         pending = self._prefix_fills[key] = asyncio.get_running_loop().create_future()
         context_id = next(self._context_ids)
         try:
-            await self._fill_from_cache(engine_index, context_id, prefix)  # a shorter cached prefix forks
-            await self._keep(engine_index, context_id, prefix)
+            await self._fill_from_cache(engine_index, namespace, context_id, prefix)
+            await self._keep(engine_index, namespace, context_id, prefix)
         except BaseException:
             await self._free(engine_index, context_id)
             raise
@@ -526,32 +656,54 @@ class Manager:
             del self._prefix_fills[key]
             pending.set_result(None)
 
-    async def _fill_from_cache(self, engine_index: int, context_id: int, token_ids: list[int]) -> None:
-        """Make ``context_id`` hold ``token_ids``: a fork of the longest cached context they extend (held
-        against eviction while the fork is made), filled with the rest."""
-        match = self._prefixes.longest_prefix(str(engine_index), token_ids)
-        if match is None or not self.config.prefix_sharing:
-            await self.engines[engine_index].fill(context_id, token_ids)
+    def _cached_match(self, engine_index: int, namespace: str, token_ids: list[int]) -> Match | None:
+        """The kept context sharing the most leading tokens with ``token_ids`` on the engine, if worth a
+        fork: a whole context, or a leading part of at least one KV block (a shorter part would cost a
+        block copy to save less than a block of prefill)."""
+        if not self.config.prefix_sharing:
+            return None
+        match = self._prefixes.longest_common_prefix(self._store_key(engine_index, namespace), token_ids)
+        if match is None or (not match.whole and match.length < self.engines[engine_index].block_size):
+            return None
+        return match
+
+    async def _fill_from_cache(
+        self, engine_index: int, namespace: str, context_id: int, token_ids: list[int]
+    ) -> None:
+        """Make ``context_id`` hold ``token_ids``: a fork of the leading tokens they share with a kept
+        context (held against eviction while the fork is made), filled with the rest."""
+        match = self._cached_match(engine_index, namespace, token_ids)
+        engine = self.engines[engine_index]
+        if match is None:
+            await engine.fill(context_id, token_ids)
             return
         self._prefixes.acquire(match.entry)
         try:
-            await self.engines[engine_index].fill(
-                context_id, token_ids[match.length :], match.entry.context_id
+            await engine.fill(
+                context_id,
+                token_ids[match.length :],
+                match.entry.context_id,
+                parent_len=None if match.whole else match.length,
             )
         finally:
             self._prefixes.release(match.entry)
 
-    async def _keep(self, engine_index: int, context_id: int, token_ids: list[int]) -> None:
+    async def _keep(self, engine_index: int, namespace: str, context_id: int, token_ids: list[int]) -> None:
         """Store a finished context as a shareable prefix; free the least recently used beyond the cap."""
-        engine_id = str(engine_index)
-        entry = self._prefixes.insert(engine_id, context_id, token_ids)
+        store_key = self._store_key(engine_index, namespace)
+        entry = self._prefixes.insert(store_key, context_id, token_ids)
         if entry.context_id != context_id:  # the same tokens are already held by another context
             await self._free(engine_index, context_id)
-        excess = len(self._prefixes.entries(engine_id)) - self.config.max_cached_prefixes
-        stale: list[Entry] = self._prefixes.evict_candidates(engine_id)[: max(0, excess)]
+        excess = len(self._prefixes.entries(store_key)) - self.config.max_cached_prefixes
+        stale: list[Entry] = self._prefixes.evict_candidates(store_key)[: max(0, excess)]
         for old in stale:
             self._prefixes.remove(old)
             await self._free(engine_index, old.context_id)
+
+    @staticmethod
+    def _store_key(engine_index: int, namespace: str) -> str:
+        """The prefix store's key of an engine's contexts in a cache namespace (salted ones apart)."""
+        return f"{engine_index}{namespace}"
 
     # ------------------------------------------------------------------------------------------ OpenAI API
     # The request-centric endpoints (`server.openai_api`) run on the same engines: the baseline of every
@@ -578,6 +730,41 @@ class Manager:
 
     def new_context_id(self) -> int:
         return next(self._context_ids)
+
+    async def fill_prompt(
+        self, engine: Engine, context_id: int, token_ids: list[int], cache_salt: str | None
+    ) -> None:
+        """An OpenAI request's prompt: forked from the longest cached token prefix, the rest filled."""
+        await self._fill_from_cache(self._index_of(engine), _namespace(cache_salt), context_id, token_ids)
+
+    async def finish_context(
+        self, engine: Engine, context_id: int, token_ids: list[int] | None, cache_salt: str | None
+    ) -> None:
+        """An OpenAI request is over: a completed one's context is kept as a cached prefix (the next turn
+        of a chat repeats it), anything else freed."""
+        index = self._index_of(engine)
+        if token_ids is None or not token_ids or not self.config.prefix_sharing:
+            await self._free(index, context_id)
+            return
+        await self._keep(index, _namespace(cache_salt), context_id, token_ids)
+
+    async def drop_cache(self) -> int:
+        """Free every kept context no request is forking from (all prefixes and finished steps); returns
+        how many went. KV blocks then count only what runs."""
+        dropped = 0
+        for key in self._prefixes.engines():
+            engine_index = int(key.split("#", 1)[0])
+            for entry in self._prefixes.evict_candidates(key):
+                self._prefixes.remove(entry)
+                await self._free(engine_index, entry.context_id)
+                dropped += 1
+        return dropped
+
+    def _index_of(self, engine: Engine) -> int:
+        for i, e in enumerate(self.engines):
+            if e is engine:
+                return i
+        raise ValueError(f"{engine!r} is not an engine of this manager")
 
     def _engine_states(self) -> list[EngineState]:
         """The engines in service as the scheduler sees them (caps from the config and the KV cache)."""
@@ -623,6 +810,17 @@ class Manager:
         for engine_id, link in self._remote.items():
             if link.alive:
                 await self._retire(engine_id, "the manager is shutting down")
+
+
+def _namespace(cache_salt: str | None) -> str:
+    """The prefix-cache namespace of a salt: contexts and prefix hashes of different salts never meet."""
+    if cache_salt is None:
+        return ""
+    return "#" + hashlib.sha256(cache_salt.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+def _request_key(session: Session, node: StepNode) -> str:
+    return f"{session.session_id}/{node.id.call_id}/{node.id.index}"
 
 
 def _sampling(sp: SamplingConfig) -> SamplingParams:

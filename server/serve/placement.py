@@ -16,6 +16,8 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from parrot.protocol import Criteria
+
 from server.serve.scheduler import EngineState, QueuedRequest, Reason, SchedulerConfig, schedule
 
 __all__ = ["Placement", "RequestTooLargeError"]
@@ -45,6 +47,8 @@ class Placement:
         self._engines = engines
         self._config = config or SchedulerConfig()
         self._waiting: dict[str, _Waiting] = {}
+        # What each placed request was when placed (a reprioritised one differs from its caller's copy).
+        self._placed: dict[str, QueuedRequest] = {}
         self._running: Counter[int] = Counter()  # engine -> tokens placed there and not released
         self._latency: Counter[int] = Counter()  # engine -> latency-bound steps running there
         self._seq = itertools.count()
@@ -69,8 +73,19 @@ class Placement:
         finally:
             self._waiting.pop(request.key, None)
 
+    def reprioritise(self, key: str, *, criteria: Criteria | None, task_group: str | None) -> bool:
+        """A request still waiting gets a new objective (a later ``get`` reached it); returns whether it
+        was waiting. A placed request keeps its engine."""
+        waiting = self._waiting.get(key)
+        if waiting is None or waiting.future.done():
+            return False
+        waiting.request = replace(waiting.request, criteria=criteria, task_group=task_group)
+        self._request_pass()
+        return True
+
     def release(self, engine_id: int, request: QueuedRequest) -> None:
         """``request`` finished (or failed) on ``engine_id``: its tokens are free for others."""
+        request = self._placed.pop(request.key, request)
         self._running[engine_id] -= request.tokens
         if request.latency_bound:
             self._latency[engine_id] -= 1
@@ -103,6 +118,7 @@ class Placement:
                 if w.request.latency_bound:
                     self._latency[engine_id] += 1
                 self.placed[engine_id, decision.reasons[key]] += 1
+                self._placed[key] = w.request
                 w.future.set_result(engine_id)
             elif key in unfit:
                 caps = ", ".join(f"engine {e.engine_id}: {e.cap_for(w.request.criteria)}" for e in engines)

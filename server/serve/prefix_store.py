@@ -7,10 +7,11 @@ A new request asks `PrefixStore.longest_prefix` for the longest entry on its eng
 prefix of its own, forks from that context (``engine.fill(new_id, rest, parent_context_id=...)``) and fills
 only the rest; identical constant prefixes across sessions therefore share one engine context.
 
-Why only whole entries match: the engine can fork a context, never "the first k tokens of a context". A
-request that shares just part of an entry's tokens cannot use it; it matches a shorter entry ending exactly
-at (or before) the divergence, if the manager inserted one there. That is why the manager inserts entries at
-segment boundaries: the end of each constant segment is where requests of different sessions agree.
+Two lookups. `longest_prefix` finds the longest entry whose tokens are *all* a prefix of the request (fork
+the whole context). `longest_common_prefix` finds the entry sharing the most leading tokens with the request,
+whole or not: the engine forks from the first k tokens of a context (``parent_len``), so every kept context
+is a prefix cache at token granularity — a consumer whose prompt quotes its producer's prompt and output, or
+a chat turn that repeats the conversation, reuses the part that agrees and fills only the rest.
 
 Why any match length is useful: a fork shares every cached block of its parent by reference, the partial last
 block too (copy-on-write costs at most one block copy when the child first writes), so a match of L > 0
@@ -43,7 +44,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "Entry", "EntryInUseError", "Match", "PrefixStore"]
+__all__ = ["DEFAULT_BLOCK_SIZE", "Entry", "EntryInUseError", "Match", "PrefixStore", "common_prefix_len"]
 
 DEFAULT_BLOCK_SIZE = 16  # the engine's KV block size (server/engine)
 
@@ -82,7 +83,12 @@ class Match:
     """The longest entry whose tokens prefix a request: fork from ``entry.context_id``, fill ``rest``."""
 
     entry: Entry
-    length: int  # == len(entry.token_ids): how many of the request's tokens need no prefill
+    length: int  # how many of the request's (and the entry's) leading tokens agree: no prefill for them
+
+    @property
+    def whole(self) -> bool:
+        """Whether the match is the entry's every token (fork the whole context), not a leading part."""
+        return self.length == len(self.entry.token_ids)
 
     def rest(self, token_ids: Sequence[int]) -> Tokens:
         """The request's tokens past the match: what the fork still has to fill."""
@@ -168,6 +174,41 @@ class PrefixStore:
             if node.exact is not None:
                 return Match(node.exact, start)
         return None
+
+    def longest_common_prefix(self, engine_id: str, token_ids: Sequence[int]) -> Match | None:
+        """The entry on ``engine_id`` that shares the most leading tokens with ``token_ids``, whole or in
+        part (``Match.whole`` tells), or None when none shares even one token. A whole entry wins a tie (its
+        fork copies nothing). Costs one trie walk plus a scan of the deepest node's children and tails.
+        Does not touch LRU order."""
+        root = self._roots.get(engine_id)
+        if root is None:
+            return None
+        tokens = tuple(token_ids)
+        bs = self.block_size
+        node = root
+        while (node.depth + 1) * bs <= len(tokens):
+            child = node.children.get(tokens[node.depth * bs : (node.depth + 1) * bs])
+            if child is None:
+                break
+            node = child
+        start = node.depth * bs
+        rest = tokens[start : start + bs]
+        best: Match | None = None
+        if start > 0:  # anything below the deepest node agrees on its whole path
+            best = Match(_any_entry(node), start)
+        for key, child in node.children.items():
+            n = common_prefix_len(key, rest)
+            if n > 0 and (best is None or start + n > best.length):
+                best = Match(_any_entry(child), start + n)
+        for bucket in node.tails.values():
+            for tail, entry in bucket.items():
+                n = common_prefix_len(tail, rest)
+                if n > 0 and (best is None or start + n > best.length):
+                    best = Match(entry, start + n)
+        whole = self.longest_prefix(engine_id, tokens)
+        if whole is not None and (best is None or whole.length >= best.length):
+            return whole
+        return best
 
     def engines_holding(self, token_ids: Sequence[int]) -> dict[str, int]:
         """For scheduling: engine_id -> length of its longest entry prefixing ``token_ids``, for every engine
@@ -299,3 +340,24 @@ class PrefixStore:
                 child = node.children[chunk] = _Node(node.depth + 1, node, chunk)
             node = child
         return node, tokens[full * bs :]
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _any_entry(node: _Node) -> Entry:
+    """An entry at or below ``node`` (every node left in the trie has one: empty nodes are pruned)."""
+    while True:
+        if node.exact is not None:
+            return node.exact
+        for bucket in node.tails.values():
+            for entry in bucket.values():
+                return entry
+        node = next(iter(node.children.values()))

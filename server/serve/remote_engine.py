@@ -104,9 +104,20 @@ class RemoteEngine:
         return cls(url, name, info, tokenizer, client)
 
     # ---------------------------------------------------------------------------- the engine interface
-    async def fill(self, context_id: int, token_ids: list[int], parent_context_id: int | None = None) -> int:
+    async def fill(
+        self,
+        context_id: int,
+        token_ids: list[int],
+        parent_context_id: int | None = None,
+        *,
+        parent_len: int | None = None,
+    ) -> int:
+        """As `LLMEngine.fill`: ``parent_len`` forks from the parent's first ``parent_len`` tokens."""
         body = EngineFillRequest(
-            context_id=context_id, token_ids=token_ids, parent_context_id=parent_context_id
+            context_id=context_id,
+            token_ids=token_ids,
+            parent_context_id=parent_context_id,
+            parent_len=parent_len,
         )
         data = await _call(self._client, self.url, "POST", "/fill", body.model_dump(exclude_none=True))
         return EngineFillResponse.model_validate(data).num_tokens
@@ -118,8 +129,12 @@ class RemoteEngine:
         parent_context_id: int | None = None,
         *,
         latency_cap: int | None = None,
+        parent_len: int | None = None,
     ) -> GenerateResult:
-        stream = self.submit_generate(context_id, sampling, parent_context_id, latency_cap=latency_cap)
+        """As `LLMEngine.generate`."""
+        stream = self.submit_generate(
+            context_id, sampling, parent_context_id, latency_cap=latency_cap, parent_len=parent_len
+        )
         return await stream.result()
 
     def submit_generate(
@@ -130,12 +145,14 @@ class RemoteEngine:
         stream: bool = False,
         *,
         latency_cap: int | None = None,
+        parent_len: int | None = None,
     ) -> RemoteGenerationStream:
         """Start a generate; iterate the answer for token ids (``stream=True``), then await `result()`.
-        ``latency_cap``: as `LLMEngine.submit_generate`'s."""
+        ``latency_cap``, ``parent_len``: as `LLMEngine.submit_generate`'s."""
         body = EngineGenerateRequest(
             context_id=context_id,
             parent_context_id=parent_context_id,
+            parent_len=parent_len,
             sampling=SamplingConfig(**_sampling_fields(sampling)),
             stream=True,
             latency_cap=latency_cap,

@@ -47,6 +47,8 @@ class Session:
     token: str
     graph: SessionGraph = field(default_factory=SessionGraph)
     last_seen: float = 0.0
+    # Its prompts' KV is shared only with requests carrying the same salt (None: with everyone).
+    cache_salt: str | None = None
 
 
 class SessionTable:
@@ -62,8 +64,8 @@ class SessionTable:
     def __iter__(self):
         return iter(list(self._sessions.values()))
 
-    def create(self, now: float) -> Session:
-        session = Session(uuid.uuid4().hex, secrets.token_urlsafe(24), last_seen=now)
+    def create(self, now: float, cache_salt: str | None = None) -> Session:
+        session = Session(uuid.uuid4().hex, secrets.token_urlsafe(24), last_seen=now, cache_salt=cache_salt)
         self._sessions[session.session_id] = session
         return session
 

@@ -227,3 +227,60 @@ def test_longest_prefix_matches_brute_force(
         for eng in ("a", "b"):
             expected = brute_force(live, eng, query)
             assert holding.get(eng) == (None if expected is None else expected[1])
+
+
+# ------------------------------------------------------------------------ longest common prefix (partial)
+def test_common_prefix_finds_a_part_of_an_entry_inside_and_across_blocks() -> None:
+    store = PrefixStore(block_size=4)
+    base = tokens(30, seed=7)
+    entry = store.insert("e", 1, base)
+    for diverge_at in range(1, 30):
+        request = [*base[:diverge_at], 99999, *tokens(5, seed=diverge_at)]
+        match = store.longest_common_prefix("e", request)
+        assert match == Match(entry, diverge_at), diverge_at
+        assert not match.whole
+    assert store.longest_common_prefix("e", [99999, *base]) is None
+    # A request that is a strict prefix of the entry matches all of its own tokens.
+    assert store.longest_common_prefix("e", base[:10]) == Match(entry, 10)
+    # A whole entry wins a tie (its fork copies nothing).
+    short = store.insert("e", 2, base[:12])
+    assert store.longest_common_prefix("e", [*base[:12], 99999]) == Match(short, 12)
+    assert store.longest_common_prefix("e", base) == Match(entry, 30)
+    assert store.longest_common_prefix("e", base).whole
+
+
+def test_common_prefix_picks_the_entry_agreeing_longest_among_many() -> None:
+    store = PrefixStore(block_size=4)
+    system = tokens(10, seed=1)
+    entries = {i: store.insert("e", i, [*system, *tokens(8 + i, seed=50 + i)]) for i in range(6)}
+    for i, entry in entries.items():
+        request = [*entry.token_ids[: 10 + 3 + i], 77777]
+        match = store.longest_common_prefix("e", request)
+        assert match is not None and match.entry is entry and match.length == 13 + i
+    other = store.longest_common_prefix("e", [*system, 55555])
+    assert other is not None and other.length == 10 and other.entry in entries.values()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=20), min_size=1, max_size=8),
+    st.lists(st.integers(0, 3), min_size=0, max_size=24),
+)
+def test_common_prefix_agrees_with_a_brute_force_scan(seqs: list[list[int]], request: list[int]) -> None:
+    store = PrefixStore(block_size=3)
+    for i, seq in enumerate(seqs):
+        store.insert("e", i, seq)
+
+    def common(a: tuple[int, ...]) -> int:
+        n = 0
+        while n < min(len(a), len(request)) and a[n] == request[n]:
+            n += 1
+        return n
+
+    best = max((common(e.token_ids) for e in store.entries("e")), default=0)
+    match = store.longest_common_prefix("e", request)
+    if best == 0:
+        assert match is None
+    else:
+        assert match is not None and match.length == best
+        assert tuple(match.entry.token_ids[:best]) == tuple(request[:best])

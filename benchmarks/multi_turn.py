@@ -1,0 +1,295 @@
+"""Multi-turn chat over ``POST /v1/chat/completions``: does a conversation's KV survive its turn?
+
+``N`` conversations run side by side, ``T`` turns each. Turn *t* of a conversation sends the whole
+conversation so far — one system prompt per app (the copilot preamble of `benchmarks.workloads.copilot`,
+then ``--system-tokens`` tokens of stdlib docstrings from `benchmarks.workloads.chat.TextPool`), every
+earlier user message and the assistant's answer exactly as the server streamed it, then a new user
+message (`copilot.user_queries`, 20-60 tokens) — greedy, ``max_tokens`` answer tokens, ``"stream": true``.
+The ``N`` conversations' turn *t* are sent at once; the next turn starts when all ``N`` answers are in and
+the engine is idle. Two servers (same weights, same code), one per system, interleaved per repeat
+(alternating which goes first):
+
+* **cached** — ``ManagerConfig(prefix_sharing=True)``: a request forks from the longest token prefix its
+  engine holds, so turn *t* should prefill only what turn *t - 1* did not already compute (Parrot).
+* **recompute** — ``prefix_sharing=False``: every request prefills its whole prompt.
+
+Per turn: **TTFT**, client-side, from sending the request to the first chunk with content (median over
+conversations and repeats); **prefill** tokens per conversation, exact: ``GET /v1/engines``
+``prefill_tokens_computed`` read before and after the ``N`` concurrent requests of that turn (nothing
+else runs on the server), divided by ``N``; **new** tokens per conversation: ``usage.prompt_tokens`` of
+turn *t* minus ``prompt_tokens + completion_tokens`` of turn *t - 1* (the engine's own counts, streamed
+with ``stream_options.include_usage``; turn 1: its whole prompt). Each repeat is a new app (its system
+prompt is tagged with the repeat's seed), so no repeat forks from an earlier one's cache. Greedy answers
+of the two systems are compared per conversation and turn (``answers_identical``: the fraction equal).
+
+Headline over turns >= 2: ``prefill_ratio`` = cached prefill / new tokens (goal <= 1.10),
+``prefill_saving`` = recompute prefill / cached prefill, ``ttft_speedup`` = median recompute TTFT / median
+cached TTFT.
+
+    python -m benchmarks.multi_turn [--quick | --tiny] [--json PATH] [--plot PNG] [--model PATH]
+        [--conversations N] [--turns T] [--repeats R] [--system-tokens N] [--max-tokens N]
+
+The last line is ``RESULT multi_turn prefill_ratio=... prefill_saving=... ttft_speedup=... turns=...
+conversations=... answers_identical=... total_s=...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import sys
+import time
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+if not __package__:  # run as a file: the repository root first (see benchmarks/shared_prompt.py)
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import httpx
+import transformers
+
+from benchmarks.common import (
+    Spread,
+    add_engine_flags,
+    add_size_flags,
+    fmt_num,
+    load_average,
+    log,
+    machine_info,
+    markdown_table,
+    result_line,
+    safe_ratio,
+    set_threads,
+    sized,
+    write_json,
+)
+from benchmarks.plotting import pyplot, save
+from benchmarks.workloads.chat import TextPool
+from benchmarks.workloads.copilot import PREAMBLE, user_queries
+from server.launcher import launch
+from server.serve.manager import ManagerConfig
+
+NAME = "multi_turn"
+CACHED, RECOMPUTE = "cached", "recompute"
+SYSTEMS = (CACHED, RECOMPUTE)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    conversations: int = 4
+    turns: int = 5
+    system_tokens: int = 256  # reference text after the 128-token preamble
+    min_user_tokens: int = 20
+    max_user_tokens: int = 60
+    max_tokens: int = 32
+    repeats: int = 5
+    seed: int = 0
+
+
+FULL = BenchConfig()
+QUICK = BenchConfig(conversations=3, turns=4, repeats=3)
+TINY = BenchConfig(2, 2, system_tokens=32, min_user_tokens=8, max_user_tokens=12, max_tokens=4, repeats=1)
+OVERRIDES = ("conversations", "turns", "repeats", "system_tokens", "max_tokens")
+
+
+async def ask(client: httpx.AsyncClient, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
+    """One streamed, greedy chat completion: its TTFT, text and the engine's token counts."""
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    body["stream_options"] = {"include_usage": True}  # the engine's token counts in the last chunk
+    ttft, parts, usage = math.nan, [], {}
+    start = time.perf_counter()
+    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: ") :])
+            if "error" in chunk:
+                raise RuntimeError(f"the server streamed an error: {chunk['error']}")
+            usage = chunk.get("usage") or usage
+            for choice in chunk["choices"]:
+                if content := choice["delta"].get("content"):
+                    ttft = time.perf_counter() - start if not parts else ttft
+                    parts.append(content)
+    return {"ttft_s": ttft, "text": "".join(parts)} | {
+        k: usage[k] for k in ("prompt_tokens", "completion_tokens")
+    }
+
+
+async def engine_prefill(client: httpx.AsyncClient) -> int:
+    """Prompt tokens the server's engines have computed, once they are idle (``GET /v1/engines``)."""
+    while True:
+        engines = (await client.get("/v1/engines")).json()
+        if not any(e["stats"]["running"] or e["stats"]["waiting"] for e in engines):
+            return sum(e["stats"]["prefill_tokens_computed"] for e in engines)
+        await asyncio.sleep(0.005)
+
+
+async def chat(url: str, system: str, queries: list[list[str]], max_tokens: int) -> list[dict[str, Any]]:
+    """Every conversation (one list of user messages each), turn by turn; per turn what it cost."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        convs = [[{"role": "system", "content": system}] for _ in queries]
+        turns, seen = [], [0] * len(queries)  # per conversation: its last prompt + answer, in tokens
+        for t in range(len(queries[0])):
+            for msgs, user in zip(convs, queries, strict=True):
+                msgs.append({"role": "user", "content": user[t]})
+            before = await engine_prefill(client)
+            answers = await asyncio.gather(*(ask(client, msgs, max_tokens) for msgs in convs))
+            prefill = await engine_prefill(client) - before
+            for c, (msgs, a) in enumerate(zip(convs, answers, strict=True)):
+                msgs.append({"role": "assistant", "content": a["text"]})
+                a["new_tokens"] = a["prompt_tokens"] - seen[c]
+                seen[c] = a["prompt_tokens"] + a["completion_tokens"]
+            turns.append({"prefill": prefill, "answers": answers})
+    return turns
+
+
+def workload(tokenizer: Any, pool: TextPool, cfg: BenchConfig, seed: int) -> tuple[str, list[list[str]]]:
+    """One app: its system prompt (tagged with ``seed``) and each conversation's user messages."""
+    reference = pool.text(random.Random(f"multi-turn-{seed}"), cfg.system_tokens)
+    system = f"[chat app {seed}] {PREAMBLE}{reference}"
+    n, lo, hi = cfg.conversations * cfg.turns, cfg.min_user_tokens, cfg.max_user_tokens
+    users = user_queries(tokenizer, n, seed, lo, hi)
+    return system, [users[c * cfg.turns : (c + 1) * cfg.turns] for c in range(cfg.conversations)]
+
+
+def summarise(runs: list[dict[str, list[dict[str, Any]]]], cfg: BenchConfig) -> dict[str, Any]:
+    """Per-turn figures over conversations and repeats, and the headline ratios over turns >= 2."""
+    same: list[bool] = []
+    for r in runs:
+        for x, y in zip(r[CACHED], r[RECOMPUTE], strict=True):
+            same += [a["text"] == b["text"] for a, b in zip(x["answers"], y["answers"], strict=True)]
+    per_turn, later = [], {s: {"prefill": 0, "new": 0, "ttft": []} for s in SYSTEMS}
+    for t in range(cfg.turns):
+        row: dict[str, Any] = {"turn": t + 1}
+        for s in SYSTEMS:
+            prefill = sum(r[s][t]["prefill"] for r in runs)
+            answers = [a for r in runs for a in r[s][t]["answers"]]
+            new, ttft, n = sum(a["new_tokens"] for a in answers), [a["ttft_s"] for a in answers], len(answers)
+            row[s] = {
+                "prompt_per_conv": sum(a["prompt_tokens"] for a in answers) / n,
+                "new_per_conv": new / n,
+                "prefill_per_conv": prefill / n,
+                "prefill_ratio": safe_ratio(prefill, new),
+                "ttft_ms": Spread.of(ttft).median * 1e3,
+            }
+            if t:
+                for key, value in (("prefill", prefill), ("new", new), ("ttft", ttft)):
+                    later[s][key] += value
+        per_turn.append(row)
+    c, r = later[CACHED], later[RECOMPUTE]
+    return {
+        "per_turn": per_turn,
+        "answers_identical": sum(same) / len(same),
+        "prefill_ratio": safe_ratio(c["prefill"], c["new"]),
+        "prefill_saving": safe_ratio(r["prefill"], c["prefill"]),
+        "ttft_speedup": safe_ratio(Spread.of(r["ttft"]).median, Spread.of(c["ttft"]).median),
+    }
+
+
+def report(summary: dict[str, Any], cfg: BenchConfig, model: str, machine: dict[str, Any]) -> None:
+    print(
+        f"## multi_turn — {model}, {machine['cpu_model']}, {machine['usable_cores']} cores, load average "
+        f"{machine['load_average_1m']} at start\n\n{cfg.conversations} conversations at once x {cfg.turns} "
+        f"turns, system prompt ~{cfg.system_tokens} tokens, user messages {cfg.min_user_tokens}-"
+        f"{cfg.max_user_tokens} tokens, {cfg.max_tokens} answer tokens (greedy, streamed); {cfg.repeats} "
+        "repeats, systems interleaved. Tokens per conversation and turn (mean); TTFT median.\n"
+    )
+    rows = []
+    for row in summary["per_turn"]:
+        c, r = row[CACHED], row[RECOMPUTE]
+        saving, speedup = (safe_ratio(r[k], c[k]) for k in ("prefill_per_conv", "ttft_ms"))
+        cells = [row["turn"], c["prompt_per_conv"], c["new_per_conv"], c["prefill_per_conv"]]
+        cells = [fmt_num(x) for x in [*cells, r["prefill_per_conv"]]]
+        cells += [fmt_num(c["prefill_ratio"], 2), fmt_num(saving, 2)]
+        rows.append([*cells, fmt_num(c["ttft_ms"], 1), fmt_num(r["ttft_ms"], 1), fmt_num(speedup, 2)])
+    heads = ["turn", "prompt", "new", "prefill cached", "prefill recompute", "cached / new"]
+    heads += ["recompute / cached", "TTFT cached ms", "TTFT recompute ms", "TTFT recompute / cached"]
+    print(markdown_table(heads, rows, [True] * len(heads)) + "\n")
+    print(f"answers identical between the systems: {summary['answers_identical']:.0%}")
+
+
+def plot(payload: dict[str, Any], path: Path) -> None:
+    """Prefill tokens (cached, recompute, new) and median TTFT per turn."""
+    plt = pyplot()
+    rows = payload["summary"]["per_turn"]
+    xs = [r["turn"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for s, marker in zip(SYSTEMS, "os", strict=True):
+        left.plot(xs, [r[s]["prefill_per_conv"] for r in rows], marker=marker, label=f"prefill, {s}")
+        right.plot(xs, [r[s]["ttft_ms"] for r in rows], marker=marker, label=s)
+    left.plot(xs, [r[CACHED]["new_per_conv"] for r in rows], "k:", marker="^", label="new tokens")
+    for ax, label in ((left, "tokens per conversation"), (right, "median TTFT (ms)")):
+        ax.set(xlabel="turn", ylabel=label, xticks=xs)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"multi-turn chat over /v1/chat/completions, {payload['model']}")
+    save(fig, path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_size_flags(parser, "3 conversations x 4 turns, 3 repeats")
+    parser.add_argument("--plot", metavar="PATH", help="also write the figure (PNG)")
+    add_engine_flags(parser)
+    for key in OVERRIDES:
+        parser.add_argument("--" + key.replace("_", "-"), type=int, help=f"{key} (default: the size's)")
+    args = parser.parse_args(argv)
+    cfg = sized(args, FULL, QUICK, TINY, **{key: getattr(args, key) for key in OVERRIDES})
+    if cfg.turns < 2:
+        raise SystemExit("--turns must be at least 2 (the headline is over turns >= 2)")
+    set_threads(args)
+    transformers.utils.logging.set_verbosity_error()  # the long-text warning of building the workload
+    started, machine = time.perf_counter(), machine_info()
+    runs: list[dict[str, list[dict[str, Any]]]] = []
+    with ExitStack() as stack:
+        configs = {s: ManagerConfig(prefix_sharing=s == CACHED) for s in SYSTEMS}
+        servers = {s: stack.enter_context(launch(args.model, manager_config=configs[s])) for s in SYSTEMS}
+        engine = servers[CACHED].engines[0]
+        pool = TextPool(engine.tokenizer)
+        longest = cfg.system_tokens + 160 + cfg.turns * (cfg.max_user_tokens + cfg.max_tokens + 24)
+        if longest >= engine.max_model_len:
+            raise SystemExit(f"~{longest} tokens of conversation exceed the window ({engine.max_model_len})")
+        system, queries = workload(engine.tokenizer, pool, cfg, cfg.seed + 10_000)
+        for s in SYSTEMS:  # untimed warm-up: one conversation, two turns, its own app
+            asyncio.run(chat(servers[s].url, system, [queries[0][:2]], cfg.max_tokens))
+        for rep in range(cfg.repeats):
+            system, queries = workload(engine.tokenizer, pool, cfg, cfg.seed + rep)
+            order = SYSTEMS if rep % 2 == 0 else SYSTEMS[::-1]
+            run = {s: asyncio.run(chat(servers[s].url, system, queries, cfg.max_tokens)) for s in order}
+            runs.append({s: run[s] for s in SYSTEMS})
+            log(
+                f"repeat {rep + 1}: prefill per turn "
+                + " | ".join(f"{s} {[t['prefill'] for t in run[s]]}" for s in SYSTEMS)
+            )
+    total_s = time.perf_counter() - started
+    summary = summarise(runs, cfg)
+    report(summary, cfg, args.model, machine)
+    payload = {"benchmark": NAME, "config": asdict(cfg), "model": args.model, "machine": machine}
+    payload |= {
+        "load_average_1m_at_end": load_average(),
+        "total_s": total_s,
+        "summary": summary,
+        "runs": runs,
+    }
+    if args.json:
+        write_json(args.json, payload)
+    if args.plot:
+        plot(payload, Path(args.plot))
+    metrics = {k: summary[k] for k in ("prefill_ratio", "prefill_saving", "ttft_speedup")}
+    metrics |= {"turns": cfg.turns, "conversations": cfg.conversations}
+    print(
+        result_line(NAME, {**metrics, "answers_identical": summary["answers_identical"], "total_s": total_s})
+    )
+
+
+if __name__ == "__main__":
+    main()
