@@ -69,6 +69,7 @@ from benchmarks.common import (
 from server.engine import EngineConfig, LLMEngine
 from server.launcher import launch
 from server.netdelay import NetworkDelayMiddleware
+from server.serve.manager import ManagerConfig
 
 NAME = "chain_dependent"
 
@@ -120,6 +121,7 @@ def serve(model: str, engine_config: EngineConfig, cfg: BenchConfig) -> Iterator
     with launch(
         model,
         engine_config=engine_config,
+        manager_config=ManagerConfig(openai_prefix_cache=False),  # baseline: no OpenAI-route cache
         startup_timeout=120,
         network_delay=(cfg.delay_low_s, cfg.delay_high_s),
         network_delay_seed=cfg.seed,

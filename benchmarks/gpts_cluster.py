@@ -349,7 +349,8 @@ def policy_setup(policy: str, cfg: BenchConfig) -> tuple[LatencyModel, EngineCon
     profile = load_profile(cfg.profile)
     if policy == NO_KERNEL:
         profile = dataclasses.replace(profile, shared_prefix_decode=False)
-    manager_config = ManagerConfig(prefix_affinity=policy != NO_AFFINITY)
+    # The baselines' OpenAI route caches nothing (the paper's vLLM without sharing).
+    manager_config = ManagerConfig(prefix_affinity=policy != NO_AFFINITY, openai_prefix_cache=False)
     if cfg.latency_cap is not None:
         manager_config.latency_cap_tokens = cfg.latency_cap
     cap = cfg.baseline_cap or profile.kv_tokens

@@ -70,6 +70,7 @@ from benchmarks.common import (
 from recipes import chain_summary, map_reduce_summary
 from server.engine import EngineConfig
 from server.launcher import LaunchedServer, launch
+from server.serve.manager import ManagerConfig
 
 NAME = "langchain_apps"
 PARROT = "parrot (compile_chain)"
@@ -365,6 +366,7 @@ def main(argv: list[str] | None = None) -> None:
     with launch(
         "tiny",
         engine_config=EngineConfig(num_kv_blocks=2048),
+        manager_config=ManagerConfig(openai_prefix_cache=False),  # baseline: no OpenAI-route cache
         startup_timeout=120,
         network_delay=(cfg.delay_low_s, cfg.delay_high_s),
         network_delay_seed=cfg.seed,

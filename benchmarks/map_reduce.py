@@ -251,7 +251,11 @@ def simulate(cfg: SimConfig) -> SimResult:
     base = EngineConfig(device="cpu", max_num_batched_tokens=4096, max_num_seqs=256)
     setups = {
         PARROT: (base, ManagerConfig(latency_cap_tokens=cfg.latency_cap_tokens), parrot_map_reduce),
-        BASELINE: (replace(base, max_running_tokens=cfg.latency_cap_tokens), None, baseline_map_reduce),
+        BASELINE: (
+            replace(base, max_running_tokens=cfg.latency_cap_tokens),
+            ManagerConfig(openai_prefix_cache=False),  # baseline: no OpenAI-route cache
+            baseline_map_reduce,
+        ),
     }
 
     async def one(client: str) -> tuple[str, float, int]:
@@ -334,7 +338,12 @@ def serve(model: str, cfg: BenchConfig) -> Iterator[Servers]:
             manager_config=ManagerConfig(latency_cap_tokens=cfg.latency_cap_tokens),
             **common,
         ) as parrot_server,
-        launch(model, engine_config=baseline_engine, **common) as baseline_server,
+        launch(
+            model,
+            engine_config=baseline_engine,
+            manager_config=ManagerConfig(openai_prefix_cache=False),  # baseline: no OpenAI-route cache
+            **common,
+        ) as baseline_server,
     ):
         servers = Servers(parrot_server, baseline_server)
         servers.set_delay(False)

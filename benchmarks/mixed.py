@@ -304,7 +304,7 @@ def system_configs(name: str, cfg: BenchConfig, kv_tokens: int) -> tuple[EngineC
     """The engines' and the manager's configuration of one system (everything else is identical)."""
     caps = {LATENCY_TUNED: cfg.latency_cap_tokens, THROUGHPUT_TUNED: kv_tokens}
     engine = EngineConfig(device="cpu", max_running_tokens=caps.get(name))
-    return engine, ManagerConfig(latency_cap_tokens=cfg.latency_cap_tokens)
+    return engine, ManagerConfig(latency_cap_tokens=cfg.latency_cap_tokens, openai_prefix_cache=False)
 
 
 def _engine_work(cluster: SimCluster) -> list[dict[str, float]]:

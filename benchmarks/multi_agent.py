@@ -267,7 +267,9 @@ def server_configs(cfg: BenchConfig) -> dict[str, tuple[EngineConfig, ManagerCon
     """Each client's engine and manager config: one engine config for all but the baseline's FIFO cap."""
     engine = EngineConfig(num_kv_blocks=cfg.num_kv_blocks)
     cap = cfg.latency_cap_tokens
-    manager = ManagerConfig(latency_cap_tokens=cap)
+    manager = ManagerConfig(
+        latency_cap_tokens=cap, openai_prefix_cache=False
+    )  # baseline: no OpenAI-route cache
     return {
         PARROT: (engine, manager),
         NO_SHARING: (engine, replace(manager, prefix_sharing=False)),

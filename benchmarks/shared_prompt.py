@@ -101,6 +101,7 @@ from benchmarks.workloads.copilot import CopilotWorkload, make_workload
 from server.engine import EngineConfig, LLMEngine
 from server.engine.step_features import StepRecord
 from server.launcher import LaunchedServer, launch
+from server.serve.manager import ManagerConfig
 
 NAME = "shared_prompt"
 
@@ -215,7 +216,11 @@ def serve(model: str, configs: dict[str, EngineConfig]) -> Iterator[dict[str, Se
     with ExitStack() as stack:
         servers: dict[str, Served] = {}
         for name, config in configs.items():
-            launched = stack.enter_context(launch(model, engine_config=config, startup_timeout=120))
+            # The baseline's OpenAI route caches nothing (the paper's vLLM without sharing).
+            manager = ManagerConfig(openai_prefix_cache=False)
+            launched = stack.enter_context(
+                launch(model, engine_config=config, manager_config=manager, startup_timeout=120)
+            )
             engine = launched.engines[0]
             assert isinstance(engine, LLMEngine)
             servers[name] = Served(launched, engine)

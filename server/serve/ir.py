@@ -52,6 +52,7 @@ __all__ = [
     "prefix_hash",
     "prefix_hashes",
     "render_prompt",
+    "text_before",
 ]
 
 
@@ -217,6 +218,24 @@ def _value(call: CallIR, step_index: int, values: Mapping[str, str], var_id: str
         return values[var_id]
     except KeyError:
         raise MissingValueError(var_id, name, call.call_id, step_index) from None
+
+
+def text_before(call: CallIR, var_id: str, values: Mapping[str, str]) -> str | None:
+    """The prompt text of ``call`` before its first use of input ``var_id``, or None when the call does not
+    use it or a variable before it has no value in ``values`` yet. (A producer whose prompt equals this
+    text is *continued* by the call: its context is what the call's prompt starts with.)"""
+    parts: list[str] = []
+    for seg in call.segments:
+        if isinstance(seg, TextFill):
+            parts.append(seg.text)
+        elif isinstance(seg, VarFill) and seg.var_id == var_id:
+            return "".join(parts)
+        else:
+            var = seg.var_id
+            if var not in values:
+                return None
+            parts.append(values[var])
+    return None
 
 
 def render_prompt(call: CallIR, step_index: int, values: Mapping[str, str]) -> str:

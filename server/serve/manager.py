@@ -48,7 +48,7 @@ from server.engine import EngineError, LLMEngine, SamplingParams
 from server.openai_api import ModelNotFoundError
 from server.serve.deduction import StepObjective, objective
 from server.serve.graph import SessionGraph, StepNode
-from server.serve.ir import TextFill, build_call, input_vars, prefix_hashes, render_prompt
+from server.serve.ir import TextFill, build_call, input_vars, prefix_hashes, render_prompt, text_before
 from server.serve.placement import Placement, RequestTooLargeError
 from server.serve.prefix_store import Entry, Match, PrefixStore, common_prefix_len
 from server.serve.remote_engine import RemoteEngine
@@ -103,7 +103,11 @@ class ManagerConfig:
     # Prompt prefixes at least this long (tokens) that several queued steps share (or a call's leading
     # constant text) become shared engine contexts.
     min_shared_prefix_tokens: int = 16
-    max_cached_prefixes: int = 256  # per engine; least recently used go first
+    max_cached_prefixes: int = 256  # per engine, every cache salt included; least recently used go first
+    # Whether the OpenAI endpoints reuse cached prefixes and keep finished requests' KV (as vLLM's automatic
+    # prefix caching does). Off: each request fills its whole prompt and frees its context — the
+    # request-centric baseline of the benchmarks (the paper's vLLM without sharing).
+    openai_prefix_cache: bool = True
     # Scheduling (server.serve.scheduler): tokens an engine runs at once (None: its KV cache in tokens),
     # and at most while it runs latency-critical work; rounds before a waiting step goes first.
     engine_capacity_tokens: int | None = None
@@ -261,9 +265,8 @@ class Manager:
         link = self._remote[engine_id]
         link.alive = False
         log.warning("engine %d (%s) is out of service: %s", engine_id, link.name, why)
-        for key in self._prefixes.engines():  # its contexts are unreachable now, in every namespace
-            if key == str(engine_id) or key.startswith(f"{engine_id}#"):
-                self._prefixes.remove_engine(key)
+        for key in self._store_keys(engine_id):  # its contexts are unreachable now, in every namespace
+            self._prefixes.remove_engine(key)
         engine = self.engines[engine_id]
         assert isinstance(engine, RemoteEngine)
         await engine.aclose()
@@ -579,7 +582,7 @@ class Manager:
             raise
         if not self.config.prefix_sharing:
             await self._free(engine_index, context_id)
-        elif last:
+        elif last and self._continued(session, node, prep.prompt):
             # What a consumer continuing this prompt renders is the prompt, then the variable's value.
             value_text = render_value(transformed.value, transformed.kind)
             canonical = engine.tokenizer.encode(prep.prompt + value_text)
@@ -587,6 +590,21 @@ class Manager:
         else:
             await self._keep(engine_index, namespace, context_id, held)
         return transformed.value, transformed.kind
+
+    @staticmethod
+    def _continued(session: Session, node: StepNode, prompt: str) -> bool:
+        """Whether a pending consumer of the step's output continues its prompt: the consumer's text before
+        the value is exactly ``prompt`` (a reviewer quoting the writer's prompt and answer)."""
+        graph = session.graph
+        for consumer in graph.consumers(node.output):
+            values = {}
+            for var_id in consumer.call.input_vars:
+                var = graph.variables.get(var_id)
+                if var.value is not None:
+                    values[var_id] = render_value(var.value, var.kind)
+            if text_before(consumer.call, node.output, values) == prompt:
+                return True
+        return False
 
     async def _keep_as_value(
         self, engine_index: int, namespace: str, context_id: int, held: list[int], canonical: list[int]
@@ -689,16 +707,24 @@ class Manager:
             self._prefixes.release(match.entry)
 
     async def _keep(self, engine_index: int, namespace: str, context_id: int, token_ids: list[int]) -> None:
-        """Store a finished context as a shareable prefix; free the least recently used beyond the cap."""
-        store_key = self._store_key(engine_index, namespace)
-        entry = self._prefixes.insert(store_key, context_id, token_ids)
+        """Store a finished context as a shareable prefix; beyond the engine's cap (all namespaces together,
+        so that many salts cannot hold more), free the least recently used ones nothing forks from."""
+        entry = self._prefixes.insert(self._store_key(engine_index, namespace), context_id, token_ids)
         if entry.context_id != context_id:  # the same tokens are already held by another context
             await self._free(engine_index, context_id)
-        excess = len(self._prefixes.entries(store_key)) - self.config.max_cached_prefixes
-        stale: list[Entry] = self._prefixes.evict_candidates(store_key)[: max(0, excess)]
+        keys = self._store_keys(engine_index)
+        excess = sum(len(self._prefixes.entries(k)) for k in keys) - self.config.max_cached_prefixes
+        if excess <= 0:
+            return
+        idle = [e for k in keys for e in self._prefixes.evict_candidates(k)]
+        stale: list[Entry] = sorted(idle, key=lambda e: e.last_used)[:excess]
         for old in stale:
             self._prefixes.remove(old)
             await self._free(engine_index, old.context_id)
+
+    def _store_keys(self, engine_index: int) -> list[str]:
+        """The prefix store's keys of an engine: its shared namespace and every salted one."""
+        return [k for k in self._prefixes.engines() if k.split("#", 1)[0] == str(engine_index)]
 
     @staticmethod
     def _store_key(engine_index: int, namespace: str) -> str:
@@ -735,6 +761,9 @@ class Manager:
         self, engine: Engine, context_id: int, token_ids: list[int], cache_salt: str | None
     ) -> None:
         """An OpenAI request's prompt: forked from the longest cached token prefix, the rest filled."""
+        if not self.config.openai_prefix_cache:
+            await engine.fill(context_id, token_ids)
+            return
         await self._fill_from_cache(self._index_of(engine), _namespace(cache_salt), context_id, token_ids)
 
     async def finish_context(
@@ -743,7 +772,8 @@ class Manager:
         """An OpenAI request is over: a completed one's context is kept as a cached prefix (the next turn
         of a chat repeats it), anything else freed."""
         index = self._index_of(engine)
-        if token_ids is None or not token_ids or not self.config.prefix_sharing:
+        keep = self.config.prefix_sharing and self.config.openai_prefix_cache
+        if token_ids is None or not token_ids or not keep:
             await self._free(index, context_id)
             return
         await self._keep(index, _namespace(cache_salt), context_id, token_ids)

@@ -67,6 +67,7 @@ class Entry:
     token_ids: Tokens
     refs: int = field(default=0, init=False)
     live: bool = field(default=True, init=False)  # False once removed from the store
+    last_used: int = field(default=0, init=False)  # the store's use counter when last touched
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -122,6 +123,7 @@ class PrefixStore:
         # Per engine, context_id -> entry in LRU order (least recently used first): touch is O(1) and the
         # candidates come out already ordered, with no clock to pass around.
         self._lru: dict[str, OrderedDict[int, Entry]] = {}
+        self._uses = 0  # counts touches, so entries of different engine ids can be ordered by use too
 
     # ----------------------------------------------------------------------------------------- queries
 
@@ -258,6 +260,8 @@ class PrefixStore:
         entries = self._lru.setdefault(engine_id, OrderedDict())
         entries[found.context_id] = found
         entries.move_to_end(found.context_id)  # newly inserted or reused: most recently used either way
+        self._uses += 1
+        found.last_used = self._uses
         return found
 
     def remove(self, entry: Entry, *, force: bool = False) -> None:
@@ -301,6 +305,8 @@ class PrefixStore:
         """Mark ``entry`` most recently used."""
         self._check_live(entry)
         self._lru[entry.engine_id].move_to_end(entry.context_id)
+        self._uses += 1
+        entry.last_used = self._uses
 
     def acquire(self, entry: Entry) -> None:
         """A request is about to fork from ``entry``: pin it (never an eviction candidate) and touch it."""

@@ -6,11 +6,13 @@ back at zero once sessions end and caches are dropped."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import httpx
 import parrot as P
+import pytest
 
 from server.engine import EngineConfig
 from server.launcher import LaunchedServer, launch
@@ -19,6 +21,7 @@ from server.serve.manager import ManagerConfig
 BLOCK = 16
 SYSTEM = " ".join(f"Reviewer rule {i}: judge the document on point {i} and be brief." for i in range(10))
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
+STOP_TOKEN = 2903  # the tiny model's favourite greedy token: a stop token it reaches at once
 
 
 @contextmanager
@@ -156,3 +159,84 @@ def test_a_cache_salt_keeps_prefixes_apart() -> None:
         assert prefilled(s) - before < BLOCK
         assert salted_answer == first
         drop_and_check_blocks(s)
+
+
+PROMPT = SYSTEM + "\nQuestion: what should a reviewer check first?\nAnswer:"
+
+
+@pytest.mark.parametrize("ending", ["length", "stop-string", "eos"])
+def test_a_consumer_continuing_its_producer_prefills_only_its_tail(ending: str) -> None:
+    probe = continue_producer(True, {"max_tokens": 12})[0]
+    if ending == "length":
+        sampling: dict[str, object] = {"max_tokens": 12}
+    elif ending == "stop-string":  # cut inside the second word's token: the value ends mid-token
+        sampling = {"max_tokens": 12, "stop": [probe.split()[1][1:4]]}
+    else:  # a stop token the model reaches, which ends generation as EOS does (and is not in the value)
+        with served() as s:
+            sampling = {"max_tokens": 12, "stop_token_ids": [encode(s, probe)[2]]}
+    runs = {sharing: continue_producer(sharing, sampling) for sharing in (True, False)}
+    (answer, critique, computed, producer, tail), off = runs[True], runs[False]
+    assert (ending == "length") == (answer == probe)  # the ending really happened
+    assert (answer, critique) == off[:2]  # greedy outputs identical with sharing on and off
+    # The consumer's prompt is the producer's prompt, the value, then its own text: after the producer's
+    # prefill, only the consumer's tail (and at most a block at the value's end) is computed.
+    assert computed - producer <= tail + BLOCK, (computed, producer, tail)
+    assert off[2] - off[3] > tail + 3 * BLOCK  # without sharing it prefills the whole prompt again
+
+
+def continue_producer(sharing: bool, ending: dict[str, object]) -> tuple[str, str, int, int, int]:
+    """The producer's value, the consumer's, prefill computed, the producer's prompt tokens, and the
+    consumer's tail beyond the producer's prompt + value."""
+    sampling = P.SamplingConfig(temperature=0.0, **ending)  # type: ignore[arg-type]
+    answer_fn = P.SemanticFunction.from_template(
+        PROMPT + "{{output:answer}}", name="answer", sampling=sampling
+    )
+    critic = P.SemanticFunction.from_template(
+        PROMPT + "{{input:answer}}\nIs this right? Critique:{{output:critique}}",
+        name="critic",
+        sampling=P.SamplingConfig(max_tokens=4, **GREEDY),
+    )
+    with served(sharing) as s:
+        with P.Session(s.url):
+            answer = answer_fn()
+            critique = critic(answer=answer)
+            got = (answer.get(), critique.get())
+        computed = prefilled(s)
+        producer = len(encode(s, PROMPT))
+        consumer = encode(s, f"{PROMPT}{got[0]}\nIs this right? Critique:")
+        tail = len(consumer) - common(consumer, encode(s, PROMPT + got[0]))
+        drop_and_check_blocks(s)
+    return got[0], got[1], computed, producer, tail
+
+
+def test_a_get_loop_runs_independent_calls_at_once() -> None:
+    """`[o.get() for o in outs]` over six independent calls: eager dispatch runs them in one batch, where
+    submitting each only after the previous one's get runs them one after another."""
+    fn = P.SemanticFunction.from_template(
+        "Story {{input:n}}:{{output:s}}", name="story", sampling=P.SamplingConfig(max_tokens=96, **GREEDY)
+    )
+    with served() as s:
+        with P.Session(s.url):
+            fn(n="warm-up").get()
+            start = time.perf_counter()
+            outs = [fn(n=str(i)) for i in range(6)]
+            together = [o.get() for o in outs]
+            concurrent = time.perf_counter() - start
+            start = time.perf_counter()
+            alone = [fn(n=str(i)).get() for i in range(6)]
+            one_by_one = time.perf_counter() - start
+        assert together == alone
+        assert one_by_one / concurrent >= 2.5, (one_by_one, concurrent)
+
+
+def test_lazy_dispatch_runs_a_step_only_once_a_get_reaches_it() -> None:
+    fn = P.SemanticFunction.from_template(
+        "Story {{input:n}}:{{output:s}}", name="story", sampling=P.SamplingConfig(max_tokens=4, **GREEDY)
+    )
+    for mode, runs_early in (("lazy", False), ("eager", True)):
+        with served(dispatch=mode) as s, P.Session(s.url) as session:
+            out = fn(n="one")
+            session.flush()
+            time.sleep(0.5)
+            assert (prefilled(s) > 0) == runs_early, mode
+            assert isinstance(out.get(), str) and prefilled(s) > 0
