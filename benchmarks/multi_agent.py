@@ -126,6 +126,35 @@ OnResult = Callable[[str], None]
 
 # ----------------------------------------------------------------------------------------------- config
 @dataclass(frozen=True)
+class SimConfig:
+    """The GPU-scale job on the simulator (see the module docstring)."""
+
+    files: tuple[int, ...] = (4, 8, 16)  # the sweep; the RESULT line's ``*_sim`` figures are at the largest
+    rounds: int = 3  # the paper's three review rounds
+    brief_tokens: int = 256
+    design_tokens: int = 128
+    code_tokens: int = 48
+    notes_tokens: int = 16
+    review_tokens: int = 24
+    changelog_tokens: int = 16
+    # The latency cap in running tokens, as on the CPU (the baseline engine's FIFO cap, the Parrot managers'
+    # cap for latency-bound steps, the no-deduction manager's cap for every step). The paper's 4,096 admits
+    # its longest request (LLaMA's 4k window); here the pool holds every message of 3 rounds, and at 16
+    # files the last prompts reach ~7,900 tokens, so the cap is the next power of two: one late request at
+    # a time, as 4,096 was for the paper's long prompts. (A decode step at 8k running tokens: ~15 ms on
+    # the profile, far under the paper's 40 ms per token.)
+    latency_cap_tokens: int = 8192
+    max_num_batched_tokens: int = 4096  # tokens per engine step (a GPU engine's prefill chunk)
+    max_num_seqs: int = 256
+    profile: str = "a100-llama7b"  # KV cache: the profile's (64k tokens), the same for every client
+
+    def budgets(self) -> Budgets:
+        return Budgets(
+            self.design_tokens, self.code_tokens, self.notes_tokens, self.review_tokens, self.changelog_tokens
+        )
+
+
+@dataclass(frozen=True)
 class BenchConfig:
     """What one run measures."""
 
@@ -147,6 +176,7 @@ class BenchConfig:
     delay_low_s: float = 0.2
     delay_high_s: float = 0.3
     seed: int = 0
+    sim: SimConfig = SimConfig()  # the GPU-scale job on the simulator (with the network delay)
 
     def budgets(self) -> Budgets:
         return Budgets(
@@ -165,6 +195,7 @@ QUICK = BenchConfig(
     latency_cap_tokens=1024,
     num_kv_blocks=1024,
     repeats=2,
+    sim=SimConfig(files=(16,)),  # the headline point only (~15 s of wall time)
 )
 TINY = BenchConfig(
     files=(2,),
@@ -178,6 +209,17 @@ TINY = BenchConfig(
     latency_cap_tokens=512,
     num_kv_blocks=256,
     repeats=1,
+    sim=SimConfig(
+        files=(2,),
+        rounds=1,
+        brief_tokens=32,
+        design_tokens=4,
+        code_tokens=4,
+        notes_tokens=2,
+        review_tokens=2,
+        changelog_tokens=2,
+        latency_cap_tokens=512,
+    ),
 )
 
 
@@ -264,12 +306,16 @@ class Servers:
 
 
 def server_configs(cfg: BenchConfig) -> dict[str, tuple[EngineConfig, ManagerConfig]]:
-    """Each client's engine and manager config: one engine config for all but the baseline's FIFO cap."""
-    engine = EngineConfig(num_kv_blocks=cfg.num_kv_blocks)
-    cap = cfg.latency_cap_tokens
-    manager = ManagerConfig(
-        latency_cap_tokens=cap, openai_prefix_cache=False
-    )  # baseline: no OpenAI-route cache
+    """Each client's engine and manager config on the CPU (`client_configs`)."""
+    return client_configs(EngineConfig(num_kv_blocks=cfg.num_kv_blocks), cfg.latency_cap_tokens)
+
+
+def client_configs(engine: EngineConfig, cap: int) -> dict[str, tuple[EngineConfig, ManagerConfig]]:
+    """Each client's engine and manager config around one ``engine`` config and latency ``cap``: the same
+    for all but the baseline's FIFO cap (the engine's), sharing (no sharing) and capacity (no deduction)."""
+    # The baseline's OpenAI route caches nothing (the paper's request-centric service); Parrot's clients do
+    # not use that route, so one manager config serves all.
+    manager = ManagerConfig(latency_cap_tokens=cap, openai_prefix_cache=False)
     return {
         PARROT: (engine, manager),
         NO_SHARING: (engine, replace(manager, prefix_sharing=False)),
@@ -487,6 +533,125 @@ async def measure_files(
         ]
         servers.clients.clear()
     return workflow, FilesResult(files, len(workflow.calls), prompts, longest, cold, settings)
+
+
+# ----------------------------------------------------------------------------------------------- simulator
+@dataclass
+class SimClient:
+    """One client's job on a fresh simulated server: simulated seconds to the final output, the HTTP
+    requests made until then, and the engine's work (the whole job; Parrot's later gets add none)."""
+
+    seconds: float
+    requests: int
+    busy_s: float  # simulated seconds the engine spent in steps
+    steps: int
+    prefill_tokens: int
+    decode_tokens: int
+    peak_blocks: int
+    preemptions: int
+    evictions: int
+
+
+@dataclass
+class SimFilesResult:
+    """Every client on the simulator for one number of files."""
+
+    files: int
+    calls: int
+    longest_request: int
+    clients: dict[str, SimClient]
+
+    def speedup(self, slower: str, faster: str = PARROT) -> float:
+        return safe_ratio(self.clients[slower].seconds, self.clients[faster].seconds)
+
+
+def sim_server_configs(sim: SimConfig) -> dict[str, tuple[EngineConfig, ManagerConfig]]:
+    """Each client's engine and manager config on the simulator (`client_configs`; the KV cache is the
+    profile's)."""
+    engine = EngineConfig(
+        device="cpu", max_num_batched_tokens=sim.max_num_batched_tokens, max_num_seqs=sim.max_num_seqs
+    )
+    return client_configs(engine, sim.latency_cap_tokens)
+
+
+def sim_workflow(cfg: BenchConfig, files: int) -> Workflow:
+    """The simulator's job for ``files`` files (its brief in the simulated engine's tokenizer)."""
+    from server.sim import tiny_tokenizer
+
+    sim = cfg.sim
+    brief = project_brief(tiny_tokenizer(), sim.brief_tokens, cfg.seed)
+    return make_workflow(brief, files, sim.rounds, cfg.seed, sim.budgets())
+
+
+def simulate_files(cfg: BenchConfig, files: int) -> SimFilesResult:
+    """Each client's job once on a fresh simulated server (one engine, the GPU profile, virtual time, the
+    network delay on: deterministic, so one run each); every call's output checked against the baseline's."""
+    from server.sim import load_profile, run, sim_cluster, tiny_tokenizer
+
+    sim = cfg.sim
+    latency = load_profile(sim.profile)
+    workflow = sim_workflow(cfg, files)
+    configs = sim_server_configs(sim)
+
+    async def one(client: str) -> tuple[dict[str, str], SimClient]:
+        engine_config, manager_config = configs[client]
+        async with sim_cluster(
+            1,
+            latency,
+            engine_config=engine_config,
+            manager_config=manager_config,
+            network_delay=(cfg.delay_low_s, cfg.delay_high_s),
+            network_delay_seed=cfg.seed,
+        ) as cluster:
+            counter = RequestCounter()
+            cluster.client.event_hooks = {"request": [counter]}
+            done: list[tuple[float, int]] = []
+
+            def on_result(_: str) -> None:
+                done.append((cluster.now(), counter.count))
+
+            start = cluster.now()
+            if client == BASELINE:
+                outputs = await baseline_multi_agent(cluster.client, workflow, on_result=on_result)
+            else:
+                outputs = await parrot_multi_agent(
+                    cluster.client, workflow, on_result=on_result, all_outputs=True
+                )
+            engine = cluster.engines[0]
+            st = engine.stats()
+            return outputs, SimClient(
+                seconds=done[0][0] - start,
+                requests=done[0][1],
+                busy_s=engine.busy_seconds,
+                steps=st.steps,
+                prefill_tokens=st.prefill_tokens_computed,
+                decode_tokens=st.decode_tokens_computed,
+                peak_blocks=st.blocks_peak,
+                preemptions=st.preemptions,
+                evictions=st.evictions,
+            )
+
+    log(f"simulator ({sim.profile}): {files} files, {len(workflow.calls)} calls ...")
+    clients: dict[str, SimClient] = {}
+    expected, clients[BASELINE] = run(one(BASELINE))
+    # The baseline's outputs size every prompt: an oversized step would fail on Parrot's capped managers.
+    longest = workflow.check_window(tiny_tokenizer(), expected, latency.max_model_len)
+    if longest > sim.latency_cap_tokens:
+        raise SystemExit(
+            f"simulator: the latency cap ({sim.latency_cap_tokens} tokens) must admit the longest request "
+            f"({longest}): shrink the simulated job"
+        )
+    for client in (PARROT, NO_SHARING, NO_DEDUCTION):
+        outputs, clients[client] = run(one(client))
+        diff = [k for k, v in expected.items() if outputs.get(k) != v]
+        if diff:
+            raise SystemExit(f"simulator: outputs differ ({client} vs baseline) at {diff[0]} and more")
+    log(
+        f"  {files} files: "
+        + " | ".join(f"{n} {c.seconds:.2f}s" for n, c in clients.items())
+        + f" (simulated)"
+    )
+    return SimFilesResult(files, len(workflow.calls), longest, {name: clients[name] for name in CLIENTS})
 
 
 # ----------------------------------------------------------------------------------------------- report

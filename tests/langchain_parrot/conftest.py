@@ -28,11 +28,16 @@ class PromptRecorder:
         fill, generate, submit = engine.fill, engine.generate, engine.submit_generate
 
         async def recording_fill(
-            context_id: int, token_ids: list[int], parent_context_id: int | None = None
+            context_id: int,
+            token_ids: list[int],
+            parent_context_id: int | None = None,
+            *,
+            parent_len: int | None = None,
         ) -> int:
             base = self.contexts.get(parent_context_id, []) if parent_context_id is not None else []
+            base = base[:parent_len] if parent_len is not None else base
             self.contexts[context_id] = self.contexts.get(context_id, base) + list(token_ids)
-            return await fill(context_id, token_ids, parent_context_id)
+            return await fill(context_id, token_ids, parent_context_id, parent_len=parent_len)
 
         def recording_submit(
             context_id: int,

@@ -76,8 +76,16 @@ class ScriptedEngine:
         self.contexts: dict[int, list[int]] = {}
         self.prompts: list[str] = []
 
-    async def fill(self, context_id: int, token_ids: list[int], parent_context_id: int | None = None) -> int:
+    async def fill(
+        self,
+        context_id: int,
+        token_ids: list[int],
+        parent_context_id: int | None = None,
+        *,
+        parent_len: int | None = None,
+    ) -> int:
         base = self.contexts.get(parent_context_id, []) if parent_context_id is not None else []
+        base = base[:parent_len] if parent_len is not None else base
         self.contexts[context_id] = self.contexts.get(context_id, base) + list(token_ids)
         return len(self.contexts[context_id])
 
