@@ -193,14 +193,17 @@ EXPERIMENTS: tuple[Experiment, ...] = (
             Metric("speedup_vs_nosharing", "vs Parrot without sharing"),
             Metric("speedup_vs_nodeduction", "vs Parrot without deduction"),
             Metric("mem_ratio", "peak KV blocks, baseline / Parrot"),
+            Metric("speedup_sim", "simulator, vs baseline, 16 files", paper="11.7x"),
         ),
         backend="engine",
         engines=1,
         conditions=(
             f"embedded tiny LLaMA on CPU, one engine per system, {DELAY}; architect, then coders -> "
-            "reviewers -> revisers rounds; outputs checked identical"
+            f"reviewers -> revisers rounds; outputs checked identical; plus the simulator ({SIM_PROFILE} "
+            "profile, 16 files, 3 rounds, latency cap 8192) against a latency-capped FIFO baseline"
         ),
         takes_model=True,
+        profile=SIM_PROFILE,
     ),
     Experiment(
         name="mixed",

@@ -80,8 +80,18 @@ def test_tiny_run_checks_outputs_ends_with_the_result_line_and_plots(
     assert metrics["speedup"] == "nan"  # the delay setting was not measured
     assert float(metrics["speedup_nodelay"]) > 0 and float(metrics["mem_ratio"]) > 0
     assert metrics["files"] == "2"
+    # The simulator (GPU profile, virtual time): the same clients and DAG, its figures on the same line.
+    for key in ("speedup_sim", "speedup_sim_no_sharing", "speedup_sim_no_deduction"):
+        assert float(metrics[key]) > 0
+    assert float(metrics["parrot_sim_s"]) > 0 and float(metrics["baseline_sim_s"]) > 0
+    assert metrics["files_sim"] == "2" and list(metrics)[-1] == "total_s"
     payload = json.loads(out.read_text())
     assert payload["benchmark"] == "multi_agent" and payload["outputs_identical"] is True
+    [sim_row] = payload["simulator"]["by_files"]
+    assert sim_row["files"] == 2 and set(sim_row["clients"]) == set(multi_agent.CLIENTS)
+    assert sim_row["clients"]["parrot"]["requests"] == 2
+    assert sim_row["clients"]["baseline"]["requests"] == sim_row["calls"] == 1 + 1 * (3 * 2 + 2)
+    assert payload["simulator"]["profile"]["name"] == payload["config"]["sim"]["profile"]
     [row] = payload["by_files"]
     assert row["files"] == 2 and row["calls"] == 1 + 1 * (3 * 2 + 2)
     [setting] = row["settings"]
