@@ -157,6 +157,25 @@ class StaticBackend:
         await _free_quietly(engine, context_id)
 
 
+def model_card(name: str, engine: LLMEngine, created: int) -> OpenAIModelCard:
+    """The ``/v1/models`` card of ``engine``'s model, with what a client needs to render chat prompts."""
+    tok = engine.tokenizer
+    template = getattr(tok, "chat_template", None)
+    if isinstance(template, dict):  # tokenizers with named templates: the one chat completions use
+        template = template.get("default")
+    bos_id = getattr(tok, "bos_token_id", None)
+    probe = tok.encode("a")
+    return OpenAIModelCard(
+        id=name,
+        created=created,
+        max_model_len=engine.max_model_len,
+        chat_template=template if isinstance(template, str) else None,
+        bos_token=getattr(tok, "bos_token", None),
+        adds_bos_token=bos_id is not None and bool(probe) and probe[0] == bos_id,
+        eos_tokens=[tok.convert_ids_to_tokens(i) for i in sorted(engine.eos_token_ids)],
+    )
+
+
 def create_openai_router(backend: OpenAIBackend) -> APIRouter:
     """The router with the OpenAI-compatible endpoints over ``backend`` (paths start with ``/v1``)."""
     router = APIRouter(tags=["openai"])
@@ -164,7 +183,14 @@ def create_openai_router(backend: OpenAIBackend) -> APIRouter:
 
     @router.get("/v1/models")
     async def list_models() -> OpenAIModelList:
-        return OpenAIModelList(data=[OpenAIModelCard(id=m, created=started) for m in backend.models()])
+        return OpenAIModelList(data=[model_card(m, backend.engine_for(m), started) for m in backend.models()])
+
+    @router.get("/v1/models/{model:path}", response_model=None)
+    async def retrieve_model(model: str) -> OpenAIModelCard | JSONResponse:
+        try:
+            return model_card(model, backend.engine_for(model), started)
+        except OpenAIAPIError as e:
+            return _error(e)
 
     @router.post(
         "/v1/completions",

@@ -104,6 +104,20 @@ def test_models(client: openai.OpenAI) -> None:
     assert models[0].object == "model" and models[0].owned_by == "parrot"
 
 
+def test_model_card_publishes_the_chat_format(client: openai.OpenAI, engine: LLMEngine) -> None:
+    """What a client needs to render chat prompts as the server does, on the list and on retrieve."""
+    card = client.models.retrieve("tiny").model_dump()
+    tok = engine.tokenizer
+    assert card["chat_template"] == tok.chat_template
+    assert card["max_model_len"] == engine.max_model_len
+    assert card["bos_token"] == tok.bos_token
+    assert card["adds_bos_token"] == (tok.encode("a")[0] == tok.bos_token_id)
+    assert card["eos_tokens"] == [tok.convert_ids_to_tokens(i) for i in sorted(engine.eos_token_ids)]
+    assert client.models.list().data[0].model_dump() == card
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("nope")
+
+
 def test_completion_equals_engine_generate(client: openai.OpenAI, engine: LLMEngine) -> None:
     ids = engine.tokenizer.encode(PROMPT)  # with BOS, as the server does
     text, finish, n = reference(engine, ids, max_tokens=12)

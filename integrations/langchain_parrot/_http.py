@@ -145,6 +145,19 @@ class ServerConnection:
         raise AssertionError("unreachable")
 
     # ------------------------------------------------------------------------------------------ JSON
+    def get(self, path: str) -> Any:
+        """GET ``path`` and return the JSON answer."""
+        url = self.url(path)
+
+        def attempt() -> Any:
+            try:
+                response = self.client.get(url)
+            except httpx.TransportError as e:
+                raise error_from_transport(e, url) from e
+            return _json(response)
+
+        return self.retrying(url, attempt)
+
     def post(self, path: str, body: dict[str, Any]) -> Any:
         """POST ``body`` as JSON and return the JSON answer."""
         url = self.url(path)

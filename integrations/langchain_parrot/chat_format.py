@@ -7,14 +7,18 @@ tokens (it prepends BOS itself). `ChatFormat.template_text` renders the messages
 template and drops the leading BOS text when the tokenizer adds BOS on its own — so both paths reach the
 engine with the same token ids.
 
-The server does not publish its chat template over HTTP, so the format comes from the model's tokenizer:
+The server publishes each model's chat template in its ``GET /v1/models`` card, so `ChatFormat.from_card`
+(what `ChatParrot` uses when given no ``chat_format``) renders with it — sandboxed Jinja, set up as
+`transformers` sets up its own — and needs no local copy of the tokenizer. A tokenizer you have works too:
 `ChatFormat.from_pretrained` (a local Hugging Face folder; `TINY_MODEL_DIR` is the embedded "tiny" model in
-a source checkout) or `ChatFormat.from_tokenizer` (a tokenizer object you already have).
+a source checkout) or `ChatFormat.from_tokenizer` (a tokenizer object).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import json
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +64,47 @@ class ChatFormat:
         ids = tokenizer.encode("a")
         adds_bos = bos_id is not None and bool(ids) and ids[0] == bos_id
         return cls(render, bos_token=getattr(tokenizer, "bos_token", None), adds_bos=adds_bos)
+
+    @classmethod
+    def from_card(cls, card: Mapping[str, Any]) -> ChatFormat | None:
+        """From a model card of the server's ``GET /v1/models`` (None when it publishes no chat template).
+
+        The template runs in Jinja's immutable sandbox with the settings `transformers` renders chat
+        templates with (trim_blocks, lstrip_blocks, loop controls, ``raise_exception``, ``strftime_now``,
+        a ``tojson`` that keeps non-ASCII), so the text equals what the server's tokenizer renders.
+        """
+        template = card.get("chat_template")
+        if not isinstance(template, str) or not template:
+            return None
+        try:
+            import jinja2
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+        except ImportError as e:  # pragma: no cover - jinja2 ships with the langchain extra
+            raise ImportError(
+                "rendering the server's chat template needs `jinja2`: pip install jinja2"
+            ) from e
+
+        def raise_exception(message: str) -> None:
+            raise jinja2.exceptions.TemplateError(message)
+
+        def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, **kw: Any) -> str:
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, **kw)
+
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.filters["tojson"] = tojson
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        compiled = env.from_string(template)
+        bos = card.get("bos_token")
+        eos = list(card.get("eos_tokens") or [])
+        specials = {"bos_token": bos or "", "eos_token": eos[0] if eos else ""}
+
+        def render(messages: list[dict[str, Any]]) -> str:
+            return compiled.render(messages=messages, add_generation_prompt=True, **specials)
+
+        return cls(render, bos_token=bos, adds_bos=bool(card.get("adds_bos_token")))
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ChatFormat:

@@ -63,9 +63,10 @@ class ChatParrot(ParrotModelBase, BaseChatModel):
     responses carry ``usage_metadata`` and ``response_metadata`` (``model_name``, ``finish_reason``).
     The server has no tool calling, structured output via tools, or image inputs.
 
-    ``chat_format`` (a `ChatFormat`, or the path of the model's Hugging Face folder) lets `compile_chain`
-    render chat prompts server-side with the model's chat template; without it a compiled chain runs this
-    model's steps client-side.
+    `compile_chain` renders this model's chat prompts server-side with the model's chat template, which the
+    server publishes (``GET /v1/models``, read once on first compile); ``chat_format`` (a `ChatFormat`, or
+    the path of the model's Hugging Face folder) overrides it. A model whose server publishes no chat
+    template runs its steps of a compiled chain client-side.
     """
 
     chat_format: ChatFormat | str | Path | None = Field(default=None, exclude=True)
@@ -90,11 +91,28 @@ class ChatParrot(ParrotModelBase, BaseChatModel):
         return {"api_key": "PARROT_API_KEY"}
 
     def resolved_chat_format(self) -> ChatFormat | None:
-        """`chat_format` as a `ChatFormat` (a folder is loaded once), or None when not given."""
-        if self._format is None and self.chat_format is not None:
+        """`chat_format` as a `ChatFormat` (a folder is loaded once); when not given, the chat template the
+        server publishes for this model (``GET /v1/models``, read once); None when it publishes none."""
+        if self._format is None:
             given = self.chat_format
-            self._format = given if isinstance(given, ChatFormat) else ChatFormat.from_pretrained(given)
+            if isinstance(given, ChatFormat):
+                self._format = given
+            elif given is not None:
+                self._format = ChatFormat.from_pretrained(given)
+            else:
+                self._format = ChatFormat.from_card(self._served_card())
         return self._format
+
+    def _served_card(self) -> dict[str, Any]:
+        """The server's ``/v1/models`` card of this model (of the default model when ``model`` is None)."""
+        cards = self.connection.get("/v1/models").get("data") or []
+        for card in cards:
+            if self.model is None or card.get("id") == self.model:
+                return dict(card)
+        served = ", ".join(repr(c.get("id")) for c in cards) or "none"
+        raise ValueError(
+            f"the Parrot server at {self.base_url} does not serve {self.model!r}; it serves {served}"
+        )
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         return self._parrot_ls_params("chat", stop, kwargs)

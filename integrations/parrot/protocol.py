@@ -886,10 +886,20 @@ class OpenAIChatCompletionChunk(BaseModel):
 
 
 class OpenAIModelCard(BaseModel):
+    """A served model. Beyond OpenAI's fields: its context window (``max_model_len``, as vLLM names it) and
+    what a client needs to render chat messages exactly as the server does (the tokenizer's chat template,
+    its BOS text and whether encoding adds BOS, the EOS texts), so a compiled chat chain needs no local copy
+    of the tokenizer."""
+
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "parrot"
+    max_model_len: int | None = None
+    chat_template: str | None = None
+    bos_token: str | None = None
+    adds_bos_token: bool | None = None
+    eos_tokens: list[str] = Field(default_factory=list)
 
 
 class OpenAIModelList(BaseModel):

@@ -86,5 +86,5 @@ def recorder(served: LaunchedServer) -> PromptRecorder:
 
 @pytest.fixture(scope="session")
 def chat_format() -> ChatFormat:
-    """The tiny model's chat template (the server does not publish it over HTTP)."""
+    """The tiny model's chat template, from its tokenizer folder (the server publishes it too)."""
     return ChatFormat.from_pretrained(TINY_MODEL_DIR)

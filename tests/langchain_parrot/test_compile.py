@@ -399,10 +399,23 @@ def test_models_on_two_servers_are_a_compile_error(chat: ChatParrot, chat_format
         compile_chain({"a": chat_prompt("{x}") | chat, "b": chat_prompt("{x}") | other})
 
 
-def test_chat_model_without_chat_format_runs_on_the_client(
+def test_chat_model_without_chat_format_uses_the_servers_template(
     served: LaunchedServer, recorder: PromptRecorder
 ) -> None:
+    """No chat_format given: the chat template the server publishes renders the compiled prompt, which
+    reaches the engine as the same tokens as the chat endpoint's own rendering."""
     plain_chat = ChatParrot(base_url=served.url, max_tokens=5)
+    chain = chat_prompt("Hello {x}") | plain_chat | StrOutputParser()
+    _, counts = same_run(served, recorder, chain, {"x": "a"})
+    assert counts[("GET", "/v1/models")] == 0  # read once, when the chain was first compiled
+
+
+def test_chat_model_whose_server_publishes_no_template_runs_on_the_client(
+    served: LaunchedServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plain_chat = ChatParrot(base_url=served.url, max_tokens=5)
+    card = plain_chat._served_card()
+    monkeypatch.setattr(ChatParrot, "_served_card", lambda self: {**card, "chat_template": None})
     chain = chat_prompt("Hello {x}") | plain_chat | StrOutputParser()
     with pytest.warns(ClientSideStepWarning, match="without chat_format"):
         compiled = compile_chain(chain)

@@ -14,7 +14,14 @@ from typing import Any
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage
 from langchain_core.prompts import ChatPromptTemplate, MessagesPlaceholder, PromptTemplate
-from langchain_parrot import ChatFormat, ChatParrot, MissingVariableError, ParrotLLM, UnsupportedInputError
+from langchain_parrot import (
+    TINY_MODEL_DIR,
+    ChatFormat,
+    ChatParrot,
+    MissingVariableError,
+    ParrotLLM,
+    UnsupportedInputError,
+)
 from langchain_parrot.messages import to_wire_messages
 from langchain_parrot.parsers import OutputPlan, plan_output
 from langchain_parrot.prompts import NotExpressibleError, plain_variables, render_prompt
@@ -231,3 +238,54 @@ def test_chat_format_drops_the_bos_the_manager_adds_back(chat_format: ChatFormat
     broken = ChatFormat(lambda messages: "no bos here", bos_token="<s>", adds_bos=True)
     with pytest.raises(UnsupportedInputError, match="does not start with it"):
         broken.template_text([{"role": "user", "content": "hi"}])
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"role": "user", "content": "Hi é {x} \n"}],
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "One?"},
+            {"role": "assistant", "content": "Two."},
+            {"role": "user", "content": "Three?"},
+        ],
+    ],
+)
+def test_the_servers_model_card_renders_as_the_tokenizer(messages: list[dict[str, str]]) -> None:
+    """`ChatFormat.from_card` (Jinja over the published template) equals `transformers`' own rendering, for
+    the tiny model's template and for SmolLM2's (a system prompt added when there is none)."""
+    from transformers import AutoTokenizer
+
+    from server.engine import LLMEngine
+    from server.openai_api import model_card
+
+    engine = LLMEngine.from_pretrained("tiny")
+    try:
+        card = model_card("tiny", engine, 0).model_dump()
+    finally:
+        engine.shutdown()
+    from_card, from_tok = ChatFormat.from_card(card), ChatFormat.from_tokenizer(engine.tokenizer)
+    assert from_card is not None
+    assert from_card.render(messages) == from_tok.render(messages)
+    assert (from_card.bos_token, from_card.adds_bos) == (from_tok.bos_token, from_tok.adds_bos)
+    smol = AutoTokenizer.from_pretrained(str(TINY_MODEL_DIR), local_files_only=True)
+    smol.chat_template = SMOLLM2_TEMPLATE
+    smol_card = {**card, "chat_template": SMOLLM2_TEMPLATE}
+    assert ChatFormat.from_card(smol_card).render(messages) == ChatFormat.from_tokenizer(smol).render(
+        messages
+    )
+
+
+def test_a_card_without_a_template_gives_no_format() -> None:
+    assert ChatFormat.from_card({"id": "m", "chat_template": None}) is None
+
+
+# SmolLM2-135M-Instruct's chat template, as its GGUF carries it.
+SMOLLM2_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, "
+    "trained by Hugging Face<|im_end|>\n' }}"
+    "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
