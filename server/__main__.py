@@ -1,6 +1,6 @@
 """`python -m server`: the manager with N in-process engines, serving the Parrot API over HTTP.
 
-python -m server --model tiny --engines 1 --port 9000
+python -m server --engines 1 --port 9000      # SmolLM2-135M-Instruct, the default model
 python -m server --engines 0 --port 9000      # only remote engines: python -m server.engine --manager URL
 """
 
@@ -15,6 +15,7 @@ from starlette.types import ASGIApp
 
 from server.app import create_app
 from server.engine import EngineConfig
+from server.engine.model_names import DEFAULT_MODEL, MODEL_HELP
 from server.launcher import build_engines
 from server.netdelay import NetworkDelayMiddleware
 from server.serve.manager import Manager, ManagerConfig
@@ -22,12 +23,18 @@ from server.serve.manager import Manager, ManagerConfig
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m server", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="tiny", help='"tiny" (embedded default) or a local Hugging Face folder')
+    p.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     p.add_argument("--engines", type=int, default=1, help="in-process engines (remote ones may also join)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=9000)
     p.add_argument("--session-ttl", type=float, default=600.0)
     p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "float16", "bfloat16"],
+        help="weights and activations (default: per device, see EngineConfig.dtype)",
+    )
     p.add_argument(
         "--max-running-tokens",
         type=int,
@@ -44,7 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    config = EngineConfig(num_kv_blocks=args.num_kv_blocks, max_running_tokens=args.max_running_tokens)
+    config = EngineConfig(
+        num_kv_blocks=args.num_kv_blocks, max_running_tokens=args.max_running_tokens, dtype=args.dtype
+    )
     engines = build_engines(args.model, args.engines, config)
     try:
         app: ASGIApp = create_app(Manager(engines, ManagerConfig(session_ttl=args.session_ttl)))

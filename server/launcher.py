@@ -16,6 +16,7 @@ from fastapi import FastAPI
 
 from server.app import create_app
 from server.engine import EngineConfig, LLMEngine
+from server.engine.model_names import DEFAULT_MODEL
 from server.netdelay import NetworkDelayMiddleware
 from server.serve.manager import Manager, ManagerConfig
 
@@ -52,7 +53,7 @@ def build_engines(model: str, engines: int, engine_config: EngineConfig | None) 
 
 @contextmanager
 def launch(
-    model: str = "tiny",
+    model: str = DEFAULT_MODEL,
     engines: int = 1,
     port: int = 0,
     host: str = "127.0.0.1",
@@ -62,7 +63,9 @@ def launch(
     network_delay: tuple[float, float] | None = None,
     network_delay_seed: int = 0,
 ) -> Iterator[LaunchedServer]:
-    """Start manager + ``engines`` in-process engines serving ``model``; stop everything on exit.
+    """Start manager + ``engines`` in-process engines serving ``model`` (default: SmolLM2-135M-Instruct;
+    ``"tiny"``, a ``.gguf`` file or a Hugging Face folder: see `server.engine.model_names`); stop everything
+    on exit.
 
     ``network_delay=(low, high)`` puts the simulated client network delay (`server.netdelay`) in front of
     every request, as benchmarks do for both Parrot and the baseline.

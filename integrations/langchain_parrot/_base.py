@@ -88,8 +88,8 @@ class ParrotModelBase(BaseModel):
 
     base_url: str = Field(default_factory=from_env("PARROT_BASE_URL", default=DEFAULT_BASE_URL))
     """The Parrot server (env ``PARROT_BASE_URL``; default ``http://127.0.0.1:9000``)."""
-    model: str = Field(default="tiny", alias="model_name")
-    """The served model's name (``GET /v1/models``); ``"tiny"`` is the embedded default model."""
+    model: str | None = Field(default=None, alias="model_name")
+    """The served model's name (``GET /v1/models``); None: the server's default model."""
     temperature: float = 0.0
     """Sampling temperature; 0 is greedy (deterministic), the default."""
     max_tokens: int | None = None

@@ -54,7 +54,7 @@ class ChatParrot(ParrotModelBase, BaseChatModel):
     """Chat model on a Parrot server's OpenAI-compatible chat endpoint.
 
     Setup: a running server (``python -m server``) or ``server.launch()``; ``base_url`` points at it (env
-    ``PARROT_BASE_URL``). Key arguments: ``model`` (default ``"tiny"``), ``temperature`` (default 0,
+    ``PARROT_BASE_URL``). Key arguments: ``model`` (default: the server's), ``temperature`` (default 0,
     greedy), ``max_tokens`` (None: until EOS or the window's end), ``stop``, ``top_p``, ``top_k``,
     ``seed``, ``timeout`` and ``max_retries`` (transport errors and 429/502/503/504 are retried with
     backoff; a server that stays down raises `parrot.ConnectionError` naming the URL).

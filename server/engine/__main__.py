@@ -1,7 +1,7 @@
 """`python -m server.engine`: serve one engine over HTTP, or answer one prompt and exit.
 
-python -m server.engine --model tiny --port 9100
-python -m server.engine --model tiny --port 9100 --manager http://127.0.0.1:9000   # join a manager
+python -m server.engine --port 9100                                   # SmolLM2-135M-Instruct, the default
+python -m server.engine --port 9100 --manager http://127.0.0.1:9000   # join a manager
 python -m server.engine --model tiny --prompt "Once upon a time" --max-tokens 32
 """
 
@@ -15,12 +15,13 @@ import sys
 from server.engine.config import EngineConfig
 from server.engine.engine import LLMEngine
 from server.engine.manager_link import ManagerLink
+from server.engine.model_names import DEFAULT_MODEL, MODEL_HELP
 from server.engine.sampling import SamplingParams
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m server.engine", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="tiny", help='"tiny" (embedded default) or a local Hugging Face folder')
+    p.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=9100)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")

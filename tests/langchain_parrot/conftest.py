@@ -74,7 +74,7 @@ class PromptRecorder:
 @pytest.fixture(scope="session")
 def served() -> Iterator[LaunchedServer]:
     """The embedded server (tiny model, one engine), recording its prompts (`recorder`)."""
-    with launch(engine_config=EngineConfig(num_kv_blocks=2048)) as server:
+    with launch("tiny", engine_config=EngineConfig(num_kv_blocks=2048)) as server:
         server.recorder = PromptRecorder(server.engines[0])  # type: ignore[attr-defined]
         yield server
 

@@ -31,7 +31,7 @@ DELETE = ("DELETE", "/v1/sessions/{session_id}")
 
 @pytest.fixture(scope="session")
 def served() -> Iterator[LaunchedServer]:
-    with launch(engine_config=EngineConfig(num_kv_blocks=2048)) as s:
+    with launch("tiny", engine_config=EngineConfig(num_kv_blocks=2048)) as s:
         yield s
 
 

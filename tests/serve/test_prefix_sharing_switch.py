@@ -22,7 +22,7 @@ def run(sharing: bool) -> tuple[list[str], int, int, list[int], int]:
         TEMPLATE, name="ask", sampling=P.SamplingConfig(max_tokens=4, temperature=0.0, ignore_eos=True)
     )
     config = ManagerConfig(prefix_sharing=sharing)
-    with launch(engine_config=EngineConfig(num_kv_blocks=256), manager_config=config) as served:
+    with launch("tiny", engine_config=EngineConfig(num_kv_blocks=256), manager_config=config) as served:
         engine = served.engines[0]
         before = engine.stats().prefill_tokens_computed
         with P.Session(served.url) as s:

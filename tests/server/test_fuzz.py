@@ -44,7 +44,7 @@ _REQUEST_TIMEOUT = 30.0  # seconds: a request slower than this is reported as a 
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[LaunchedServer]:
-    with launch(engine_config=EngineConfig(num_kv_blocks=256)) as s:
+    with launch("tiny", engine_config=EngineConfig(num_kv_blocks=256)) as s:
         yield s
 
 

@@ -27,7 +27,7 @@ STOP_TOKEN = 2903  # the tiny model's favourite greedy token: a stop token it re
 @contextmanager
 def served(sharing: bool = True, **config: object) -> Iterator[LaunchedServer]:
     manager_config = ManagerConfig(prefix_sharing=sharing, **config)  # type: ignore[arg-type]
-    with launch(engine_config=EngineConfig(num_kv_blocks=512), manager_config=manager_config) as s:
+    with launch("tiny", engine_config=EngineConfig(num_kv_blocks=512), manager_config=manager_config) as s:
         yield s
 
 

@@ -27,7 +27,7 @@ BROKEN = P.SemanticFunction.from_template(
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["one-engine", "two-engines"])
 def served(request: pytest.FixtureRequest) -> Iterator[LaunchedServer]:
-    with launch(engines=request.param, engine_config=EngineConfig(num_kv_blocks=256)) as s:
+    with launch("tiny", engines=request.param, engine_config=EngineConfig(num_kv_blocks=256)) as s:
         yield s
 
 

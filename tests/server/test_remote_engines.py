@@ -74,7 +74,7 @@ def _reference(engine: LLMEngine, prompt: str, max_tokens: int) -> str:
 @pytest.fixture(scope="module")
 def manager_only() -> Iterator[LaunchedServer]:
     config = ManagerConfig(heartbeat_interval=0.2, engine_timeout=1.0)
-    with launch(engines=0, manager_config=config) as s:
+    with launch("tiny", engines=0, manager_config=config) as s:
         yield s
 
 

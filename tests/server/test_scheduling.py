@@ -16,7 +16,7 @@ SYSTEM = " ".join(f"Guideline {i}: answer about topic {i} briefly." for i in ran
 
 @pytest.fixture(scope="module")
 def two_engines() -> Iterator[LaunchedServer]:
-    with launch(engines=2, engine_config=EngineConfig(num_kv_blocks=512)) as s:
+    with launch("tiny", engines=2, engine_config=EngineConfig(num_kv_blocks=512)) as s:
         yield s
 
 

@@ -18,7 +18,7 @@ _ids = itertools.count(10**9)  # engine context ids far from the manager's own
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[LaunchedServer]:
-    with launch(engine_config=EngineConfig(num_kv_blocks=1024)) as s:
+    with launch("tiny", engine_config=EngineConfig(num_kv_blocks=1024)) as s:
         yield s
 
 
