@@ -1,26 +1,25 @@
-"""Chain (refine) summary with LangChain on Parrot: each step reads the summary so far and the next chunk.
+"""Chain (refine) summary with LangChain on Parrot: each step reads the summary so far and the next part.
 
 The refine step is a plain LCEL chain (``prompt | ChatParrot | StrOutputParser``) compiled with
-`compile_chain`. A Python loop calls ``compiled.submit(...)`` once per chunk, passing the previous step's
+`compile_chain`. A Python loop calls ``compiled.submit(...)`` once per part, passing the previous step's
 output *variable* into the next step, so the whole chain of dependent calls is queued without waiting:
 the server runs step i+1 as soon as step i is done, with no client round trip in between. The progress
 bar follows the steps as the server finishes them; the last summary is fetched once.
 
-Runs with no arguments on the embedded default model (random weights: the summary is gibberish by design;
-``--model-dir`` and ``--model`` point at a real one), or against a running server with ``--server URL``.
-The document is built offline from Python standard-library docstrings.
+The document is the Gettysburg Address (``recipes/data/founding_documents.txt``, public domain), one
+refine step per paragraph. Runs with no arguments on the default model (SmolLM2-135M-Instruct,
+started here), or against a running server with ``--server URL``.
 
-    python recipes/chain_summary.py [--server URL] [--chunks 6] [--chunk-words 120] [--max-tokens 48]
+    python recipes/chain_summary.py [--server URL] [--model NAME] [--max-tokens 80]
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,20 +30,19 @@ import parrot as P
 from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import ChatPromptTemplate
 from langchain_core.runnables import Runnable
-from langchain_parrot import TINY_MODEL_DIR, ChatFormat, ChatParrot, CompiledChain, compile_chain
+from langchain_parrot import ChatParrot, CompiledChain, compile_chain
 from tqdm import tqdm
 
 from benchmarks.common import stdlib_text
+from recipes.common import gettysburg_address, service
 
-SYSTEM = (
-    "You are an expert technical writer. You summarize long documents one part at a time, keeping every "
-    "important fact and dropping repetition. Answer with the summary only."
-)
+SYSTEM = "You summarize documents."
 FIRST_SUMMARY = "(nothing yet)"
 
 
 def make_chunks(count: int, words: int) -> list[str]:
-    """``count`` consecutive pieces of ``words`` words of the standard-library docstring text."""
+    """``count`` consecutive pieces of ``words`` words of the standard-library docstring text (the
+    benchmarks' document, sized at will)."""
     text = stdlib_text(count * words * 8).split()
     return [" ".join(text[i * words : (i + 1) * words]) for i in range(count)]
 
@@ -56,8 +54,9 @@ def build_step(chat: Runnable[Any, Any]) -> Runnable[Any, str]:
             ("system", SYSTEM),
             (
                 "human",
-                "Summary of the document so far:\n{summary}\n\nNext part of the document:\n{chunk}\n\n"
-                "Write the updated summary.",
+                "Here is a summary of a document so far:\n{summary}\n\nHere is the next part of the "
+                "document:\n{chunk}\n\nRewrite the summary so that it also covers the new part. Answer with "
+                "the summary only, in at most three sentences.",
             ),
         ]
     )
@@ -116,52 +115,32 @@ def run_plain(step: Runnable[Any, str], chunks: list[str], on_step: Callable[[],
     return summary
 
 
-@contextlib.contextmanager
-def service(url: str | None, model: str) -> Iterator[tuple[str, str]]:
-    """The server to use and the served model's name: ``url``, or an embedded server started here."""
-    if url is not None:
-        yield url.rstrip("/"), model
-        return
-    from server import launch
-
-    with launch(model=model) as server:
-        yield server.url, server.engines[0].model_name
-
-
-def chat_format_dir(model: str, model_dir: str | None) -> Path:
-    """Where the model's chat template is: ``--model-dir``, the ``--model`` folder, or the tiny model's."""
-    if model_dir is not None:
-        return Path(model_dir)
-    return Path(model) if Path(model).is_dir() else TINY_MODEL_DIR
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--server", metavar="URL", help="a running Parrot server (default: start one here)")
-    parser.add_argument("--model", default="tiny", help="the model name (embedded: 'tiny' or a local folder)")
-    parser.add_argument("--model-dir", help="the model's Hugging Face folder, for its chat template")
-    parser.add_argument("--chunks", type=int, default=6, help="document parts, one refine step each")
-    parser.add_argument("--chunk-words", type=int, default=120, help="words per part")
-    parser.add_argument("--max-tokens", type=int, default=48, help="summary tokens per step")
+    parser.add_argument(
+        "--model", help="model name (default: the server's; embedded: smollm2, tiny, a .gguf or a folder)"
+    )
+    parser.add_argument("--max-tokens", type=int, default=80, help="summary tokens per step")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     started = time.perf_counter()
-    chunks = make_chunks(args.chunks, args.chunk_words)
-    with service(args.server, args.model) as (url, model):
-        chat = ChatParrot(
-            base_url=url,
-            model=model,
-            max_tokens=args.max_tokens,
-            chat_format=ChatFormat.from_pretrained(chat_format_dir(args.model, args.model_dir)),
-        )
+    parts = gettysburg_address()
+    with service(args.server, args.model) as served:
+        # No chat_format: the compiled prompts use the chat template the server publishes.
+        chat = ChatParrot(base_url=served.url, model=served.model, max_tokens=args.max_tokens)
         compiled = compile_chain(build_step(chat))
-        with tqdm(total=len(chunks), desc="refine steps", unit="step") as bar:
-            summary = run_compiled(compiled, url, chunks, on_step=lambda: bar.update())
-    print(f"\nSummary of {len(chunks)} parts ({args.chunk_words} words each):\n{summary}\n")
-    print(f"elapsed: {time.perf_counter() - started:.1f} s (server start included when embedded)")
+        loaded = time.perf_counter()
+        with tqdm(total=len(parts), desc="refine steps", unit="step") as bar:
+            summary = run_compiled(compiled, served.url, parts, on_step=lambda: bar.update())
+        done = time.perf_counter()
+    print(f"\nSummary of the Gettysburg Address ({len(parts)} refine steps):\n{summary.strip()}\n")
+    print(
+        f"elapsed: {done - started:.1f} s ({done - loaded:.1f} s of refine steps; the rest is server start)"
+    )
 
 
 if __name__ == "__main__":
