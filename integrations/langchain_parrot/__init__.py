@@ -9,9 +9,9 @@
 ```python
 from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import ChatPromptTemplate
-from langchain_parrot import ChatFormat, ChatParrot, compile_chain
+from langchain_parrot import ChatParrot, compile_chain
 
-chat = ChatParrot(base_url="http://127.0.0.1:9000", chat_format=ChatFormat.from_pretrained(model_dir))
+chat = ChatParrot(base_url="http://127.0.0.1:9000")  # chat template: the one the server publishes
 prompt = ChatPromptTemplate.from_messages([("system", "You are terse."), ("human", "Summarize: {text}")])
 chain = compile_chain(prompt | chat | StrOutputParser())
 chain.invoke({"text": "..."})

@@ -3,7 +3,7 @@
 ```python
 from langchain_parrot import ChatParrot, compile_chain
 
-chat = ChatParrot(base_url=url, chat_format=ChatFormat.from_pretrained(model_dir), max_tokens=64)
+chat = ChatParrot(base_url=url, max_tokens=64)  # renders with the chat template the server publishes
 outline = ChatPromptTemplate.from_messages([("system", "You plan essays."), ("human", "Outline {topic}")])
 essay = ChatPromptTemplate.from_messages([("system", "You write essays."), ("human", "Write: {outline}")])
 chain = {"outline": outline | chat | StrOutputParser()} | essay | chat | StrOutputParser()
@@ -189,7 +189,11 @@ class _Builder:
             if fmt is False:
                 if prompt is not None:
                     steps.append(self.client(prompt, None))
-                steps.append(self.client(target, "a ChatParrot without chat_format"))
+                steps.append(
+                    self.client(
+                        target, "a ChatParrot without chat_format, whose server publishes no chat template"
+                    )
+                )
                 steps.extend(self.client(p, None) for p in parsers)
             else:
                 self.count += 1
@@ -218,7 +222,8 @@ def compile_chain(
     """Compile an LCEL chain into a `CompiledChain` (see the module docstring).
 
     ``chat_format`` renders chat prompts for every `ChatParrot` of the chain (default: each model's own
-    ``chat_format``; a ChatParrot with neither runs on the client). ``criteria`` is what the outputs are
+    ``chat_format``, else the chat template its server publishes; a ChatParrot with none runs on the
+    client). ``criteria`` is what the outputs are
     fetched with (default: ``latency`` for ``invoke``, ``throughput`` for ``batch``). ``timeout`` is how
     long a run waits for any one output (default: the models' ``timeout``).
 
