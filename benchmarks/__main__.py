@@ -28,7 +28,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     size.add_argument("--quick", action="store_true", help="the small configurations (< 10 min in all)")
     size.add_argument("--tiny", action="store_true", help="harness check: seconds each, figures meaningless")
     run.add_argument(
-        "--model", default="tiny", help='"tiny" or a local Hugging Face folder (real-engine runs)'
+        "--model",
+        default=None,
+        help='real-engine runs: "smollm2", "tiny", a .gguf file or a Hugging Face folder (default: each '
+        "experiment's own, see `python -m benchmarks list`)",
     )
     run.add_argument("--timeout", type=float, default=3600.0, help="seconds one experiment may take")
     for p in (run, sub.add_parser("report", help="re-render docs/benchmarks.md from the results")):
@@ -70,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.command == "list":
         for e in EXPERIMENTS:
-            print(f"{e.name:<18} {e.figure:<16} {e.backend:<9} {e.title}")
+            model = e.default_model if e.backend == "engine" else "-"
+            print(f"{e.name:<18} {e.figure:<16} {e.backend:<9} {model:<8} {e.title}")
         return 0
     if args.command == "report":
         print(write_report(load_records(args.results), args.docs))

@@ -30,12 +30,19 @@ SIZE_FLAGS: dict[Size, tuple[str, ...]] = {"full": (), "quick": ("--quick",), "t
 
 @dataclass(frozen=True)
 class RunOptions:
-    """How to run: the size, where results go, and the model for real-engine experiments."""
+    """How to run: the size, where results go, and the model for real-engine experiments (None: each
+    experiment's own `Experiment.default_model`; tiny-size runs always use the tiny model)."""
 
     size: Size = "full"
     results_dir: Path = RESULTS_DIR
-    model: str = "tiny"
+    model: str | None = None
     timeout_s: float = 3600.0
+
+    def model_for(self, experiment: Experiment) -> str:
+        """The model ``experiment`` runs on."""
+        if self.size == "tiny":
+            return "tiny"
+        return self.model or experiment.default_model
 
 
 def select(names: Sequence[str]) -> list[Experiment]:
@@ -49,8 +56,9 @@ def select(names: Sequence[str]) -> list[Experiment]:
 def command(experiment: Experiment, options: RunOptions, json_path: Path) -> list[str]:
     """The script's command line for ``options``."""
     args = list(experiment.tiny_args if options.size == "tiny" else SIZE_FLAGS[options.size])
-    if experiment.takes_model and options.model != "tiny":
-        args += ["--model", options.model]
+    model = options.model_for(experiment)
+    if experiment.takes_model and model != "tiny":
+        args += ["--model", model]
     return [sys.executable, "-m", experiment.module, *args, "--json", str(json_path)]
 
 
@@ -89,7 +97,18 @@ def _model_config(model: str) -> dict[str, Any]:
 
         return dict(TINY_CONFIG)
     path = Path(model) / "config.json"
-    return json.loads(path.read_text()) if path.exists() else {"path": model}
+    if path.exists():
+        return json.loads(path.read_text())
+    try:  # a named model or a GGUF file: the config its metadata gives
+        from server.engine.gguf_loader import gguf_hf_config, read_gguf
+        from server.engine.model_names import resolve_model
+
+        source = resolve_model(model)
+        if source.kind == "gguf":
+            return {"path": str(source.path), **gguf_hf_config(read_gguf(source.path))}
+    except (OSError, ValueError):
+        pass
+    return {"path": model}
 
 
 def run_one(experiment: Experiment, options: RunOptions, machine: dict[str, Any]) -> dict[str, Any]:
@@ -109,7 +128,7 @@ def run_one(experiment: Experiment, options: RunOptions, machine: dict[str, Any]
         "started_at": started.isoformat(timespec="seconds"),
         "machine": machine,
         "engines": experiment.engines,
-        "model": model_record(experiment, options.model),
+        "model": model_record(experiment, options.model_for(experiment)),
     }
     try:
         with log_path.open("w") as log_file:

@@ -56,6 +56,10 @@ def test_command_lines_per_size_and_model(tmp_path: Path) -> None:
     ]
     assert command(mr, RunOptions(size="full", model="/m"), out)[3:5] == ["--model", "/m"]
     assert command(kernels, RunOptions(size="tiny", model="/m"), out)[3:] == ["--tiny", "--json", str(out)]
+    turns = by_name("multi_turn")  # an experiment whose own default is SmolLM2
+    assert command(turns, RunOptions(size="quick"), out)[3:6] == ["--quick", "--model", "smollm2"]
+    assert "--model" not in command(turns, RunOptions(size="quick", model="tiny"), out)
+    assert "--model" not in command(turns, RunOptions(size="tiny"), out)  # harness checks stay tiny
 
 
 def test_paper_figures_parse_as_numbers_or_ranges() -> None:
