@@ -1,7 +1,9 @@
-"""Engine throughput: our paged-KV engine vs Hugging Face ``generate`` on the same model, in one run.
+"""Engine throughput: our paged-KV engine vs Hugging Face ``generate`` (and vLLM) on the same model, one run.
 
 Measured at batch 1, 16 and 64 with the same prompts (stdlib docstrings, lengths spread over
-``[spread * L, L]``), greedy, the same number of new tokens, fp32 on CPU:
+``[spread * L, L]``), greedy, the same number of new tokens, on CPU; our engine in its default dtype (fp32
+on CPU) or ``--dtype``, HF in the same dtype, vLLM in ``--vllm-dtype`` (bf16 by default); the output
+states each:
 
 * **prefill tok/s** = prompt tokens / ``T(1)``, where ``T(1)`` is the wall time from submitting the batch to
   having the first generated token of every request (ours: ``fill`` + ``generate(max_tokens=1)`` per request,
@@ -14,31 +16,61 @@ Measured at batch 1, 16 and 64 with the same prompts (stdlib docstrings, lengths
 * **end-to-end tok/s** = ``B * N / T(N)`` (generated tokens over the whole run).
 
 ``T(1)`` and ``T(N)`` are medians over at least ``--repeats`` runs (small batches get more, up to 3x,
-within a time budget), ours and HF interleaved (alternating which goes first), each system's pair of timed
-runs preceded by an untimed prefill-only run (see `measure_batch`), after one full warm-up run of each;
-the spread (``±``) is half the range of the per-repeat figures. HF is what a Hugging Face user runs:
-``LlamaForCausalLM.from_pretrained(folder)``, left padding with an attention mask,
+within a time budget), the systems interleaved (in order, then reversed, repeat after repeat), each
+system's pair of timed runs preceded by an untimed prefill-only run (see `measure_batch`), after one full
+warm-up run of each; the spread (``±``) is half the range of the per-repeat figures. HF is what a Hugging
+Face user runs: ``LlamaForCausalLM.from_pretrained(folder)``, left padding with an attention mask,
 ``generate(do_sample=False, min_new_tokens=N, max_new_tokens=N)`` (its default cache and attention).
+
+vLLM (``--vllm-python PATH``: an interpreter of a separate virtualenv with vLLM, e.g. its CPU build) is
+``LLM.generate`` over the same token ids (``TokensPrompt``), greedy, ``min_tokens = max_tokens = N``,
+``ignore_eos``, token ids out, automatic prefix caching off (T(1) and T(N) run the same prompts; ours and
+HF recompute every prompt too), otherwise vLLM's defaults. It runs in a long-lived worker process
+(``benchmarks/vllm_worker.py``: the model is loaded once per run) whose ``generate`` calls are timed inside
+the worker. Unless set in the environment (or with ``--vllm-env``), the worker's OpenMP threads are bound
+to the cores and thread count our process uses (``VLLM_CPU_OMP_THREADS_BIND``, no core reserved:
+``VLLM_CPU_NUM_OF_RESERVED_CPU=0``, where vLLM's ``auto`` would keep one of two cores for its scheduler),
+its KV cache (``VLLM_CPU_KVCACHE_SPACE``) fits the largest batch, and its log level is WARNING. vLLM's CPU
+docs recommend ``LD_PRELOAD`` of tcmalloc and Intel OpenMP; pass it with ``--vllm-env LD_PRELOAD=...``.
+
+Batch-1 decode ceiling: decoding one token streams every weight from memory once (the embedding table only
+where it is tied to the output head), so main-memory read bandwidth (`benchmarks.common.memory_bandwidth`:
+a matrix-vector product or a ``sum`` over 256 MiB, the better median of repeats, measured in the same run)
+/ weight bytes of our model in its dtype bounds batch-1 decode tok/s; ours is reported as a share of it.
+
+Without a Hugging Face folder (``--model`` a GGUF file or a name our engine resolves), the weights our engine
+loaded are exported to a temporary HF folder (`benchmarks.common.export_hf_folder`), so HF and vLLM run
+exactly our weights.
 
 KV memory: 32 requests sharing a 2048-token prefix plus a distinct 16-token suffix each, generating a few
 tokens, counted exactly (``engine.stats().blocks_used`` with every context still alive) with fork (the prefix
 filled once, 32 children forked from it) and without (32 independent fills of prefix + suffix).
 
     python -m benchmarks.engine_throughput [--quick] [--json PATH] [--model PATH] [--repeats N]
+        [--dtype D] [--vllm-python PATH [--vllm-dtype D] [--vllm-engine-args JSON] [--vllm-env K=V ...]]
     (or python benchmarks/engine_throughput.py ...)
 
-The last line is ``RESULT engine_throughput decode_ratio_b1=... prefill_ratio_b64=... kv_fork_ratio=...``.
+The last line is ``RESULT engine_throughput decode_ratio_b1=... prefill_ratio_b64=... kv_fork_ratio=...
+mem_bw_gbs=... decode_b1_pct_ceiling=...`` (ours/HF ratios), with ``decode_vs_vllm_b1=...`` (ours/vLLM)
+and the like when vLLM ran.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
+import json
 import math
+import os
+import queue
 import random
+import signal
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -56,11 +88,14 @@ from benchmarks.common import (
     Spread,
     add_engine_flags,
     add_size_flags,
+    engine_model,
+    export_hf_folder,
     fmt_num,
     load_average,
     log,
     machine_info,
     markdown_table,
+    memory_bandwidth,
     result_line,
     safe_ratio,
     set_threads,
@@ -71,6 +106,8 @@ from benchmarks.common import (
 from server.engine import EngineConfig, LLMEngine, SamplingParams
 
 NAME = "engine_throughput"
+WORKER_SCRIPT = Path(__file__).resolve().with_name("vllm_worker.py")
+DTYPES = ("float32", "float16", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -89,18 +126,28 @@ class BenchConfig:
     kv_new_tokens: int = 8
     max_num_batched_tokens: int = 2048  # the engine's default token budget per step
     seed: int = 0
+    bandwidth_mib: int = 256  # the tensor the memory bandwidth is measured on (far larger than any cache)
+    bandwidth_repeats: int = 9
 
 
 FULL = BenchConfig()
 QUICK = BenchConfig(prompt_len=64, max_new_tokens=16, repeats=3, min_time_s=1.5)
 TINY = BenchConfig(
-    batches=(1, 4), prompt_len=16, max_new_tokens=4, repeats=1, min_time_s=0.0, kv_requests=4, kv_prefix=64
+    batches=(1, 4),
+    prompt_len=16,
+    max_new_tokens=4,
+    repeats=1,
+    min_time_s=0.0,
+    kv_requests=4,
+    kv_prefix=64,
+    bandwidth_mib=16,
+    bandwidth_repeats=3,
 )
 
 
 # ----------------------------------------------------------------------------------------------- systems
 class System(Protocol):
-    """A way to run a batch of greedy generations; both systems are driven through this."""
+    """A way to run a batch of greedy generations; every system is driven through this."""
 
     name: str
 
@@ -186,6 +233,190 @@ def left_pad(prompts: Sequence[list[int]], pad_token_id: int) -> tuple[torch.Ten
     return ids, mask
 
 
+class VLLMWorker:
+    """vLLM's ``LLM.generate`` in a worker process (`benchmarks/vllm_worker.py`) of another interpreter.
+
+    The worker loads the model once, then times each batch itself (JSON lines over its stdin / stdout), so
+    the pipe is not in the figures. Its log goes to our stderr.
+    """
+
+    name = "vllm"
+
+    def __init__(
+        self,
+        python: str,
+        folder: Path,
+        *,
+        dtype: str,
+        max_model_len: int,
+        max_num_seqs: int,
+        engine_args: dict[str, Any] | None = None,
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+        script: Path | None = None,  # default: WORKER_SCRIPT
+        load_timeout_s: float = 3600.0,
+        request_timeout_s: float = 3600.0,
+    ) -> None:
+        command = [
+            python,
+            str(script or WORKER_SCRIPT),
+            "--model",
+            str(folder),
+            "--dtype",
+            dtype,
+            "--max-model-len",
+            str(max_model_len),
+            "--max-num-seqs",
+            str(max_num_seqs),
+            "--engine-args",
+            json.dumps(engine_args or {}),
+        ]
+        self.request_timeout_s = request_timeout_s
+        # Its own session: vLLM starts engine processes under it, and a worker that must be killed is
+        # killed with them (a worker that loses us sees its stdin close and quits by itself).
+        self._proc = subprocess.Popen(
+            command,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=cwd,
+            start_new_session=True,
+        )
+        # Replies are read on a thread into a queue, so every wait can time out (a hung worker must not
+        # hang the benchmark) and a worker that dies shows up as the end of its output.
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._pump, name="vllm-worker-reader", daemon=True)
+        self._reader.start()
+        try:
+            hello = self._receive(load_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+        if not hello.get("ready"):
+            self.close()
+            raise RuntimeError(f"the vLLM worker could not load the model: {hello.get('error')}")
+        self.info: dict[str, Any] = hello
+
+    def run(self, prompts: Sequence[list[int]], max_new_tokens: int) -> tuple[float, list[list[int]]]:
+        reply = self.request(
+            {"op": "generate", "prompts": [list(p) for p in prompts], "max_tokens": max_new_tokens}
+        )
+        return float(reply["seconds"]), [list(t) for t in reply["token_ids"]]
+
+    def request(self, message: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
+        """Send one request and return its successful reply (RuntimeError for an error reply)."""
+        stdin = self._proc.stdin
+        assert stdin is not None
+        try:
+            stdin.write(json.dumps(message) + "\n")
+            stdin.flush()
+        except (BrokenPipeError, OSError) as e:
+            raise RuntimeError(f"the vLLM worker is gone (exit code {self._proc.poll()}): {e}") from e
+        reply = self._receive(self.request_timeout_s if timeout_s is None else timeout_s)
+        if not reply.get("ok"):
+            raise RuntimeError(f"the vLLM worker failed {message.get('op')!r}: {reply.get('error')}")
+        return reply
+
+    def close(self) -> None:
+        """Ask the worker to quit (it shuts its engine processes down), kill it if it does not."""
+        if self._proc.poll() is None:
+            try:
+                self.request({"op": "quit"}, timeout_s=60)
+                self._proc.wait(timeout=60)
+            except (RuntimeError, TimeoutError, subprocess.TimeoutExpired):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self._proc.pid, signal.SIGKILL)
+                self._proc.wait()
+        # The reader has seen the end of the output once the process is gone; only then close its pipe.
+        self._reader.join(timeout=10)
+        for stream in (self._proc.stdin, self._proc.stdout):
+            if stream is not None and not (stream is self._proc.stdout and self._reader.is_alive()):
+                stream.close()
+
+    def _pump(self) -> None:
+        stdout = self._proc.stdout
+        assert stdout is not None
+        try:
+            for line in stdout:
+                if line.strip():
+                    self._lines.put(line)
+        except ValueError:  # closed by `close` while reading
+            pass
+        self._lines.put(None)
+
+    def _receive(self, timeout_s: float) -> dict[str, Any]:
+        try:
+            line = self._lines.get(timeout=timeout_s)
+        except queue.Empty:
+            raise TimeoutError(f"no answer from the vLLM worker within {timeout_s:.0f}s") from None
+        if line is None:
+            self._lines.put(None)  # stay at end of output for any later read
+            raise RuntimeError(
+                f"the vLLM worker exited (code {self._proc.wait()}); its log is above, on stderr"
+            )
+        try:
+            reply = json.loads(line)
+        except json.JSONDecodeError:
+            raise RuntimeError(f"the vLLM worker wrote a line that is not JSON: {line[:200]!r}") from None
+        if not isinstance(reply, dict):
+            raise RuntimeError(f"the vLLM worker wrote {reply!r}, not a JSON object")
+        return reply
+
+
+def cpu_list(cpus: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"`` (the form of ``VLLM_CPU_OMP_THREADS_BIND``)."""
+    parts: list[str] = []
+    ordered = sorted(set(cpus))
+    i = 0
+    while i < len(ordered):
+        j = i
+        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
+            j += 1
+        parts.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
+        i = j + 1
+    return ",".join(parts)
+
+
+def kv_cache_gib(model_config: Any, dtype: str, tokens: int) -> int:
+    """Whole GiB of KV cache that hold ``tokens`` tokens in ``dtype``, with room for block rounding."""
+    itemsize = getattr(torch, dtype).itemsize
+    per_token = 2 * model_config.num_hidden_layers * model_config.num_key_value_heads * model_config.head_dim
+    return max(1, math.ceil(1.25 * tokens * per_token * itemsize / (1 << 30)))
+
+
+def vllm_env(
+    model_config: Any, dtype: str, max_model_len: int, max_num_seqs: int, extra: Sequence[str] = ()
+) -> dict[str, str]:
+    """The vLLM worker's environment: ours, with the CPU settings that make the comparison even.
+
+    Defaults only where our environment does not set them; ``extra`` (``KEY=VALUE``) always wins. Our
+    ``PYTHONPATH`` is dropped: it points at this repository, whose ``kernels`` package would shadow the
+    Hugging Face ``kernels`` package that transformers looks for in the worker's environment.
+    """
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    cores = (
+        sorted(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else list(range(os.cpu_count() or 1))
+    )
+    defaults = {
+        # As many OpenMP threads, on the same cores, as our process computes with.
+        "VLLM_CPU_OMP_THREADS_BIND": cpu_list(cores[: torch.get_num_threads()]),
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib(model_config, dtype, max_model_len * max_num_seqs)),
+        "VLLM_LOGGING_LEVEL": "WARNING",
+    }
+    for key, value in defaults.items():
+        env.setdefault(key, value)
+    for item in extra:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--vllm-env expects KEY=VALUE, got {item!r}")
+        env[key] = value
+    return env
+
+
 # ----------------------------------------------------------------------------------------------- workload
 def make_prompts(tokens: list[int], batch: int, max_len: int, spread: float, seed: int) -> list[list[int]]:
     """``batch`` prompts cut from the token stream at distinct offsets, lengths uniform in the spread."""
@@ -260,38 +491,47 @@ def summarize(
 
 @dataclass
 class BatchResult:
-    """Both systems at one batch size, plus checks that the comparison is sound."""
+    """Every system at one batch size, plus checks that the comparison is sound."""
 
     batch: int
-    prompt_tokens: int  # real prompt tokens (what both systems are credited with)
+    prompt_tokens: int  # real prompt tokens (what every system is credited with)
     padded_tokens: int  # what HF's left-padded batch computes
     new_tokens: int
     ours: SystemResult
     hf: SystemResult
-    greedy_agreement: float  # share of requests whose tokens are identical in both systems
+    greedy_agreement: float  # share of requests whose tokens are identical in ours and HF
     engine_prefill_tokens_per_run: float  # sanity: ours computes each prompt token once (no recompute)
     engine_preemptions: int
     repeats: int
+    vllm: SystemResult | None = None  # with --vllm-python
+    vllm_agreement: float | None = None  # share of requests whose tokens are identical in ours and vLLM
 
 
 def measure_batch(
-    ours: OurEngine, hf: HFGenerate, prompts: list[list[int]], new_tokens: int, cfg: BenchConfig
+    ours: OurEngine,
+    hf: HFGenerate,
+    prompts: list[list[int]],
+    new_tokens: int,
+    cfg: BenchConfig,
+    vllm: System | None = None,
 ) -> BatchResult:
-    """Warm up, then time ``T(1)`` and ``T(N)`` for both systems, interleaved, repeat after repeat.
+    """Warm up, then time ``T(1)`` and ``T(N)`` for every system, interleaved, repeat after repeat.
 
     At least ``cfg.repeats`` repeats, more (up to 3x) while less than ``cfg.min_time_s`` was spent: small
     batches are cheap and the noisiest relative to their length, so they get more samples.
     """
     batch = len(prompts)
-    times: dict[str, tuple[list[float], list[float]]] = {ours.name: ([], []), hf.name: ([], [])}
+    systems: list[System] = [ours, hf] + ([vllm] if vllm is not None else [])
+    times: dict[str, tuple[list[float], list[float]]] = {s.name: ([], []) for s in systems}
     outputs: dict[str, list[list[int]]] = {}
-    for system in (ours, hf):  # warm-up: one-time allocations, workspaces, lazy imports
+    for system in systems:  # warm-up: one-time allocations, workspaces, lazy imports, compiled shapes
         system.run(prompts, new_tokens)
     before = ours.engine.stats()
     started, rep = time.perf_counter(), 0
     while rep < cfg.repeats or (rep < 3 * cfg.repeats and time.perf_counter() - started < cfg.min_time_s):
-        # Alternate which system goes first, so a slow drift of the machine hits both alike.
-        order: tuple[System, System] = (ours, hf) if rep % 2 == 0 else (hf, ours)
+        # In order, then reversed: a slow drift of the machine hits every system alike, and each pair of
+        # neighbours swaps who goes first.
+        order = systems if rep % 2 == 0 else systems[::-1]
         for system in order:
             # Untimed: the first HF run after our engine ran pays ~1.5-2 s extra at batch 64 (it goes away
             # with MALLOC_MMAP_THRESHOLD_ pinned, so it looks like glibc returning memory that the big padded
@@ -311,7 +551,10 @@ def measure_batch(
     after = ours.engine.stats()
     prompt_tokens = sum(len(p) for p in prompts)
     summary = {name: summarize(*t, prompt_tokens, batch, new_tokens) for name, t in times.items()}
-    agree = sum(a == b for a, b in zip(outputs["ours"], outputs["hf"], strict=True)) / batch
+
+    def agreement(other: str) -> float:
+        return sum(a == b for a, b in zip(outputs[ours.name], outputs[other], strict=True)) / batch
+
     return BatchResult(
         batch=batch,
         prompt_tokens=prompt_tokens,
@@ -319,11 +562,13 @@ def measure_batch(
         new_tokens=new_tokens,
         ours=summary[ours.name],
         hf=summary[hf.name],
-        greedy_agreement=agree,
+        greedy_agreement=agreement(hf.name),
         engine_prefill_tokens_per_run=(after.prefill_tokens_computed - before.prefill_tokens_computed)
         / (3 * rep),
         engine_preemptions=after.preemptions - before.preemptions,
         repeats=rep,
+        vllm=summary[vllm.name] if vllm is not None else None,
+        vllm_agreement=agreement(vllm.name) if vllm is not None else None,
     )
 
 
@@ -426,20 +671,82 @@ async def measure_kv(
 
 
 # ----------------------------------------------------------------------------------------------- loading
-def load_models(model: str, engine_config: EngineConfig, workdir: Path) -> tuple[LLMEngine, Any]:
-    """Our engine and HF's ``LlamaForCausalLM`` on the same weights, fp32 on CPU."""
-    from transformers import LlamaForCausalLM
+def load_models(model: str, engine_config: EngineConfig, workdir: Path) -> tuple[LLMEngine, Any, Path]:
+    """Our engine, HF's ``LlamaForCausalLM`` on the same weights in the same dtype, and their HF folder."""
+    engine = LLMEngine.from_pretrained(model, config=engine_config)
+    try:
+        folder = hf_folder(model, engine, workdir, engine_config.seed)
+        hf = load_hf(folder, engine_config.torch_dtype())
+    except BaseException:
+        engine.shutdown()
+        raise
+    return engine, hf, folder
 
+
+def hf_folder(model: str, engine: LLMEngine, workdir: Path, seed: int) -> Path:
+    """A Hugging Face folder holding the weights our engine loaded, for the baselines to load.
+
+    ``--model`` a folder: that folder. ``tiny``: the embedded model written out (the same deterministic
+    weights: ``EngineConfig.seed`` is ``save_tiny``'s seed). Anything else (a GGUF file, a model name): the
+    engine's loaded weights exported to ``workdir`` — only then, since a folder needs no copy.
+    """
     if model == "tiny":
         from server.engine.tiny.model import save_tiny
 
-        # The same deterministic weights (EngineConfig.seed is save_tiny's seed), written as an HF folder.
-        folder = save_tiny(workdir / "tiny", seed=engine_config.seed)
-    else:
-        folder = Path(model)
-    engine = LLMEngine.from_pretrained(model, config=engine_config)
-    hf = LlamaForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    return engine, hf
+        return save_tiny(workdir / "tiny", seed=seed)
+    if Path(model).is_dir():
+        return Path(model)
+    log(f"{model} is not a Hugging Face folder: exporting the engine's weights for HF and vLLM ...")
+    return export_hf_folder(engine, workdir / "hf-export")
+
+
+def load_hf(folder: Path, dtype: torch.dtype) -> Any:
+    """``LlamaForCausalLM.from_pretrained(folder)`` in ``dtype``; every weight must come from the folder."""
+    from transformers import LlamaForCausalLM
+
+    hf, info = LlamaForCausalLM.from_pretrained(str(folder), dtype=dtype, output_loading_info=True)
+    if info.get("missing_keys"):
+        # A weight HF initialised at random would make the comparison meaningless: refuse.
+        raise ValueError(f"HF found no weights for {sorted(info['missing_keys'])[:5]} in {folder}")
+    return hf.eval()
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def decode_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights one batch-1 decode step reads: every parameter once (a tied embedding is the
+    output head's matrix, read whole), except an untied embedding table, of which it reads one row."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())  # shared tensors once
+    cfg = getattr(model, "config", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if embed is not None and not getattr(cfg, "tie_word_embeddings", True):
+        weight = embed.weight
+        total -= weight.numel() * weight.element_size() - weight.shape[1] * weight.element_size()
+    return total
+
+
+@dataclass
+class Ceiling:
+    """The batch-1 decode rate memory bandwidth allows, and ours against it."""
+
+    read_bytes_per_s: float  # median memory read bandwidth (see `benchmarks.common.memory_bandwidth`)
+    weight_bytes: int  # read per decode step (`decode_weight_bytes`), in our engine's dtype
+    dtype: str
+    ceiling_tps: float  # read_bytes_per_s / weight_bytes
+    ours_b1_decode_tps: float  # NaN without batch 1
+    share: float  # ours / ceiling
+    bandwidth: dict[str, float | int]
+
+
+def decode_ceiling(
+    bandwidth: dict[str, float | int], weight_bytes: int, dtype: str, results: list[BatchResult]
+) -> Ceiling:
+    read = float(bandwidth["read_bytes_per_s"])
+    ceiling = safe_ratio(read, weight_bytes)
+    ours_b1 = next((r.ours.decode_tps.value for r in results if r.batch == 1), math.nan)
+    return Ceiling(read, weight_bytes, dtype, ceiling, ours_b1, safe_ratio(ours_b1, ceiling), bandwidth)
 
 
 def pad_token_id(tokenizer: Any, hf_model: Any) -> int:
@@ -455,54 +762,62 @@ def pad_token_id(tokenizer: Any, hf_model: Any) -> int:
 
 
 # ----------------------------------------------------------------------------------------------- report
+METRICS = (("prefill", "prefill_tps"), ("decode", "decode_tps"), ("end-to-end", "e2e_tps"))
+
+
+def rate_cell(rate: Rate) -> str:
+    return f"{fmt_num(rate.value)} ±{rate.rel_half_range:.0%}"
+
+
 def throughput_table(results: list[BatchResult]) -> str:
-    """Prefill, decode and end-to-end rates of both systems per batch size, with their ratio."""
+    """Prefill, decode and end-to-end rates of every system per batch size, with ours over each."""
+    with_vllm = any(r.vllm is not None for r in results)
     rows = []
     for r in results:
-        for label, attr in (("prefill", "prefill_tps"), ("decode", "decode_tps"), ("end-to-end", "e2e_tps")):
+        for label, attr in METRICS:
             ours: Rate = getattr(r.ours, attr)
             hf: Rate = getattr(r.hf, attr)
-            rows.append(
-                [
-                    str(r.batch),
-                    f"{label} tok/s",
-                    f"{fmt_num(ours.value)} ±{ours.rel_half_range:.0%}",
-                    f"{fmt_num(hf.value)} ±{hf.rel_half_range:.0%}",
-                    f"{safe_ratio(ours.value, hf.value):.2f}x",
-                ]
-            )
-    return markdown_table(
-        ["batch", "metric", "ours", "HF generate", "ours/HF"], rows, [True, False, True, True, True]
-    )
+            row = [str(r.batch), f"{label} tok/s", rate_cell(ours), rate_cell(hf)]
+            if with_vllm:
+                vllm = getattr(r.vllm, attr) if r.vllm is not None else Rate(math.nan, math.nan, math.nan)
+                row.append(rate_cell(vllm))
+            row.append(f"{safe_ratio(ours.value, hf.value):.2f}x")
+            if with_vllm:
+                row.append(f"{safe_ratio(ours.value, vllm.value):.2f}x")
+            rows.append(row)
+    headers = ["batch", "metric", "ours", "HF generate"] + (["vLLM"] if with_vllm else [])
+    headers += ["ours/HF"] + (["ours/vLLM"] if with_vllm else [])
+    return markdown_table(headers, rows, [True, False] + [True] * (len(headers) - 2))
+
+
+def times_cell(system: SystemResult) -> str:
+    return f"{Spread.of(system.t_first).median:.3f} / {Spread.of(system.t_full).median:.3f}"
 
 
 def workload_table(results: list[BatchResult]) -> str:
-    """What was run: tokens in and out, the median raw times, and whether both produced the same tokens."""
-    rows = [
-        [
+    """What was run: tokens in and out, the median raw times, and whether the systems produced the same
+    tokens as ours."""
+    with_vllm = any(r.vllm is not None for r in results)
+    rows = []
+    for r in results:
+        row = [
             str(r.batch),
             fmt_num(r.prompt_tokens),
             fmt_num(r.padded_tokens),
             str(r.new_tokens),
-            f"{Spread.of(r.ours.t_first).median:.3f} / {Spread.of(r.ours.t_full).median:.3f}",
-            f"{Spread.of(r.hf.t_first).median:.3f} / {Spread.of(r.hf.t_full).median:.3f}",
-            f"{r.greedy_agreement:.0%}",
+            times_cell(r.ours),
+            times_cell(r.hf),
         ]
-        for r in results
-    ]
-    return markdown_table(
-        [
-            "batch",
-            "prompt tok",
-            "HF padded",
-            "new tok",
-            "ours T(1) / T(N) s",
-            "HF T(1) / T(N) s",
-            "same tokens",
-        ],
-        rows,
-        [True] * 7,
-    )
+        if with_vllm:
+            row.append(times_cell(r.vllm) if r.vllm is not None else "")
+        row.append(f"{r.greedy_agreement:.0%}")
+        if with_vllm:
+            row.append(f"{r.vllm_agreement:.0%}" if r.vllm_agreement is not None else "")
+        rows.append(row)
+    headers = ["batch", "prompt tok", "HF padded", "new tok", "ours T(1) / T(N) s", "HF T(1) / T(N) s"]
+    headers += (["vLLM T(1) / T(N) s"] if with_vllm else []) + ["same tokens HF"]
+    headers += ["same tokens vLLM"] if with_vllm else []
+    return markdown_table(headers, rows, [True] * len(headers))
 
 
 def kv_table(kv: KVResult) -> str:
@@ -542,8 +857,11 @@ def kv_table(kv: KVResult) -> str:
     )
 
 
-def result_metrics(results: list[BatchResult], kv: KVResult, total_s: float) -> dict[str, float | int]:
-    """The figures of the RESULT line: ours/HF ratios per batch size, then the KV block counts."""
+def result_metrics(
+    results: list[BatchResult], kv: KVResult, ceiling: Ceiling, total_s: float
+) -> dict[str, float | int]:
+    """The figures of the RESULT line: ours/HF ratios per batch size, the KV block counts, the batch-1
+    decode ceiling, then (when vLLM ran) ours/vLLM ratios."""
     metrics: dict[str, float | int] = {}
     for kind in ("decode", "prefill", "e2e"):
         for r in results:
@@ -553,6 +871,16 @@ def result_metrics(results: list[BatchResult], kv: KVResult, total_s: float) -> 
     metrics["kv_fork_ratio"] = kv.ratio
     metrics["kv_blocks_fork"] = kv.fork.blocks_used
     metrics["kv_blocks_nofork"] = kv.no_fork.blocks_used
+    metrics["mem_bw_gbs"] = ceiling.read_bytes_per_s / 1e9
+    metrics["decode_b1_ceiling_tps"] = ceiling.ceiling_tps
+    metrics["decode_b1_pct_ceiling"] = 100 * ceiling.share
+    for kind in ("decode", "prefill", "e2e"):
+        for r in results:
+            if r.vllm is not None:
+                ours = getattr(r.ours, f"{kind}_tps")
+                metrics[f"{kind}_vs_vllm_b{r.batch}"] = safe_ratio(
+                    ours.value, getattr(r.vllm, f"{kind}_tps").value
+                )
     metrics["total_s"] = total_s
     return metrics
 
@@ -569,7 +897,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int, help="longest prompt in tokens")
     parser.add_argument("--new-tokens", type=int, help="tokens generated per request")
     parser.add_argument("--spread", type=float, help="shortest prompt / longest prompt (1: all equal)")
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--dtype", choices=DTYPES, help="our engine's dtype, and HF's (default: the engine's, fp32 on CPU)"
+    )
+    vllm = parser.add_argument_group("vLLM", "vLLM side by side (needs an interpreter that has vllm)")
+    vllm.add_argument("--vllm-python", metavar="PATH", help="python of a virtualenv with vLLM installed")
+    vllm.add_argument("--vllm-dtype", default="bfloat16", choices=DTYPES, help="vLLM's dtype (default bf16)")
+    vllm.add_argument(
+        "--vllm-engine-args",
+        metavar="JSON",
+        type=json.loads,
+        default={},
+        help="more vllm.LLM keyword arguments, e.g. '{\"enforce_eager\": true}'",
+    )
+    vllm.add_argument(
+        "--vllm-env",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        help="an environment variable for the vLLM worker only (repeatable), e.g. LD_PRELOAD=...",
+    )
+    args = parser.parse_args(argv)
+    if not isinstance(args.vllm_engine_args, dict):
+        parser.error("--vllm-engine-args must be a JSON object")
+    return args
 
 
 def build_config(args: argparse.Namespace) -> BenchConfig:
@@ -586,7 +937,7 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
     )
 
 
-def engine_config_for(cfg: BenchConfig) -> EngineConfig:
+def engine_config_for(cfg: BenchConfig, dtype: str | None = None) -> EngineConfig:
     """Engine knobs: the defaults, with enough KV blocks and sequence slots that nothing is preempted."""
     block = EngineConfig().block_size
     max_batch = max(cfg.batches)
@@ -598,23 +949,39 @@ def engine_config_for(cfg: BenchConfig) -> EngineConfig:
         max_num_seqs=max(max_batch, cfg.kv_requests),
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         device="cpu",
+        dtype=dtype,
     )
 
 
-def print_report(
-    cfg: BenchConfig,
-    model: str,
-    params: int,
-    machine: dict[str, Any],
-    results: list[BatchResult],
-    kv: KVResult,
-) -> None:
+@dataclass
+class Run:
+    """Everything one run measured, and what it ran."""
+
+    results: list[BatchResult]
+    kv: KVResult
+    ceiling: Ceiling
+    dtypes: dict[str, str]  # system -> dtype it computed in
+    vllm: dict[str, Any] | None  # the vLLM worker's own description (version, settings), if it ran
+
+
+def print_report(cfg: BenchConfig, model: str, params: int, machine: dict[str, Any], run: Run) -> None:
     """The markdown tables on stdout."""
+    results, kv, c = run.results, run.kv, run.ceiling
     print(
-        f"## engine_throughput — {model} ({params / 1e6:.1f}M params, fp32), "
+        f"## engine_throughput — {model} ({params / 1e6:.1f}M params), "
         f"{machine['cpu_model']}, {machine['usable_cores']} cores, torch {machine['torch']} "
         f"({machine['torch_threads']} threads), load average {machine['load_average_1m']} at start\n"
     )
+    systems = f"ours {run.dtypes['ours']}, HF generate {run.dtypes['hf']}"
+    if run.vllm is not None:
+        v = run.vllm
+        mode = "eager" if v.get("enforce_eager") else "compiled"
+        bind = v.get("env", {}).get("VLLM_CPU_OMP_THREADS_BIND")
+        systems += (
+            f", vLLM {v.get('vllm')} {run.dtypes['vllm']} ({mode}, max_num_batched_tokens "
+            f"{v.get('max_num_batched_tokens')}, OMP threads bound to {bind})"
+        )
+    print(f"dtypes: {systems}.\n")
     print(
         f"prompts {round(cfg.spread * cfg.prompt_len)}..{cfg.prompt_len} tokens, {cfg.max_new_tokens} new "
         f"tokens, greedy; median of {'/'.join(str(r.repeats) for r in results)} repeats after a warm-up, "
@@ -623,6 +990,14 @@ def print_report(
     )
     print(throughput_table(results) + "\n")
     print(workload_table(results) + "\n")
+    print(
+        f"Batch-1 decode ceiling: memory read bandwidth {c.read_bytes_per_s / 1e9:.1f} GB/s (matrix-vector "
+        f"product / sum over {c.bandwidth['tensor_bytes'] / (1 << 20):.0f} MiB, median of "
+        f"{c.bandwidth['repeats']}, {c.bandwidth['threads']} threads) / {c.weight_bytes / 1e6:.0f} MB of "
+        "weights read per step "
+        f"({c.dtype}) = {fmt_num(c.ceiling_tps, 1)} tok/s; ours at batch 1: "
+        f"{fmt_num(c.ours_b1_decode_tps, 1)} tok/s = {c.share:.0%} of it.\n"
+    )
     print(
         f"KV memory: {kv.requests} requests sharing a {kv.prefix_tokens}-token prefix, "
         f"{kv.suffix_tokens}-token distinct suffix each, {kv.new_tokens} new tokens, "
@@ -638,8 +1013,7 @@ def json_payload(
     engine_config: EngineConfig,
     model_config: Any,
     machine: dict[str, Any],
-    results: list[BatchResult],
-    kv: KVResult,
+    run: Run,
     total_s: float,
 ) -> dict[str, Any]:
     """Every figure, the raw times, and what is needed to reproduce or judge them."""
@@ -650,10 +1024,12 @@ def json_payload(
             "name": model,
             "config": asdict(model_config),
             "parameters": sum(p.numel() for p in hf_model.parameters()),
-            "dtype": "float32",
+            "dtype": run.dtypes["ours"],
             "hf_attn_implementation": getattr(hf_model.config, "_attn_implementation", None),
         },
+        "dtypes": run.dtypes,
         "engine_config": asdict(engine_config),
+        "vllm": run.vllm,
         "machine": machine,
         "load_average_1m_at_end": load_average(),
         "definitions": {
@@ -663,9 +1039,11 @@ def json_payload(
             "T(1), T(N)": "median wall time of a batch with 1 / N new tokens (ours: fill + generate each)",
             "value": "the rate computed from the median T(1) and T(N)",
             "lo, hi": "min/max of the rates computed from each repeat's own T(1) and T(N)",
+            "decode_ceiling": "memory read bytes/s / weight bytes read per batch-1 decode step",
         },
-        "throughput": [asdict(r) for r in results],
-        "kv_memory": {**asdict(kv), "ratio": kv.ratio},
+        "throughput": [asdict(r) for r in run.results],
+        "decode_ceiling": asdict(run.ceiling),
+        "kv_memory": {**asdict(run.kv), "ratio": run.kv.ratio},
         "total_s": total_s,
     }
 
@@ -682,33 +1060,67 @@ def main(argv: list[str] | None = None) -> None:
 
     started = time.perf_counter()
     machine = machine_info()
-    engine_config = engine_config_for(cfg)
+    engine_config = engine_config_for(cfg, args.dtype)
     with tempfile.TemporaryDirectory(prefix="engine-throughput-") as tmp:
         log(f"loading {args.model} into our engine and into transformers ...")
-        engine, hf_model = load_models(args.model, engine_config, Path(tmp))
+        engine, hf_model, folder = load_models(args.model, engine_config, Path(tmp))
         with engine:
-            results, kv = run_all(cfg, engine, hf_model)
+            vllm = start_vllm(args, cfg, engine, folder, Path(tmp)) if args.vllm_python else None
+            try:
+                run = run_all(cfg, engine, hf_model, vllm)
+            finally:
+                if vllm is not None:
+                    vllm.close()
     total_s = time.perf_counter() - started
 
     params = sum(p.numel() for p in hf_model.parameters())
-    print_report(cfg, args.model, params, machine, results, kv)
+    print_report(cfg, args.model, params, machine, run)
     print(f"total {total_s:.0f}s")
     if args.json:
         payload = json_payload(
-            cfg, args.model, hf_model, engine_config, engine.model_config, machine, results, kv, total_s
+            cfg, args.model, hf_model, engine_config, engine.model_config, machine, run, total_s
         )
         write_json(args.json, payload)
-    print(result_line(NAME, result_metrics(results, kv, total_s)))
+    print(result_line(NAME, result_metrics(run.results, run.kv, run.ceiling, total_s)))
 
 
-def run_all(cfg: BenchConfig, engine: LLMEngine, hf_model: Any) -> tuple[list[BatchResult], KVResult]:
-    """The throughput rows for every batch size, then the KV memory comparison."""
+def start_vllm(
+    args: argparse.Namespace, cfg: BenchConfig, engine: LLMEngine, folder: Path, workdir: Path
+) -> VLLMWorker:
+    """The vLLM worker on ``folder`` (our weights), sized for the largest batch of this run."""
+    max_model_len = min(engine.max_model_len, cfg.prompt_len + cfg.max_new_tokens + 16)
+    max_num_seqs = max(cfg.batches)
+    log(f"starting vLLM ({args.vllm_python}, {args.vllm_dtype}) on {folder} ...")
+    worker = VLLMWorker(
+        args.vllm_python,
+        folder,
+        dtype=args.vllm_dtype,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        engine_args=args.vllm_engine_args,
+        env=vllm_env(engine.model_config, args.vllm_dtype, max_model_len, max_num_seqs, args.vllm_env),
+        cwd=workdir,
+    )
+    info = worker.info
+    log(f"vLLM {info.get('vllm')} ready in {info.get('load_s', math.nan):.0f}s, dtype {info.get('dtype')}")
+    return worker
+
+
+def run_all(cfg: BenchConfig, engine: LLMEngine, hf_model: Any, vllm: VLLMWorker | None = None) -> Run:
+    """The memory bandwidth, the throughput rows for every batch size, then the KV memory comparison."""
     tokenizer = engine.tokenizer
     limit = engine.max_model_len
     if cfg.prompt_len + cfg.max_new_tokens > limit:
         raise SystemExit(f"prompt_len + new tokens exceed the model's context window ({limit})")
     need = max(cfg.kv_prefix + cfg.kv_requests * cfg.kv_suffix, cfg.prompt_len) * 4
     tokens = tokenize_text(tokenizer, need)
+    log(f"memory bandwidth ({cfg.bandwidth_mib} MiB, {cfg.bandwidth_repeats} repeats) ...")
+    bandwidth = memory_bandwidth(cfg.bandwidth_mib, cfg.bandwidth_repeats)
+    model = engine_model(engine)
+    ours_dtype = dtype_name(engine.config.torch_dtype())
+    dtypes = {"ours": ours_dtype, "hf": dtype_name(hf_model.dtype)}
+    if vllm is not None:
+        dtypes["vllm"] = str(vllm.info.get("dtype"))
     ours = OurEngine(engine)
     hf = HFGenerate(hf_model, pad_token_id(tokenizer, hf_model))
     try:
@@ -716,7 +1128,7 @@ def run_all(cfg: BenchConfig, engine: LLMEngine, hf_model: Any) -> tuple[list[Ba
         for batch in cfg.batches:
             prompts = make_prompts(tokens, batch, cfg.prompt_len, cfg.spread, cfg.seed)
             log(f"batch {batch}: {sum(map(len, prompts))} prompt tokens, {cfg.max_new_tokens} new each")
-            results.append(measure_batch(ours, hf, prompts, cfg.max_new_tokens, cfg))
+            results.append(measure_batch(ours, hf, prompts, cfg.max_new_tokens, cfg, vllm))
         prefix_len = min(cfg.kv_prefix, limit - cfg.kv_suffix - cfg.kv_new_tokens - 1)
         prefix = tokens[:prefix_len]
         # Distinct suffixes from elsewhere in the text, so no two requests share more than the prefix.
@@ -729,7 +1141,8 @@ def run_all(cfg: BenchConfig, engine: LLMEngine, hf_model: Any) -> tuple[list[Ba
         kv = ours.call(measure_kv(engine, ids, prefix, suffixes, cfg.kv_new_tokens))
     finally:
         ours.close()
-    return results, kv
+    ceiling = decode_ceiling(bandwidth, decode_weight_bytes(model), ours_dtype, results)
+    return Run(results, kv, ceiling, dtypes, vllm.info if vllm is not None else None)
 
 
 if __name__ == "__main__":

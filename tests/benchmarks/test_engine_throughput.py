@@ -1,0 +1,325 @@
+"""engine_throughput: the vLLM worker's protocol, the worker driven through a pipe, the HF export of the
+engine's weights, and a tiny run with vLLM's side played by a fake worker (no vLLM needed).
+
+A test against the real vLLM runs only where ``VLLM_PYTHON`` names an interpreter that has vLLM.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import engine_throughput as et
+from benchmarks import vllm_worker as vw
+from benchmarks.common import REPO_ROOT, export_hf_folder, hf_config_dict
+from server.engine import EngineConfig, LLMEngine
+from server.engine.config import ModelConfig
+
+# A stand-in for vLLM in the worker protocol: each request's tokens are its last prompt token repeated,
+# and its time grows with the tokens made (so decode rates are finite and positive).
+FAKE_WORKER = f"""
+import sys, time
+sys.path.insert(0, {str(REPO_ROOT)!r})
+from benchmarks import vllm_worker as w
+
+def generate(prompts, n):
+    time.sleep(0.001 * n)
+    return 0.001 * n + 0.0005 * len(prompts), [[p[-1]] * n for p in prompts]
+
+out = w.protocol_stdout()
+print("a log line on stdout must not reach the protocol", flush=True)
+if "--fail" in sys.argv:
+    w.send(out, {{"ready": False, "error": "no such model"}})
+    sys.exit(1)
+w.serve(generate, {{"vllm": "fake", "dtype": "bfloat16"}}, sys.stdin, out)
+"""
+
+
+def fake_generate(prompts: Sequence[list[int]], n: int) -> tuple[float, list[list[int]]]:
+    return 0.5, [[p[0]] * n for p in prompts]
+
+
+# ----------------------------------------------------------------------------------------------- worker side
+def test_worker_arguments_turn_prefix_caching_off_and_pass_engine_args() -> None:
+    args = vw.parse_args(
+        [
+            "--model",
+            "/m",
+            "--max-model-len",
+            "640",
+            "--max-num-seqs",
+            "64",
+            "--engine-args",
+            '{"enforce_eager": true}',
+        ]
+    )
+    assert args.dtype == "bfloat16"
+    kwargs = vw.llm_kwargs(args)
+    assert kwargs == {
+        "model": "/m",
+        "dtype": "bfloat16",
+        "seed": 0,
+        "enable_prefix_caching": False,
+        "max_model_len": 640,
+        "max_num_seqs": 64,
+        "enforce_eager": True,
+    }
+    assert "max_model_len" not in vw.llm_kwargs(vw.parse_args(["--model", "/m"]))
+    with pytest.raises(SystemExit):
+        vw.parse_args(["--model", "/m", "--engine-args", "[1]"])
+
+
+def test_worker_answers_generate_quit_and_errors() -> None:
+    reply, stop = vw.handle({"op": "generate", "prompts": [[5, 6], [7]], "max_tokens": 3}, fake_generate)
+    assert (reply, stop) == ({"ok": True, "seconds": 0.5, "token_ids": [[5, 5, 5], [7, 7, 7]]}, False)
+    assert vw.handle({"op": "quit"}, fake_generate) == ({"ok": True}, True)
+    for bad in (
+        [1],
+        {"op": "nope"},
+        {"op": "generate", "prompts": [], "max_tokens": 1},
+        {"op": "generate", "prompts": [[]], "max_tokens": 1},
+        {"op": "generate", "prompts": [["a"]], "max_tokens": 1},
+        {"op": "generate", "prompts": [[1]], "max_tokens": 0},
+        {"op": "generate", "prompts": [[1]], "max_tokens": True},
+    ):
+        reply, stop = vw.handle(bad, fake_generate)
+        assert reply["ok"] is False and reply["error"] and not stop
+
+
+def test_worker_serves_json_lines_until_quit() -> None:
+    requests = [
+        json.dumps({"op": "generate", "prompts": [[1, 2]], "max_tokens": 2}),
+        "",
+        "not json",
+        json.dumps({"op": "quit"}),
+        json.dumps({"op": "generate", "prompts": [[3]], "max_tokens": 1}),  # after quit: never read
+    ]
+    out = io.StringIO()
+    vw.serve(fake_generate, {"vllm": "x"}, io.StringIO("\n".join(requests) + "\n"), out)
+    replies = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert replies[0] == {"ready": True, "protocol": vw.PROTOCOL, "vllm": "x"}
+    assert replies[1] == {"ok": True, "seconds": 0.5, "token_ids": [[1, 1]]}
+    assert replies[2]["ok"] is False and "JSONDecodeError" in replies[2]["error"]
+    assert replies[3] == {"ok": True}
+    assert len(replies) == 4
+
+
+def test_worker_imports_only_the_standard_library() -> None:
+    """The worker runs in vLLM's virtualenv, which has none of this repository's dependencies."""
+    code = (
+        "import sys; before = set(sys.modules); import benchmarks.vllm_worker; "
+        "extra = {m.split('.')[0] for m in set(sys.modules) - before} - {'benchmarks'}; "
+        "bad = sorted(m for m in extra if m not in sys.stdlib_module_names); print(bad); sys.exit(bool(bad))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+# ----------------------------------------------------------------------------------------------- parent side
+@pytest.fixture
+def fake_worker(tmp_path: Path) -> Path:
+    script = tmp_path / "fake_worker.py"
+    script.write_text(FAKE_WORKER)
+    return script
+
+
+def test_worker_process_round_trip(fake_worker: Path, tmp_path: Path) -> None:
+    worker = et.VLLMWorker(
+        sys.executable, tmp_path, dtype="bfloat16", max_model_len=64, max_num_seqs=4, script=fake_worker
+    )
+    try:
+        assert worker.info["ready"] and worker.info["vllm"] == "fake"
+        seconds, ids = worker.run([[4, 5], [6]], 3)
+        assert ids == [[5, 5, 5], [6, 6, 6]] and seconds == pytest.approx(0.004)
+        with pytest.raises(RuntimeError, match="unknown op"):
+            worker.request({"op": "nope"})
+        assert worker.run([[9]], 1)[1] == [[9]]  # still serving after an error
+    finally:
+        worker.close()
+    assert worker._proc.returncode == 0
+    worker.close()  # idempotent
+
+
+def test_worker_that_cannot_load_is_an_error(fake_worker: Path, tmp_path: Path) -> None:
+    script = tmp_path / "failing.py"
+    script.write_text(FAKE_WORKER.replace('if "--fail" in sys.argv:', "if True:"))
+    with pytest.raises(RuntimeError, match="no such model"):
+        et.VLLMWorker(
+            sys.executable, tmp_path, dtype="bfloat16", max_model_len=8, max_num_seqs=1, script=script
+        )
+
+
+def test_worker_that_dies_is_an_error(tmp_path: Path) -> None:
+    script = tmp_path / "dies.py"
+    script.write_text("import sys; sys.exit(3)\n")
+    with pytest.raises(RuntimeError, match="exited"):
+        et.VLLMWorker(
+            sys.executable, tmp_path, dtype="bfloat16", max_model_len=8, max_num_seqs=1, script=script
+        )
+
+
+def test_cpu_lists_and_worker_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert et.cpu_list([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+    assert et.cpu_list([3]) == "3"
+    cfg = ModelConfig(
+        vocab_size=10,
+        hidden_size=8,
+        intermediate_size=8,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        max_position_embeddings=8192,
+    )
+    # 64 x 656 tokens of 30 layers x 3 heads x 64 x K and V x 2 bytes: ~0.96 GiB, 1.25x room -> 2.
+    assert et.kv_cache_gib(cfg, "bfloat16", 64 * 656) == 2
+    monkeypatch.setenv("PYTHONPATH", str(REPO_ROOT))
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "7")  # the user's own setting wins over the default
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    env = et.vllm_env(cfg, "bfloat16", 656, 64, ["LD_PRELOAD=/x.so", "VLLM_LOGGING_LEVEL=INFO"])
+    assert "PYTHONPATH" not in env
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "7" and env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    assert env["LD_PRELOAD"] == "/x.so" and env["VLLM_LOGGING_LEVEL"] == "INFO"
+    cores = sorted(os.sched_getaffinity(0))[: torch.get_num_threads()]
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == et.cpu_list(cores)
+    with pytest.raises(SystemExit):
+        et.vllm_env(cfg, "bfloat16", 656, 64, ["NOEQUALS"])
+
+
+# ----------------------------------------------------------------------------------------------- export
+@pytest.fixture(scope="module")
+def tiny_engine() -> Iterator[LLMEngine]:
+    with LLMEngine.from_pretrained("tiny", config=EngineConfig(device="cpu", num_kv_blocks=64)) as engine:
+        yield engine
+
+
+def test_export_writes_the_engines_weights_as_a_hf_folder(tiny_engine: LLMEngine, tmp_path: Path) -> None:
+    folder = export_hf_folder(tiny_engine, tmp_path / "hf")
+    assert ModelConfig.from_pretrained(folder) == tiny_engine.model_config
+    hf = et.load_hf(folder, torch.float32)  # raises if any weight is missing
+    ours = dict(et.engine_model(tiny_engine).named_parameters())
+    for name, tensor in hf.state_dict().items():
+        assert torch.equal(tensor, ours[name]), name
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    assert tokenizer("hello world").input_ids == tiny_engine.tokenizer("hello world").input_ids
+
+
+def test_hf_config_keeps_rope_scaling_in_both_forms() -> None:
+    cfg = ModelConfig.from_hf_dict(
+        {
+            "vocab_size": 10,
+            "hidden_size": 8,
+            "intermediate_size": 8,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "rope_theta": 500000.0,
+            "rope_scaling": {"rope_type": "llama3", "factor": 8.0},
+            "eos_token_id": [1, 2],
+        }
+    )
+    out = hf_config_dict(cfg, "bfloat16", pad_token_id=0)
+    assert out["rope_parameters"] == {"rope_type": "llama3", "factor": 8.0, "rope_theta": 500000.0}
+    assert out["eos_token_id"] == [1, 2] and out["pad_token_id"] == 0
+    assert ModelConfig.from_hf_dict(out) == cfg
+
+
+def test_hf_folder_exports_only_when_the_model_is_not_a_folder(
+    tiny_engine: LLMEngine, tmp_path: Path
+) -> None:
+    folder = tmp_path / "given"
+    folder.mkdir()
+    assert et.hf_folder(str(folder), tiny_engine, tmp_path, 0) == folder
+    assert not (tmp_path / "hf-export").exists()
+    exported = et.hf_folder(str(tmp_path / "model.gguf"), tiny_engine, tmp_path, 0)
+    assert exported == tmp_path / "hf-export" and (exported / "model.safetensors").is_file()
+
+
+def test_decode_weight_bytes_counts_a_tied_embedding_once(tiny_engine: LLMEngine) -> None:
+    model = et.engine_model(tiny_engine)
+    cfg = tiny_engine.model_config
+    per_param = 4  # fp32
+    total = sum(p.numel() for p in model.parameters()) * per_param
+    # "tiny" is untied: of its embedding table a decode step reads one row.
+    assert not cfg.tie_word_embeddings
+    assert et.decode_weight_bytes(model) == total - (cfg.vocab_size - 1) * cfg.hidden_size * per_param
+
+
+# ----------------------------------------------------------------------------------------------- whole run
+def run_main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[str, dict[str, str]]:
+    et.main(argv)
+    out = capsys.readouterr().out
+    result = out.strip().splitlines()[-1]
+    assert result.startswith("RESULT engine_throughput ")
+    return out, dict(kv.split("=", 1) for kv in result.split()[2:])
+
+
+def test_tiny_run_without_vllm(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out, metrics = run_main(["--tiny", "--json", str(tmp_path / "r.json")], capsys)
+    assert "ours/vLLM" not in out and not any("vllm" in k for k in metrics)
+    assert float(metrics["mem_bw_gbs"]) > 0 and float(metrics["decode_b1_ceiling_tps"]) > 0
+    assert "decode_ratio_b1" in metrics and "decode_b1_pct_ceiling" in metrics
+    payload = json.loads((tmp_path / "r.json").read_text())
+    assert payload["vllm"] is None and payload["dtypes"] == {"ours": "float32", "hf": "float32"}
+    assert payload["throughput"][0]["vllm"] is None
+    assert payload["decode_ceiling"]["weight_bytes"] > 0
+
+
+def test_tiny_run_with_a_fake_vllm_worker(
+    fake_worker: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(et, "WORKER_SCRIPT", fake_worker)
+    argv = [
+        "--tiny",
+        "--dtype",
+        "bfloat16",
+        "--vllm-python",
+        sys.executable,
+        "--json",
+        str(tmp_path / "r.json"),
+    ]
+    out, metrics = run_main(argv, capsys)
+    assert "ours/vLLM" in out and "vLLM fake bfloat16" in out
+    for kind in ("decode", "prefill", "e2e"):
+        for batch in et.TINY.batches:
+            assert f"{kind}_vs_vllm_b{batch}" in metrics
+    payload = json.loads((tmp_path / "r.json").read_text())
+    assert payload["dtypes"] == {"ours": "bfloat16", "hf": "bfloat16", "vllm": "bfloat16"}
+    assert payload["vllm"]["vllm"] == "fake"
+    row = payload["throughput"][0]
+    assert row["vllm"]["decode_tps"]["value"] > 0 and row["vllm_agreement"] is not None
+
+
+# ----------------------------------------------------------------------------------------------- real vLLM
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.skipif(not os.environ.get("VLLM_PYTHON"), reason="VLLM_PYTHON (a python with vllm) not set")
+def test_real_vllm_generates_exactly_n_tokens_on_the_tiny_weights(
+    tiny_engine: LLMEngine, tmp_path: Path
+) -> None:
+    folder = export_hf_folder(tiny_engine, tmp_path / "hf")
+    worker = et.VLLMWorker(
+        os.environ["VLLM_PYTHON"],
+        folder,
+        dtype="float32",
+        max_model_len=64,
+        max_num_seqs=2,
+        engine_args={"enforce_eager": True},
+        env=et.vllm_env(tiny_engine.model_config, "float32", 64, 2),
+        cwd=tmp_path,
+    )
+    try:
+        assert worker.info["dtype"] == "float32"
+        seconds, ids = worker.run([[5, 6, 7], [8, 9]], 4)
+        assert seconds > 0 and [len(t) for t in ids] == [4, 4]
+    finally:
+        worker.close()
