@@ -1,5 +1,12 @@
 """Fast torch form of the two-phase decode attention: the path the engine runs on CPU.
 
+Plain paged decode gathers each chunk of sequences' blocks into a workspace and runs torch's fused CPU
+attention kernel over it, with the query heads of each KV head as its query rows (GQA without repeating KV),
+and a padding mask where the chunk's sequences differ in length. The chunking depends only on the block
+tables and lengths, so the engine plans it once per step (`plan_decode`) and every layer reuses the plan: a
+layer's decode attention is then a handful of ops (two gathers and one kernel per chunk); a lone sequence
+whose blocks form one run is attended in place, with no gather at all.
+
 Shared-prefix decode is computed as the paper's kernel does it, with library GEMMs:
 
 * prefix pass: for each group, the prefix KV is gathered once and every KV head runs one GEMM with all of
@@ -13,7 +20,8 @@ costs page faults on every call (measured 4x slower than reusing one). So gather
 in per-thread workspaces that are reused across calls, and work is chunked so that each workspace stays
 around a few megabytes (cache resident) instead of growing with batch x context.
 
-All math is float32 whatever the cache dtype; results are cast back to ``q.dtype``.
+Accumulation is float32 whatever the cache dtype (the fused kernel's, and the prefix pass's float32 math);
+results are cast back to ``q.dtype``.
 """
 
 from __future__ import annotations
@@ -21,21 +29,27 @@ from __future__ import annotations
 import functools
 import math
 import threading
+from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 __all__ = [
+    "DecodePlan",
+    "linear",
     "merge_attention_states",
     "paged_decode_attention",
     "paged_decode_partial",
+    "plan_decode",
     "shared_prefix_decode_attention",
 ]
 
-# Gathered tokens per chunk of the paged pass, and score elements per chunk of the prefix pass. Both keep the
-# working set near the size of a last-level cache while leaving each GEMM big enough to run at full speed.
+# Gathered key bytes per chunk of the paged pass, and score elements per chunk of the prefix pass. Both keep
+# the working set cache resident while leaving each kernel call big enough to run at full speed (paged pass:
+# 2 MiB of keys, plus as much of values, measured fastest of 1-16 MiB for batches of 16 and 64 on 2 cores).
 # Prefix passes with fewer query rows than _PREFIX_MIN_GEMM_ROWS or fewer score elements than
 # _PREFIX_MIN_GEMM_ELEMS take the batched small-problem form (measured crossover on 2 cores, fp32, d128).
-_PAGED_CHUNK_BYTES = 4 << 20
+_PAGED_CHUNK_BYTES = 2 << 20
 _PREFIX_CHUNK_ELEMS = 1 << 19
 _PREFIX_MIN_GEMM_ROWS = 64
 _PREFIX_MIN_GEMM_ELEMS = 1 << 16
@@ -64,8 +78,8 @@ class _Workspace(threading.local):
 _ws = _Workspace()
 
 
-def _mkldnn_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+def _mkldnn_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
 
 
 @functools.cache
@@ -73,8 +87,8 @@ def _mkldnn_usable() -> bool:
     """Whether oneDNN's fp32 linear is usable and exact here, for both operand layouts the GEMM helpers pass
     (it is torch-internal: check, not assume)."""
     try:
-        x, w = torch.randn(5, 32), torch.randn(40, 32)
-        nt = torch.allclose(_mkldnn_linear(x, w), x @ w.t(), rtol=1e-5, atol=1e-5)
+        x, w, b = torch.randn(5, 32), torch.randn(40, 32), torch.randn(40)
+        nt = torch.allclose(_mkldnn_linear(x, w, b), x @ w.t() + b, rtol=1e-5, atol=1e-5)
         v = torch.randn(32, 40)
         nn = torch.allclose(_mkldnn_linear(x, v.t()), x @ v, rtol=1e-5, atol=1e-5)
         return nt and nn
@@ -86,16 +100,26 @@ def _use_mkldnn(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype == torch.float32 and _mkldnn_usable()
 
 
-# On CPU, torch.mm goes to MKL, which on some x86 parts (AMD EPYC here) runs only its AVX2 kernels: ~170
+# On CPU, torch.mm goes to MKL, which on AMD parts runs only its AVX2 kernels: on an AVX-512 EPYC ~170
 # GFLOP/s on 2 cores, where oneDNN's linear uses AVX-512 and runs these shapes (a few hundred rows against
-# thousands of keys, head_dim 128) at 330-420. oneDNN reads the weight either row-major or as the transpose
-# of a row-major matrix; any other stride (a head sliced out of a [tokens, heads, dim] tensor) takes a path
-# a thousand times slower, so the callers pass contiguous per-head matrices.
+# thousands of keys, head_dim 128) at 330-420; on an AVX2 EPYC oneDNN is still the faster of the two for
+# the model's linears (1.05-1.2x at 1-64 rows, 1.5-2.2x for the LM head's 49k-row weight). oneDNN reads the
+# weight either row-major or as the transpose of a row-major matrix; any other stride (a head sliced out of
+# a [tokens, heads, dim] tensor) takes a path a thousand times slower, so the callers pass contiguous
+# per-head matrices.
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, through oneDNN for contiguous float32 operands on CPU where usable: the engine's
+    projections and LM head."""
+    if _use_mkldnn(x) and x.is_contiguous() and weight.is_contiguous():
+        return _mkldnn_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def _gemm_nt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x @ w.T`` for contiguous float32 ``x [M, K]`` and ``w [N, K]``."""
-    return _mkldnn_linear(x, w) if _use_mkldnn(x) else torch.mm(x, w.t())
+    return linear(x, w)
 
 
 def _gemm_nn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -135,6 +159,180 @@ def _scaled_queries(q: torch.Tensor, scale: float) -> torch.Tensor:
     return torch.mul(q, scale, out=_ws.get("q", tuple(q.shape), torch.float32, q.device))
 
 
+@dataclass(frozen=True)
+class _PlanChunk:
+    """Sequences whose blocks are gathered and attended together."""
+
+    rows: torch.Tensor | None  # [count] int64 batch rows; None: every row of the batch, in order
+    table: torch.Tensor  # [count * nblk] int64 block ids to gather (padding slots clamped to a real block)
+    count: int
+    nblk: int
+    length: int  # the longest member's tokens (attended keys: a prefix of the gathered ones)
+    pad_lens: torch.Tensor | None  # [count, 1] int64 member lengths when they differ (masked), else None
+    # A lone sequence whose blocks are consecutive in the cache (the allocator hands out runs, so usual at
+    # batch 1) is attended in place, from this first block, with no gather.
+    first_block: int | None = None
+
+
+@dataclass
+class DecodePlan:
+    """How a decode batch is cut into gather-and-attend chunks: the same for every layer of a step, so the
+    engine builds it once per step (`plan_decode`) instead of once per layer."""
+
+    batch: int
+    block_size: int
+    chunks: list[_PlanChunk]
+    complete: bool  # one chunk covering every row in order (its output is the result, nothing scattered)
+    masks: dict[torch.dtype, list[torch.Tensor | None]] = field(default_factory=dict)
+
+    def mask(self, i: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """Chunk ``i``'s additive padding mask (0 / -inf, ``[count, 1, 1, length]``), made once per dtype."""
+        masks = self.masks.get(dtype)
+        if masks is None:
+            masks = [_additive_mask(c, dtype) for c in self.chunks]
+            self.masks[dtype] = masks
+        return masks[i]
+
+
+def _additive_mask(chunk: _PlanChunk, dtype: torch.dtype) -> torch.Tensor | None:
+    if chunk.pad_lens is None:
+        return None
+    keys = torch.arange(chunk.length, device=chunk.pad_lens.device)
+    pad = keys[None, :] >= chunk.pad_lens
+    mask = torch.zeros(pad.shape, dtype=dtype, device=pad.device).masked_fill_(pad, -math.inf)
+    return mask.view(chunk.count, 1, 1, chunk.length)
+
+
+def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, k_cache: torch.Tensor) -> DecodePlan:
+    """Chunk a decode batch for `paged_decode_partial`: sequences in order when they all fit one gather
+    workspace, else in ascending length (so that sequences chunked together pad little), each chunk within
+    ``_PAGED_CHUNK_BYTES`` of gathered keys; empty sequences in none."""
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    device = block_tables.device
+    lens = [int(n) for n in context_lens.tolist()]
+    batch = len(lens)
+    live = [b for b in range(batch) if lens[b] > 0]
+    token_bytes = num_kv_heads * head_dim * k_cache.element_size()
+    budget_tokens = max(1, _PAGED_CHUNK_BYTES // token_bytes)
+
+    def padded(n: int) -> int:
+        return -(-n // block_size) * block_size
+
+    if live and len(live) * padded(max(lens)) <= budget_tokens:
+        groups = [live]
+    else:
+        order = sorted(live, key=lens.__getitem__)
+        groups, start = [], 0
+        while start < len(order):
+            # Grow the chunk while (sequences x padded length) fits the budget; at least one sequence.
+            stop = start + 1
+            while stop < len(order) and (stop - start + 1) * padded(lens[order[stop]]) <= budget_tokens:
+                stop += 1
+            groups.append(order[start:stop])
+            start = stop
+    # Table slots past a sequence's own length may hold junk; clamp them to a real block (never attended).
+    tables = block_tables.long().clamp(0, num_blocks - 1)
+    chunks = []
+    for idx in groups:
+        length = max(lens[b] for b in idx)
+        nblk = -(-length // block_size)
+        everything = idx == list(range(batch))
+        rows = None if everything else torch.tensor(idx, dtype=torch.long, device=device)
+        table = (tables if rows is None else tables.index_select(0, rows))[:, :nblk].reshape(-1)
+        uneven = any(lens[b] != length for b in idx)
+        pad_lens = torch.tensor([[lens[b]] for b in idx], device=device) if uneven else None
+        first = None
+        if len(idx) == 1:
+            blocks = table.tolist()
+            first = blocks[0] if blocks == list(range(blocks[0], blocks[0] + nblk)) else None
+        chunks.append(_PlanChunk(rows, table, len(idx), nblk, length, pad_lens, first))
+    complete = len(chunks) == 1 and chunks[0].rows is None
+    return DecodePlan(batch, block_size, chunks, complete)
+
+
+def _flash(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention with its log-sum-exp: ``q [B, Hkv, G, D]`` (the G query heads of each KV head as its query
+    rows: GQA with no repeated KV), ``k``/``v`` ``[B, Hkv, L, D]`` (any strides with a unit last stride),
+    ``mask`` additive ``[B, 1, 1, L]`` or None. Returns ``(out [B, Hkv, G, D] in q's dtype, lse [B, Hkv, G]
+    float32)``.
+
+    On CPU, torch's fused flash kernel: one pass over the keys with an online softmax and float32
+    accumulation, no score tensor in memory, a handful of ops per call where the GEMM form takes ~20 (the
+    engine calls it once per layer per step, so per-op cost matters as much as bandwidth). Elsewhere (the
+    torch path on CUDA without triton) the same in plain ops, in float32.
+    """
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, attn_mask=mask, scale=scale
+        )
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)).mul_(scale)
+    if mask is not None:
+        scores.add_(mask.float())
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(torch.exp(scores - lse[..., None]), v.float())
+    return out.to(q.dtype), lse
+
+
+def _paged_pass(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: DecodePlan,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every sequence over its own blocks: ``(out [B, H, D] in the compute dtype, lse [B, H] float32)``;
+    an empty sequence gets 0 and ``-inf``."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    # The fused kernel wants one dtype throughout; a cache in another dtype (mixed-precision callers) is
+    # attended in float32.
+    dtype = q.dtype if q.dtype == k_cache.dtype == v_cache.dtype else torch.float32
+    q4 = q.to(dtype).view(batch, num_kv_heads, group, head_dim)
+    if plan.complete:
+        out, lse = _paged_chunk(q4, k_cache, v_cache, plan, 0, dtype, scale)
+        # (the kernel lays its results out query-row-major: a small re-layout copy)
+        return out.reshape(batch, num_heads, head_dim), lse.reshape(batch, num_heads)
+    out = torch.zeros(batch, num_heads, head_dim, dtype=dtype, device=q.device)
+    lse = torch.full((batch, num_heads), -math.inf, dtype=torch.float32, device=q.device)
+    for i, chunk in enumerate(plan.chunks):
+        qc = q4 if chunk.rows is None else q4.index_select(0, chunk.rows)
+        o, part_lse = _paged_chunk(qc, k_cache, v_cache, plan, i, dtype, scale)
+        rows = chunk.rows if chunk.rows is not None else torch.arange(batch, device=q.device)
+        out.index_copy_(0, rows, o.reshape(chunk.count, num_heads, head_dim))
+        lse.index_copy_(0, rows, part_lse.reshape(chunk.count, num_heads))
+    return out, lse
+
+
+def _paged_chunk(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: DecodePlan,
+    i: int,
+    dtype: torch.dtype,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunk ``i`` of the plan: gather its blocks into a reused workspace (unless they are one run of
+    blocks), attend ``q [count, Hkv, G, D]``."""
+    chunk = plan.chunks[i]
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    if chunk.first_block is not None:
+        k = k_cache[chunk.first_block : chunk.first_block + chunk.nblk]
+        v = v_cache[chunk.first_block : chunk.first_block + chunk.nblk]
+    else:
+        shape = (chunk.count * chunk.nblk, block_size, num_kv_heads, head_dim)
+        k = torch.index_select(k_cache, 0, chunk.table, out=_ws.get("k", shape, k_cache.dtype, q.device))
+        v = torch.index_select(v_cache, 0, chunk.table, out=_ws.get("v", shape, v_cache.dtype, q.device))
+    # [count, Hkv, keys, D] views of the blocks, cut to the longest member (shorter ones masked).
+    keys = (chunk.count, chunk.nblk * block_size, num_kv_heads, head_dim)
+    k = k.view(keys)[:, : chunk.length].transpose(1, 2).to(dtype)
+    v = v.view(keys)[:, : chunk.length].transpose(1, 2).to(dtype)
+    return _flash(q, k, v, plan.mask(i, dtype), scale)
+
+
 def paged_decode_partial(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -143,107 +341,16 @@ def paged_decode_partial(
     context_lens: torch.Tensor,
     scale: float,
     *,
-    scaled_q: torch.Tensor | None = None,
+    plan: DecodePlan | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Paged decode attention returning the partial state (normalised output and its log-sum-exp).
 
     Returns ``(out [B, H, D] float32, lse [B, H] float32)``; a sequence with no tokens gets 0 and ``-inf``.
-    ``scaled_q`` (``q * scale`` in float32) may be passed when the caller already has it.
+    ``plan``: `plan_decode` of these tables and lengths, when the caller keeps one across layers.
     """
-    batch, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    group = num_heads // num_kv_heads
-    device = q.device
-    out = torch.zeros(batch, num_heads, head_dim, dtype=torch.float32, device=device)
-    lse = torch.full((batch, num_heads), -math.inf, dtype=torch.float32, device=device)
-
-    lens = [int(n) for n in context_lens.tolist()]
-    # Ascending length, so that sequences chunked together pad little.
-    order = sorted((b for b in range(batch) if lens[b] > 0), key=lens.__getitem__)
-    if not order:
-        return out, lse
-    qs = (scaled_q if scaled_q is not None else _scaled_queries(q, scale)).view(
-        batch, num_kv_heads, group, head_dim
-    )
-    token_bytes = num_kv_heads * head_dim * max(k_cache.element_size(), 4)
-    budget_tokens = max(1, _PAGED_CHUNK_BYTES // token_bytes)
-
-    start = 0
-    while start < len(order):
-        # Grow the chunk while (sequences x padded length) fits the budget; at least one sequence.
-        stop = start + 1
-        while stop < len(order):
-            padded = -(-lens[order[stop]] // block_size) * block_size
-            if (stop - start + 1) * padded > budget_tokens:
-                break
-            stop += 1
-        idx = order[start:stop]
-        _paged_chunk(qs, k_cache, v_cache, block_tables, lens, idx, out, lse)
-        start = stop
-    return out, lse
-
-
-def _paged_chunk(
-    qs: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    lens: list[int],
-    idx: list[int],
-    out: torch.Tensor,
-    lse: torch.Tensor,
-) -> None:
-    """Attention of the sequences ``idx`` (all non-empty) over their blocks, written into ``out``/``lse``."""
-    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    group = qs.shape[2]
-    device = qs.device
-    count = len(idx)
-    max_len = max(lens[b] for b in idx)
-    nblk = -(-max_len // block_size)
-    padded = nblk * block_size
-    idx_t = torch.tensor(idx, dtype=torch.long, device=device)
-
-    # Table slots past a sequence's own length may hold padding; clamp them to a real block (masked below).
-    table = block_tables.index_select(0, idx_t)[:, :nblk].long().clamp_(0, num_blocks - 1).reshape(-1)
-    kv_shape = (count * nblk, block_size, num_kv_heads, head_dim)
-    k = torch.index_select(k_cache, 0, table, out=_ws.get("k", kv_shape, k_cache.dtype, device))
-    v = torch.index_select(v_cache, 0, table, out=_ws.get("v", kv_shape, v_cache.dtype, device))
-    k = k.float().view(count, padded, num_kv_heads, head_dim)
-    v = v.float().view(count, padded, num_kv_heads, head_dim)
-    q_chunk = qs.index_select(0, idx_t)  # [count, Hkv, G, D]
-
-    # Batched GEMMs need one batch stride: loop over whichever of (sequences, KV heads) is shorter and batch
-    # the other — no repeated KV is ever materialised for GQA.
-    by_head = count >= num_kv_heads
-    score_shape = (num_kv_heads, count, group, padded) if by_head else (count, num_kv_heads, group, padded)
-    scores = _ws.get("s", score_shape, torch.float32, device)
-    probs = _ws.get("p", score_shape, torch.float32, device)
-    o_shape = (num_kv_heads, count, group, head_dim) if by_head else (count, num_kv_heads, group, head_dim)
-    o = _ws.get("o", o_shape, torch.float32, device)
-    if by_head:
-        for h in range(num_kv_heads):
-            torch.bmm(q_chunk[:, h], k[:, :, h].transpose(1, 2), out=scores[h])
-    else:
-        for i in range(count):
-            torch.bmm(q_chunk[i], k[i].permute(1, 2, 0), out=scores[i])
-
-    chunk_lens = [lens[b] for b in idx]
-    if min(chunk_lens) < padded:
-        pad = torch.arange(padded, device=device)[None, :] >= torch.tensor(chunk_lens, device=device)[:, None]
-        scores.masked_fill_(pad[None, :, None, :] if by_head else pad[:, None, None, :], -math.inf)
-    part_lse = _softmax_with_lse(scores, probs)
-
-    if by_head:
-        for h in range(num_kv_heads):
-            torch.bmm(probs[h], v[:, :, h], out=o[h])
-        # Scatter straight into a head-major view of the result: no re-layout copy.
-        out.view(-1, num_kv_heads, group, head_dim).transpose(0, 1).index_copy_(1, idx_t, o)
-        lse.view(-1, num_kv_heads, group).transpose(0, 1).index_copy_(1, idx_t, part_lse.squeeze(-1))
-    else:
-        for i in range(count):
-            torch.bmm(probs[i], v[i].transpose(0, 1), out=o[i])
-        out.index_copy_(0, idx_t, o.view(count, -1, head_dim))
-        lse.index_copy_(0, idx_t, part_lse.view(count, -1))
+    plan = plan or plan_decode(block_tables, context_lens, k_cache)
+    out, lse = _paged_pass(q, k_cache, v_cache, plan, scale)
+    return out.float(), lse
 
 
 def _gather_head_major(cache: torch.Tensor, table: torch.Tensor, name: str) -> torch.Tensor:
@@ -330,9 +437,13 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    *,
+    plan: DecodePlan | None = None,
 ) -> torch.Tensor:
-    """Paged decode attention (torch path); see :func:`kernels.paged_decode_attention`."""
-    out, _ = paged_decode_partial(q, k_cache, v_cache, block_tables, context_lens, scale)
+    """Paged decode attention (torch path); see :func:`kernels.paged_decode_attention`. ``plan`` as in
+    `paged_decode_partial`."""
+    plan = plan or plan_decode(block_tables, context_lens, k_cache)
+    out, _ = _paged_pass(q, k_cache, v_cache, plan, scale)
     return out.to(q.dtype)
 
 
@@ -346,13 +457,15 @@ def shared_prefix_decode_attention(
     suffix_block_tables: torch.Tensor,
     suffix_lens: torch.Tensor,
     scale: float,
+    *,
+    plan: DecodePlan | None = None,
 ) -> torch.Tensor:
-    """Shared-prefix decode attention (torch path); see :func:`kernels.shared_prefix_decode_attention`."""
+    """Shared-prefix decode attention (torch path); see :func:`kernels.shared_prefix_decode_attention`.
+    ``plan``: `plan_decode` of the suffix tables and lengths, when the caller keeps one across layers."""
     _, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    qs = _scaled_queries(q, scale)
-    out, lse = paged_decode_partial(q, k_cache, v_cache, suffix_block_tables, suffix_lens, scale, scaled_q=qs)
+    out, lse = paged_decode_partial(q, k_cache, v_cache, suffix_block_tables, suffix_lens, scale, plan=plan)
 
     groups = [int(g) for g in group_of.tolist()]
     plens = [int(n) for n in prefix_lens.tolist()]
@@ -362,6 +475,7 @@ def shared_prefix_decode_attention(
             members.setdefault(g, []).append(b)
     if not members:
         return out.to(q.dtype)
+    qs = _scaled_queries(q, scale)
 
     for g, mem in members.items():
         idx = torch.tensor(mem, dtype=torch.long, device=q.device)

@@ -3,7 +3,8 @@
 One step's tokens are flattened with no padding: first one token per decoding sequence, then each fill chunk.
 Prefill attends over [cached tokens of the context + the chunk] causally; decode goes through `kernels`
 (Triton on CUDA, the torch form of the same two-phase algorithm on CPU), with sequences that share an
-ancestor context grouped so the shared prefix is read once for the whole group.
+ancestor context grouped so the shared prefix is read once for the whole group. On CPU the torch path is
+called with its chunking planned by the step's first layer and kept on the `DecodeBatch` for the others.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+from kernels import torch_path
 
 
 @dataclass
@@ -45,6 +47,8 @@ class DecodeBatch:
     block_tables: torch.Tensor  # [B, max_blocks] int32
     context_lens: torch.Tensor  # [B] int32, including the token being decoded
     groups: SharedPrefixGroups | None = None
+    # CPU: how the torch path chunks this batch, the same in every layer: made by the first, reused after.
+    plan: torch_path.DecodePlan | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -86,6 +90,8 @@ class PagedAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
+        if meta.decode is not None and not meta.prefills:  # a pure decode step: its result is the output
+            return _decode(q, k_cache, v_cache, meta.decode, scale)
         out = torch.empty_like(q)
         if meta.decode is not None:
             n = meta.decode.num_seqs
@@ -103,6 +109,8 @@ def _decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: DecodeBatch, scale: float
 ) -> torch.Tensor:
     g = batch.groups
+    if q.device.type == "cpu":
+        return _decode_cpu(q, k_cache, v_cache, batch, scale)
     if g is None:
         return kernels.paged_decode_attention(
             q, k_cache, v_cache, batch.block_tables, batch.context_lens, scale
@@ -117,6 +125,32 @@ def _decode(
         g.suffix_block_tables,
         g.suffix_lens,
         scale,
+    )
+
+
+def _decode_cpu(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: DecodeBatch, scale: float
+) -> torch.Tensor:
+    """The torch path (what `kernels` runs on CPU), with its chunking planned once per step."""
+    g = batch.groups
+    tables, lens = (
+        (batch.block_tables, batch.context_lens) if g is None else (g.suffix_block_tables, g.suffix_lens)
+    )
+    if batch.plan is None:
+        batch.plan = torch_path.plan_decode(tables, lens, k_cache)
+    if g is None:
+        return torch_path.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, plan=batch.plan)
+    return torch_path.shared_prefix_decode_attention(
+        q,
+        k_cache,
+        v_cache,
+        g.prefix_block_tables,
+        g.prefix_lens,
+        g.group_of,
+        tables,
+        lens,
+        scale,
+        plan=batch.plan,
     )
 
 

@@ -1,8 +1,22 @@
 """LLaMA-family model code over the paged KV cache (RMSNorm, RoPE, GQA, SwiGLU).
 
 Parameter names follow Hugging Face's `LlamaForCausalLM`, so a safetensors state dict loads as is. The
-forward takes one flattened step (no padding) and returns final hidden states; logits are computed only for
-the rows that are sampled (`compute_logits`).
+forward takes one flattened step (no padding) and returns final hidden states of the rows asked for; logits
+are computed only for the rows that are sampled (`compute_logits`).
+
+On CPU a decode step of a small model is ~30 layers of small ops, so per-op cost matters next to the
+weight traffic: each layer launches as few kernels as possible, and its elementwise parts do the Hugging
+Face reference's arithmetic op for op (the same products and sums, in place where the operand is ours):
+
+* q/k/v and gate/up run as one GEMM each over weights concatenated once after loading
+  (`LlamaForCausalLM.fuse_projections`); the separate parameters stay, as views into the fused ones, so the
+  state dict keeps its Hugging Face names and layout;
+* RoPE is applied to q and k together, with cos/sin looked up once per step for all layers (`rope.py`);
+* linears call `kernels.torch_path.linear` on the weights directly (oneDNN for fp32 on CPU, faster than
+  MKL's path there; no module call overhead); the residual stream is updated in place.
+
+GEMM rounding differs from MKL's (what `transformers` uses) in the last bits, which the greedy parity tests
+against `generate` tolerate (fp32).
 """
 
 from __future__ import annotations
@@ -11,9 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.torch_path import linear
 from server.engine.attention import AttentionBackend, AttentionMetadata
 from server.engine.config import ModelConfig
-from server.engine.rope import RotaryEmbedding
+from server.engine.rope import RotaryEmbedding, rotate
 
 
 class RMSNorm(nn.Module):
@@ -23,10 +38,27 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # fp32 statistics, as the reference implementation does, whatever the activation dtype
+        # fp32 statistics, as the reference implementation does, whatever the activation dtype; the same ops
+        # in the same order (in place where the operand is ours), so fp32 results match it bit for bit.
         h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        h = h * h.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
+        return h.to(x.dtype).mul_(self.weight)
+
+
+def _fuse(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate the linears' weights (and biases) along the output dim, and turn each linear's own
+    parameters into views of the result: one GEMM for all of them, no second copy of the weights."""
+    weight = torch.cat([m.weight.detach() for m in linears])
+    has_bias = linears[0].bias is not None
+    bias = torch.cat([m.bias.detach() for m in linears]) if has_bias else None  # type: ignore[union-attr]
+    start = 0
+    for m in linears:
+        stop = start + m.out_features
+        m.weight = nn.Parameter(weight[start:stop], requires_grad=False)
+        if bias is not None:
+            m.bias = nn.Parameter(bias[start:stop], requires_grad=False)
+        start = stop
+    return weight, bias
 
 
 class Attention(nn.Module):
@@ -41,39 +73,55 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.qkv_weight: torch.Tensor | None = None  # set by `fuse`
+        self.qkv_bias: torch.Tensor | None = None
+
+    def fuse(self) -> None:
+        self.qkv_weight, self.qkv_bias = _fuse([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        rope: RotaryEmbedding,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q, k = rope.apply(q, k, positions)
+        heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = linear(x, self.qkv_weight, self.qkv_bias)
+        # q and k are adjacent columns of the fused output: rotate them as one [T, H + KVH, D] tensor.
+        qk = rotate(qkv[:, : (heads + kv_heads) * d].view(t, heads + kv_heads, d), cos, sin)
+        q, k = qk[:, :heads], qk[:, heads:]
+        v = qkv[:, (heads + kv_heads) * d :].view(t, kv_heads, d)
         # The step's new K/V go into their cache slots first; attention then reads only the cache.
-        k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
+        k_cache.view(-1, kv_heads, d).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, kv_heads, d).index_copy_(0, meta.slot_mapping, v)
         o = backend(q, k, v, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+        return linear(o.reshape(t, heads * d), self.o_proj.weight, self.o_proj.bias)
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         bias = cfg.mlp_bias
+        self.intermediate_size = cfg.intermediate_size
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        self.gate_up_weight: torch.Tensor | None = None  # set by `fuse`
+        self.gate_up_bias: torch.Tensor | None = None
+
+    def fuse(self) -> None:
+        self.gate_up_weight, self.gate_up_bias = _fuse([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = linear(x, self.gate_up_weight, self.gate_up_bias)
+        n = self.intermediate_size
+        act = F.silu(gate_up[:, :n]).mul_(gate_up[:, n:])
+        return linear(act, self.down_proj.weight, self.down_proj.bias)
 
 
 class DecoderLayer(nn.Module):
@@ -108,6 +156,18 @@ class LlamaForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def fuse_projections(self) -> None:
+        """Concatenate each layer's q/k/v and gate/up weights for one GEMM each; call it once the weights are
+        loaded (`ModelRunner` does, and the first forward does if nobody did). Idempotent."""
+        # Outside inference mode even when called from the forward: the fused weights are ordinary tensors,
+        # so a later `load_state_dict` can still copy into the views that share their storage.
+        with torch.inference_mode(False), torch.no_grad():
+            for layer in self.model.layers:
+                if layer.self_attn.qkv_weight is None:
+                    layer.self_attn.fuse()
+                if layer.mlp.gate_up_weight is None:
+                    layer.mlp.fuse()
+
     @torch.inference_mode()
     def forward(
         self,
@@ -117,17 +177,21 @@ class LlamaForCausalLM(nn.Module):
         v_caches: list[torch.Tensor],
         meta: AttentionMetadata,
         backend: AttentionBackend,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Hidden states after the final norm, [T, hidden]."""
+        """Hidden states after the final norm of the step's rows ``rows`` ([len(rows), hidden]; all rows
+        [T, hidden] if None): the final norm runs on the rows that are read, not on every prefill token."""
+        if self.model.layers and self.model.layers[0].self_attn.qkv_weight is None:
+            self.fuse_projections()
         h = self.model.embed_tokens(input_ids)
+        cos, sin = self.rope.lookup(positions)  # shared by every layer
         for i, layer in enumerate(self.model.layers):
-            a = layer.self_attn(
-                layer.input_layernorm(h), positions, self.rope, k_caches[i], v_caches[i], meta, backend
+            h.add_(
+                layer.self_attn(layer.input_layernorm(h), cos, sin, k_caches[i], v_caches[i], meta, backend)
             )
-            h = h + a
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.model.norm(h)
+            h.add_(layer.mlp(layer.post_attention_layernorm(h)))
+        return self.model.norm(h if rows is None else h.index_select(0, rows))
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        return linear(hidden.contiguous(), self.lm_head.weight)

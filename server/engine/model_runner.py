@@ -84,6 +84,7 @@ class ModelRunner:
         self.device = device
         self.shared_prefix_decode = shared_prefix_decode
         self.backend = backend or PagedAttentionBackend()
+        model.fuse_projections()  # one GEMM for q/k/v and one for gate/up, from here on
         k = kv.k[0]
         self._kv_bytes_per_token = 2 * k.shape[2] * k.shape[3] * k.element_size()
         self.grouped_decode_steps = 0  # decode steps that took the shared-prefix path
@@ -99,13 +100,14 @@ class ModelRunner:
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
+        bs = self.block_size
         for c in decodes + prefills:
             ctx = c.request.context
             start, end = ctx.num_cached, ctx.num_cached + c.num_tokens
             ids.extend(ctx.token_ids[start:end])
-            for p in range(start, end):
-                positions.append(p)
-                slots.append(ctx.block_table[p // self.block_size] * self.block_size + p % self.block_size)
+            positions.extend(range(start, end))
+            table = ctx.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
         last_row: dict[int, int] = {}
         hidden = None
         if ids:
@@ -119,11 +121,13 @@ class ModelRunner:
                 last_row[id(c)] = i
             for c in prefills:
                 ctx = c.request.context
-                n_blocks = blocks_for(ctx.num_cached + c.num_tokens, self.block_size)
+                n_blocks = blocks_for(ctx.num_cached + c.num_tokens, bs)
                 table = torch.tensor(ctx.block_table[:n_blocks], dtype=torch.int64, device=self.device)
                 meta.prefills.append(PrefillChunk(row, c.num_tokens, ctx.num_cached, table))
                 row += c.num_tokens
                 last_row[id(c)] = row - 1
+            # Only the rows read out go through the final norm: one per chunk, in batch order.
+            rows = [last_row[id(c)] for c in batch if c.num_tokens > 0]
             hidden = self.model(
                 torch.tensor(ids, dtype=torch.int64, device=self.device),
                 torch.tensor(positions, dtype=torch.int64, device=self.device),
@@ -131,18 +135,22 @@ class ModelRunner:
                 self.kv.v,
                 meta,
                 self.backend,
+                None if rows == list(range(len(ids))) else torch.tensor(rows, device=self.device),
             )
-        rows = []
+        if all(c.num_tokens > 0 for c in batch):
+            return hidden if hidden is not None else torch.empty(0)
+        out, read = [], 0
         for c in batch:
             if c.num_tokens == 0:
                 stored = c.request.context.last_hidden
                 # A generate never starts without it: `LLMEngine._start` un-caches the last token instead.
                 assert stored is not None, "a 0-token chunk needs its context's stored last hidden state"
-                rows.append(stored)
+                out.append(stored)
             else:
                 assert hidden is not None
-                rows.append(hidden[last_row[id(c)]])
-        return torch.stack(rows) if rows else torch.empty(0)
+                out.append(hidden[read])
+                read += 1
+        return torch.stack(out)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)

@@ -38,7 +38,11 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
 
 
 class RotaryEmbedding:
-    """Precomputed cos/sin tables indexed by absolute position."""
+    """Precomputed cos/sin tables indexed by absolute position.
+
+    ``sin`` has its first half negated: rotating by it needs only the halves of ``x`` swapped (`rotate`),
+    not ``rotate_half``'s negation as well, and ``(-a) * b == -(a * b)`` exactly, so results are unchanged.
+    """
 
     def __init__(
         self,
@@ -53,17 +57,26 @@ class RotaryEmbedding:
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.int64).float(), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = emb.cos().to(device=device, dtype=dtype)
-        self.sin = emb.sin().to(device=device, dtype=dtype)
+        sin = emb.sin()
+        sin[:, : head_dim // 2].neg_()
+        self.sin = sin.to(device=device, dtype=dtype)
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin of each position, ``[T, 1, D]`` each (broadcast over heads); one lookup
+        serves every layer of a step."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
     def apply(
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q [T, H, D] and k [T, KVH, D] by each token's position."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        cos, sin = self.lookup(positions)
+        return rotate(q, cos, sin), rotate(k, cos, sin)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` for x [T, heads, D] and `RotaryEmbedding.lookup`'s tables, in
+    four kernels and with Hugging Face's rounding (the same products, summed in the same pair)."""
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)  # rotate_half without its negation
+    return swapped.mul_(sin).add_(x * cos)

@@ -95,7 +95,11 @@ def gqa_model(model_factory: Callable[..., Path]) -> Path:
 
 @pytest.fixture(scope="module")
 def engine(gqa_model: Path) -> Iterator[LLMEngine]:
-    eng = LLMEngine.from_pretrained(gqa_model, EngineConfig(num_kv_blocks=512, max_num_batched_tokens=256))
+    # fp32 here and wherever tokens are compared with HF or across code paths: only fp32 is exact, and the
+    # CPU default is bf16 where the CPU has it natively.
+    eng = LLMEngine.from_pretrained(
+        gqa_model, EngineConfig(dtype="float32", num_kv_blocks=512, max_num_batched_tokens=256)
+    )
     yield eng
     eng.shutdown()
 

@@ -71,7 +71,7 @@ async def test_prompt_longer_than_context_window(engine: LLMEngine, gqa_model: P
 
 
 async def test_prompt_larger_than_kv_cache(gqa_model: Path) -> None:
-    with LLMEngine.from_pretrained(gqa_model, EngineConfig(num_kv_blocks=4)) as engine:
+    with LLMEngine.from_pretrained(gqa_model, EngineConfig(dtype="float32", num_kv_blocks=4)) as engine:
         with pytest.raises(PromptTooLongError, match="exceed the KV cache"):
             await engine.fill(1, [7] * 100)
         await still_serves(engine, gqa_model, 2)
@@ -156,7 +156,7 @@ async def test_kv_exhaustion_under_4x_oversubscription(gqa_model: Path) -> None:
     batch = prompts(32, seed=6, low=20, high=40)
     sampling = SamplingParams(max_tokens=24, ignore_eos=True)
     need = sum(-(-(len(p) + 24) // 16) for p in batch)
-    cfg = EngineConfig(num_kv_blocks=need // 4, max_num_seqs=32, max_num_batched_tokens=512)
+    cfg = EngineConfig(dtype="float32", num_kv_blocks=need // 4, max_num_seqs=32, max_num_batched_tokens=512)
     with LLMEngine.from_pretrained(gqa_model, cfg) as engine:
 
         async def one(cid: int, prompt: list[int]) -> list[int]:

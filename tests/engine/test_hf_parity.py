@@ -63,7 +63,7 @@ async def test_architecture_variants_match_hf(
 ) -> None:
     path = model_factory(name, **overrides)
     batch = prompts(3, seed=3, low=5, high=50)
-    with LLMEngine.from_pretrained(path, EngineConfig(num_kv_blocks=128)) as engine:
+    with LLMEngine.from_pretrained(path, EngineConfig(dtype="float32", num_kv_blocks=128)) as engine:
         ours = await asyncio.gather(*(run_prompt(engine, p) for p in batch))
     assert ours == [hf_greedy(path, p, GREEDY.max_tokens) for p in batch]
 
@@ -74,7 +74,7 @@ async def test_sharded_checkpoint_loads(tmp_path: Path, gqa_model: Path) -> None
     path = save_hf_model(tmp_path / "sharded", max_shard_size="200KB")
     assert (path / "model.safetensors.index.json").is_file()
     prompt = prompts(1, seed=4)[0]
-    with LLMEngine.from_pretrained(path, EngineConfig(num_kv_blocks=64)) as engine:
+    with LLMEngine.from_pretrained(path, EngineConfig(dtype="float32", num_kv_blocks=64)) as engine:
         assert await run_prompt(engine, prompt) == hf_greedy(gqa_model, prompt, GREEDY.max_tokens)
 
 
@@ -132,7 +132,7 @@ async def test_continuing_after_generate_equals_full_prompt(engine: LLMEngine, g
 
 async def test_small_token_budget_chunks_prefill(gqa_model: Path) -> None:
     batch = prompts(4, seed=11, low=30, high=60)
-    cfg = EngineConfig(num_kv_blocks=64, max_num_batched_tokens=16, max_num_seqs=3)
+    cfg = EngineConfig(dtype="float32", num_kv_blocks=64, max_num_batched_tokens=16, max_num_seqs=3)
     with LLMEngine.from_pretrained(gqa_model, cfg) as engine:
         ours = await asyncio.gather(*(run_prompt(engine, p) for p in batch))
         assert engine.stats().tokens_in_last_step <= 16
@@ -153,7 +153,7 @@ async def test_shared_prefix_grouping_does_not_change_outputs(gqa_model: Path) -
     suffixes = prompts(6, seed=15, low=1, high=25)
 
     async def run(mode: str) -> list[list[int]]:
-        cfg = EngineConfig(num_kv_blocks=128, shared_prefix_decode=mode)
+        cfg = EngineConfig(dtype="float32", num_kv_blocks=128, shared_prefix_decode=mode)
         with LLMEngine.from_pretrained(gqa_model, cfg) as eng:
             await eng.fill(0, prefix)
             outs = await asyncio.gather(

@@ -36,7 +36,7 @@ TAIL = prompts(1, seed=77, low=20, high=21)[0]  # 20 tokens: more than a block
 @pytest.fixture
 def fresh(gqa_model: Path) -> Iterator[LLMEngine]:
     """An engine of its own, so block counts are exact."""
-    with LLMEngine.from_pretrained(gqa_model, EngineConfig(num_kv_blocks=128)) as eng:
+    with LLMEngine.from_pretrained(gqa_model, EngineConfig(dtype="float32", num_kv_blocks=128)) as eng:
         yield eng
 
 
