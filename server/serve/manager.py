@@ -526,16 +526,6 @@ class Manager:
             match = self._cached_match(i, prep.namespace, token_ids)
             if match is not None:
                 cached[i] = match.length
-        # A prefix an engine is prefilling right now counts as held there: the burst of one app's
-        # requests that arrive while its system prompt fills must not each pick a different engine.
-        for (store_key, prefix), _ in self._prefix_fills.items():
-            for i in serving:
-                if (
-                    store_key == self._store_key(i, prep.namespace)
-                    and len(prefix) > cached.get(i, 0)
-                    and tuple(token_ids[: len(prefix)]) == prefix
-                ):
-                    cached[i] = len(prefix)
         affinity = self.config.prefix_affinity
         group = goal.task_group
         return QueuedRequest(

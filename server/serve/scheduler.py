@@ -13,11 +13,8 @@ branch that applies places it:
    together (the consumer waits for the slowest: one big batch beats spreading them out).
 3. **queue_prefix** — queued requests whose prompts start with the same constant prefix go to one engine
    together, so the prefix is prefilled once and decoded with the shared-prefix kernel.
-4. **context** — an engine already holding (or now prefilling) a context whose tokens prefix the request's.
-   Among the engines it fits, the one where it costs least: running tokens minus the prompt tokens the
-   engine holds (a held prefix is prefill saved; a busier engine's batches are slower). A hot prefix thus
-   stays on its holder until that engine runs more than the prefix is worth, then spreads to a second
-   engine — affinity without the load imbalance of a hard filter.
+4. **context** — an engine already holding a context whose tokens prefix the request's: the one holding the
+   most tokens, if its cap allows.
 5. **find_engine** — otherwise the engine that meets the request's objective with the least impact: for
    latency work the least loaded engine (fastest iterations); for throughput work the least loaded engine
    that runs no latency-bound work (latency engines left alone; concurrent jobs spread over the rest
@@ -188,14 +185,14 @@ def _place(
     fitting = [e for e in state.values() if e.serves(batch[0].model) and e.fits(tokens, cap)]
     if not fitting:
         return None, reason
-    # Groups and prefix batches weigh an engine holding their prefix too; then find_engine's rule.
+    # Groups and prefix batches prefer an engine holding their prefix too; then find_engine's rule.
     cached = {e.engine_id: max((r.cached.get(e.engine_id, 0) for r in batch), default=0) for e in fitting}
-    if reason == "find_engine" or max(cached.values()) == 0:
-        return _find_engine(fitting, criteria), "find_engine" if reason == "context" else reason
-    best = min(fitting, key=lambda e: (e.running - cached[e.engine_id], e.latency_running, e.engine_id))
-    if reason == "context" and cached[best.engine_id] == 0:
+    best = max(cached.values())
+    if best > 0 and reason != "find_engine":
+        fitting = [e for e in fitting if cached[e.engine_id] == best]
+    elif reason == "context":
         reason = "find_engine"
-    return best.engine_id, reason
+    return _find_engine(fitting, criteria), reason
 
 
 def _find_engine(fitting: list[EngineState], criteria: Criteria | None) -> int:
