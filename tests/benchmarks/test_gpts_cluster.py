@@ -124,3 +124,11 @@ def test_tiny_run_ends_with_the_result_line(capsys: pytest.CaptureFixture[str], 
     for policy in payload["policies"].values():
         (only,) = policy["runs"]
         assert only["rate"] == 4.0 and only["failures"] == 0 and only["measured"] == only["requests"] > 0
+
+
+def test_an_empty_table_renders_its_header() -> None:
+    # A run where no policy sustained any rate has no rows: the report still prints (it crashed here).
+    from benchmarks.common import markdown_table
+
+    table = markdown_table(["policy", "rate"], [], [False, True])
+    assert table.splitlines()[0] == "| policy | rate |"
