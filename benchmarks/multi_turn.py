@@ -71,7 +71,7 @@ from benchmarks.common import (
 from benchmarks.plotting import pyplot, save
 from benchmarks.workloads.chat import TextPool
 from benchmarks.workloads.copilot import PREAMBLE, user_queries
-from server.launcher import launch
+from server.launcher import LaunchedServer, launch
 from server.serve.manager import ManagerConfig
 
 NAME = "multi_turn"
@@ -121,17 +121,24 @@ async def ask(client: httpx.AsyncClient, messages: list[dict[str, str]], max_tok
     }
 
 
-async def engine_prefill(client: httpx.AsyncClient) -> int:
-    """Prompt tokens the server's engines have computed, once they are idle (``GET /v1/engines``)."""
+async def engine_prefill(client: httpx.AsyncClient, cluster_token: str) -> int:
+    """Prompt tokens the server's engines have computed, once they are idle (``GET /v1/engines``, for the
+    cluster token's holder)."""
+    auth = {"Authorization": f"Bearer {cluster_token}"}
     while True:
-        engines = (await client.get("/v1/engines")).json()
+        answer = await client.get("/v1/engines", headers=auth)
+        answer.raise_for_status()
+        engines = answer.json()
         if not any(e["stats"]["running"] or e["stats"]["waiting"] for e in engines):
             return sum(e["stats"]["prefill_tokens_computed"] for e in engines)
         await asyncio.sleep(0.005)
 
 
-async def chat(url: str, system: str, queries: list[list[str]], max_tokens: int) -> list[dict[str, Any]]:
+async def chat(
+    server: LaunchedServer, system: str, queries: list[list[str]], max_tokens: int
+) -> list[dict[str, Any]]:
     """Every conversation (one list of user messages each), turn by turn; per turn what it cost."""
+    url = server.url
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         convs = [[{"role": "system", "content": system}] for _ in queries]
@@ -139,9 +146,9 @@ async def chat(url: str, system: str, queries: list[list[str]], max_tokens: int)
         for t in range(len(queries[0])):
             for msgs, user in zip(convs, queries, strict=True):
                 msgs.append({"role": "user", "content": user[t]})
-            before = await engine_prefill(client)
+            before = await engine_prefill(client, server.cluster_token)
             answers = await asyncio.gather(*(ask(client, msgs, max_tokens) for msgs in convs))
-            prefill = await engine_prefill(client) - before
+            prefill = await engine_prefill(client, server.cluster_token) - before
             for c, (msgs, a) in enumerate(zip(convs, answers, strict=True)):
                 msgs.append({"role": "assistant", "content": a["text"]})
                 a["new_tokens"] = a["prompt_tokens"] - seen[c]
@@ -260,11 +267,11 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"~{longest} tokens of conversation exceed the window ({engine.max_model_len})")
         system, queries = workload(engine.tokenizer, pool, cfg, cfg.seed + 10_000)
         for s in SYSTEMS:  # untimed warm-up: one conversation, two turns, its own app
-            asyncio.run(chat(servers[s].url, system, [queries[0][:2]], cfg.max_tokens))
+            asyncio.run(chat(servers[s], system, [queries[0][:2]], cfg.max_tokens))
         for rep in range(cfg.repeats):
             system, queries = workload(engine.tokenizer, pool, cfg, cfg.seed + rep)
             order = SYSTEMS if rep % 2 == 0 else SYSTEMS[::-1]
-            run = {s: asyncio.run(chat(servers[s].url, system, queries, cfg.max_tokens)) for s in order}
+            run = {s: asyncio.run(chat(servers[s], system, queries, cfg.max_tokens)) for s in order}
             runs.append({s: run[s] for s in SYSTEMS})
             log(
                 f"repeat {rep + 1}: prefill per turn "

@@ -2,6 +2,10 @@
 
 python -m server --engines 1 --port 9000      # SmolLM2-135M-Instruct, the default model
 python -m server --engines 0 --port 9000      # only remote engines: python -m server.engine --manager URL
+python -m server --api-key KEY                # the OpenAI routes then need "Authorization: Bearer KEY"
+
+Remote engines join with the cluster token: --cluster-token-file, else $PARROT_CLUSTER_TOKEN, else a token
+generated into $PARROT_CACHE_DIR/cluster_token (or ~/.cache/parrot-serve/cluster_token), readable only by you.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from server.engine import EngineConfig
 from server.engine.model_names import DEFAULT_MODEL, MODEL_HELP
 from server.launcher import build_engines
 from server.netdelay import NetworkDelayMiddleware
+from server.security import SecurityConfig, api_keys_from, load_cluster_token
 from server.serve.manager import Manager, ManagerConfig
 
 
@@ -49,14 +54,44 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="simulate client network delay: each request waits U(LOW, HIGH) seconds (benchmarks)",
     )
+    security = p.add_argument_group("security")
+    security.add_argument(
+        "--cluster-token-file",
+        default=None,
+        metavar="PATH",
+        help="file with the cluster token remote engines join with (created with a new token if missing; "
+        "default: $PARROT_CLUSTER_TOKEN, else $PARROT_CACHE_DIR or ~/.cache/parrot-serve/cluster_token)",
+    )
+    security.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help="an API key the OpenAI routes require (repeat for several; default: $PARROT_API_KEY, else none)",
+    )
+    security.add_argument(
+        "--max-engines", type=int, default=64, help="remote engines in service at once (default: 64)"
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        token = load_cluster_token(args.cluster_token_file)
+        settings = SecurityConfig(
+            token.value, api_keys_from(args.api_key), max_remote_engines=args.max_engines
+        )
+    except (OSError, ValueError) as e:
+        p.error(str(e))
+    log = logging.getLogger("server")
+    log.info("cluster token from %s (remote engines need it)", token.source)
+    if settings.api_keys:
+        log.info("the OpenAI routes require an API key (%d configured)", len(settings.api_keys))
     config = EngineConfig(
         num_kv_blocks=args.num_kv_blocks, max_running_tokens=args.max_running_tokens, dtype=args.dtype
     )
     engines = build_engines(args.model, args.engines, config)
     try:
-        app: ASGIApp = create_app(Manager(engines, ManagerConfig(session_ttl=args.session_ttl)))
+        manager = Manager(engines, ManagerConfig(session_ttl=args.session_ttl))
+        app: ASGIApp = create_app(manager, security=settings)
         if args.network_delay is not None:
             app = NetworkDelayMiddleware(app, *args.network_delay)
         uvicorn.run(app, host=args.host, port=args.port, log_level="info")

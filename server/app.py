@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections import Counter
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
@@ -42,9 +43,18 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from server.body_limit import BodyLimitMiddleware
 from server.engine import EngineError
 from server.engine.api import error_response
 from server.openai_api import OpenAIAPIError, create_openai_router
+from server.registration import EngineLimitError, HeartbeatError, heartbeat_problem, registration_refusal
+from server.security import (
+    SecurityConfig,
+    api_key_guard,
+    bearer_token,
+    cluster_token_guard,
+    install_auth_handler,
+)
 from server.serve.graph import GraphError
 from server.serve.manager import (
     BatchOpError,
@@ -54,6 +64,7 @@ from server.serve.manager import (
     NoEngineError,
     UnknownEngineError,
 )
+from server.serve.remote_engine import RemoteEngine
 from server.serve.sessions import Session, SessionError
 from server.serve.variables import VariableError
 
@@ -77,7 +88,17 @@ _TYPED: tuple[type[Exception], ...] = (
     OpenAIAPIError,
     TemplateError,
     CallError,
+    EngineLimitError,
+    HeartbeatError,
 )
+
+
+def _with_retry_after(response: JSONResponse, exc: BaseException) -> JSONResponse:
+    """A refusal that passes with time (a quota: ``retry_after`` seconds) says when to retry."""
+    retry_after = getattr(exc, "retry_after", None)
+    if retry_after is not None:
+        response.headers["Retry-After"] = str(max(1, math.ceil(retry_after)))
+    return response
 
 
 def _classify(exc: Exception) -> tuple[int, str]:
@@ -134,17 +155,22 @@ async def _session(
     ``async`` although it does no I/O: FastAPI would run a plain function on its thread pool, a thread hop
     per request for a dictionary lookup (and one the simulator's virtual clock cannot see).
     """
-    token = None
-    if authorization is not None and authorization.lower().startswith("bearer "):
-        token = authorization[7:].strip()
-    return request.app.state.manager.session(session_id, token)
+    return request.app.state.manager.session(session_id, bearer_token(authorization))
 
 
 SessionDep = Annotated[Session, Depends(_session)]
 
 
-def create_app(manager: Manager, reap_interval: float | None = None) -> FastAPI:
-    """The service app over ``manager``; expired sessions are reaped in the background."""
+def create_app(
+    manager: Manager, reap_interval: float | None = None, security: SecurityConfig | None = None
+) -> FastAPI:
+    """The service app over ``manager``; expired sessions are reaped in the background.
+
+    ``security`` holds the cluster token that engine routes require and the API keys of the OpenAI routes;
+    None: a fresh random cluster token (no remote engine can join unless given it: ``app.state.security``)
+    and open OpenAI routes.
+    """
+    security = security if security is not None else SecurityConfig.generated()
     interval = (
         reap_interval if reap_interval is not None else max(1.0, min(30.0, manager.config.session_ttl / 4))
     )
@@ -175,6 +201,9 @@ def create_app(manager: Manager, reap_interval: float | None = None) -> FastAPI:
 
     app = FastAPI(title="Parrot serve", version="1", lifespan=lifespan)
     app.state.manager = manager
+    app.state.security = security
+    cluster_only = [Depends(cluster_token_guard(security.cluster_token))]
+    joining = 0  # registrations under way (they count against the engine limit while they fetch)
     # Requests answered per (method, route template): what "one round trip per get" is counted with.
     app.state.request_counts = requests = Counter[tuple[str, str]]()
     registry = CollectorRegistry(auto_describe=True)
@@ -193,26 +222,29 @@ def create_app(manager: Manager, reap_interval: float | None = None) -> FastAPI:
 
         @app.exception_handler(cls)
         async def _typed(_: Request, exc: Exception) -> JSONResponse:
-            return error_response(*_classify(exc), str(exc))
+            return _with_retry_after(error_response(*_classify(exc), str(exc)), exc)
+
+    install_auth_handler(app)
 
     @app.exception_handler(BatchOpError)
     async def _batch_op(_: Request, exc: BatchOpError) -> JSONResponse:
         status, error_type = _classify(exc.cause)
         if status >= 500:  # not the client's fault: keep the traceback in the server log
             log.error("batch operation %d failed", exc.index, exc_info=exc.cause)
-        return error_response(status, error_type, str(exc), op_index=exc.index)
+        return _with_retry_after(error_response(status, error_type, str(exc), op_index=exc.index), exc.cause)
 
     @app.middleware("http")
-    async def _limit_body(request: Request, call_next: Any) -> Response:
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-            return error_response(413, "body_too_large", f"request body over {MAX_BODY_BYTES} bytes")
+    async def _count_requests(request: Request, call_next: Any) -> Response:
         response = await call_next(request)
         route = request.scope.get("route")
         requests[request.method, getattr(route, "path", "<unrouted>")] += 1
         return response
 
-    app.include_router(create_openai_router(manager))
+    app.add_middleware(BodyLimitMiddleware, max_bytes=MAX_BODY_BYTES)  # chunked bodies too
+    # The API key guards the OpenAI routes here, where they are mounted (none configured: open).
+    app.include_router(
+        create_openai_router(manager), dependencies=[Depends(api_key_guard(security.api_keys))]
+    )
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -222,28 +254,47 @@ def create_app(manager: Manager, reap_interval: float | None = None) -> FastAPI:
     async def metrics() -> PlainTextResponse:
         return PlainTextResponse(generate_latest(registry).decode(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/engines")
+    @app.get("/v1/engines", dependencies=cluster_only)
     async def engines() -> list[EngineStatus]:
+        """Every engine with its stats (for the cluster token's holder)."""
         return manager.engine_status()
 
-    @app.post("/v1/engines")
+    @app.post("/v1/engines", dependencies=cluster_only)
     async def register_engine(req: EngineRegistration) -> EngineRegistered:
         """A remote engine joins (``python -m server.engine --manager URL``); the manager calls it back."""
-        return await manager.register_engine(req)
+        nonlocal joining
+        refusal = registration_refusal(
+            manager.engine_status(), req.name, joining, security.max_remote_engines
+        )
+        if refusal is not None:
+            raise EngineLimitError(refusal)
+        joining += 1
+        try:
+            return await manager.register_engine(req, cluster_token=security.cluster_token)
+        finally:
+            joining -= 1
 
-    @app.post("/v1/engines/{engine_id}/heartbeat", status_code=204)
+    @app.post("/v1/engines/{engine_id}/heartbeat", status_code=204, dependencies=cluster_only)
     async def heartbeat(engine_id: int, req: EngineHeartbeat) -> Response:
+        engine = manager.engines[engine_id] if 0 <= engine_id < len(manager.engines) else None
+        if isinstance(engine, RemoteEngine):  # any other id is the manager's 404
+            problem = heartbeat_problem(req.stats, engine.stats())
+            if problem is not None:
+                raise HeartbeatError(f"heartbeat of engine {engine_id} refused: {problem}")
         manager.heartbeat(engine_id, req.stats)
         return Response(status_code=204)
 
-    @app.delete("/v1/engines/{engine_id}", status_code=204)
+    @app.delete("/v1/engines/{engine_id}", status_code=204, dependencies=cluster_only)
     async def unregister_engine(engine_id: int) -> Response:
         await manager.unregister_engine(engine_id)
         return Response(status_code=204)
 
     @app.post("/v1/sessions")
-    async def create_session(req: CreateSessionRequest | None = None) -> CreateSessionResponse:
-        return manager.create_session(req.cache_salt if req is not None else None)
+    async def create_session(
+        request: Request, req: CreateSessionRequest | None = None
+    ) -> CreateSessionResponse:
+        client = request.client.host if request.client is not None else ""
+        return manager.create_session(req.cache_salt if req is not None else None, client=client)
 
     @app.delete("/v1/sessions/{session_id}", status_code=204)
     async def delete_session(s: SessionDep) -> Response:

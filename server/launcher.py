@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Coroutine, Iterator
+from collections.abc import Coroutine, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import uvicorn
@@ -18,6 +19,7 @@ from server.app import create_app
 from server.engine import EngineConfig, LLMEngine
 from server.engine.model_names import DEFAULT_MODEL
 from server.netdelay import NetworkDelayMiddleware
+from server.security import CLUSTER_TOKEN_ENV, SecurityConfig, api_keys_from
 from server.serve.manager import Manager, ManagerConfig
 
 T = TypeVar("T")
@@ -25,13 +27,20 @@ T = TypeVar("T")
 
 @dataclass
 class LaunchedServer:
-    """A running server: its base URL, and the objects behind it (for inspection in tests)."""
+    """A running server: its base URL, and the objects behind it (for inspection in tests). Remote engines
+    join with ``cluster_token``, which ``GET /v1/engines`` also needs."""
 
     url: str
     app: FastAPI
     manager: Manager
     engines: list[LLMEngine]
     network_delay: NetworkDelayMiddleware | None = None  # switch with `.enabled` between measurements
+    cluster_token: str = field(default="", repr=False)
+
+    @property
+    def cluster_headers(self) -> dict[str, str]:
+        """The ``Authorization`` header of the cluster token's holder (engine routes, ``GET /v1/engines``)."""
+        return {"Authorization": f"Bearer {self.cluster_token}"}
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float = 60.0) -> T:
         """Run ``coro`` on the server's event loop (where the manager lives) and return its result — for
@@ -62,6 +71,9 @@ def launch(
     startup_timeout: float = 60.0,
     network_delay: tuple[float, float] | None = None,
     network_delay_seed: int = 0,
+    api_keys: Sequence[str] | None = None,
+    cluster_token: str | None = None,
+    max_remote_engines: int = 64,
 ) -> Iterator[LaunchedServer]:
     """Start manager + ``engines`` in-process engines serving ``model`` (default: SmolLM2-135M-Instruct;
     ``"tiny"``, a ``.gguf`` file or a Hugging Face folder: see `server.engine.model_names`); stop everything
@@ -69,10 +81,20 @@ def launch(
 
     ``network_delay=(low, high)`` puts the simulated client network delay (`server.netdelay`) in front of
     every request, as benchmarks do for both Parrot and the baseline.
+
+    ``api_keys`` (default: ``$PARROT_API_KEY`` if set) guard the OpenAI routes. In-process engines need no
+    token; remote ones join with ``cluster_token`` (default: ``$PARROT_CLUSTER_TOKEN``, else a random one,
+    kept in memory only: read it from the yielded ``cluster_token``).
     """
+    token = cluster_token or os.environ.get(CLUSTER_TOKEN_ENV, "").strip()
+    settings = (
+        SecurityConfig(token, api_keys_from(api_keys), max_remote_engines)
+        if token
+        else SecurityConfig.generated(api_keys=api_keys_from(api_keys), max_remote_engines=max_remote_engines)
+    )
     pool = build_engines(model, engines, engine_config)
     manager = Manager(pool, manager_config)
-    app = create_app(manager)
+    app = create_app(manager, security=settings)
     delay = None
     if network_delay is not None:
         delay = NetworkDelayMiddleware(app, *network_delay, seed=network_delay_seed)
@@ -87,7 +109,7 @@ def launch(
                 raise RuntimeError(f"the server did not start on {host}:{port}")
             time.sleep(0.01)
         bound = server.servers[0].sockets[0].getsockname()[1]
-        yield LaunchedServer(f"http://{host}:{bound}", app, manager, pool, delay)
+        yield LaunchedServer(f"http://{host}:{bound}", app, manager, pool, delay, settings.cluster_token)
     finally:
         server.should_exit = True
         thread.join(timeout=30)

@@ -118,6 +118,12 @@ class OpenAIBackend(Protocol):
         completed — the backend may keep it as a cached prefix — or None (failed or aborted: free it)."""
         ...
 
+    async def retry_elsewhere(self, engine: LLMEngine, error: EngineError, attempt: int) -> bool:
+        """The request failed with ``error`` on ``engine`` on its ``attempt``-th try (1 first) before it
+        streamed anything: whether to run it again from its prompt on the engine `engine_for` picks next
+        (the backend takes a failed engine out of its choice first)."""
+        ...
+
 
 class StaticBackend:
     """An `OpenAIBackend` over fixed engines keyed by model name (the first one is the default).
@@ -155,6 +161,9 @@ class StaticBackend:
         self, engine: LLMEngine, context_id: int, token_ids: list[int] | None, cache_salt: str | None
     ) -> None:
         await _free_quietly(engine, context_id)
+
+    async def retry_elsewhere(self, engine: LLMEngine, error: EngineError, attempt: int) -> bool:
+        return False  # fixed engines: there is nowhere else to go
 
 
 def model_card(name: str, engine: LLMEngine, created: int) -> OpenAIModelCard:
@@ -349,8 +358,29 @@ async def _serve(
     """Fill a fresh context per prompt, generate from each, answer (or stream); contexts are always freed.
 
     A streaming answer starts only once every generate has produced its first token, so that bad input
-    still answers with a status code rather than an error event inside a 200 stream.
+    still answers with a status code rather than an error event inside a 200 stream. Until then nothing
+    was sent, so a failed engine costs nothing: the request runs again where the backend says
+    (`OpenAIBackend.retry_elsewhere`); a stream that already started ends with an error event instead.
     """
+    for attempt in itertools.count(1):
+        try:
+            return await _serve_on(backend, engine, prompts, sampling, req, chat)
+        except EngineError as e:
+            if not await backend.retry_elsewhere(engine, e, attempt):
+                raise
+            engine = backend.engine_for(req.model)  # engines of one model share the tokenizer: same prompts
+    raise AssertionError("unreachable")
+
+
+async def _serve_on(
+    backend: OpenAIBackend,
+    engine: LLMEngine,
+    prompts: list[list[int]],
+    sampling: SamplingParams,
+    req: OpenAICompletionRequest | OpenAIChatCompletionRequest,
+    chat: bool,
+) -> JSONResponse | StreamingResponse:
+    """`_serve` on one engine."""
     jobs = [_Job(backend.new_context_id(), p) for p in prompts]
     release = _Release(backend, engine, jobs, req.cache_salt)
     handed_off = False

@@ -107,7 +107,8 @@ class ParrotModelBase(BaseModel):
     max_retries: int = 2
     """Retries (with exponential backoff) after a connection failure, a timeout or a 429/502/503/504."""
     api_key: SecretStr | None = Field(default_factory=secret_from_env("PARROT_API_KEY", default=None))
-    """Sent as ``Authorization: Bearer`` (env ``PARROT_API_KEY``), for a proxy in front of the server."""
+    """Sent as ``Authorization: Bearer`` (env ``PARROT_API_KEY``): a key of the server's ``--api-key``, or a
+    proxy's in front of it."""
     streaming: bool = False
     """Use the streaming endpoint even for ``invoke`` (tokens reach callbacks as they are generated)."""
     http_client: httpx.Client | None = Field(default=None, exclude=True)

@@ -14,6 +14,7 @@ OpenAI-compatible endpoints. Every method has a truly asynchronous version (``ht
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -76,6 +77,7 @@ class ParrotLLM(LLM):
     ``tokenizer`` (``text -> token ids``, e.g. `llamaindex_parrot.load_tokenizer`) is what
     `prompt_helper` counts with; use the engine's so LlamaIndex packs prompts by the server's tokens.
     ``timeout`` bounds each HTTP request, ``get_timeout`` the wait for a call's value (None: no bound).
+    ``api_key`` (default: ``$PARROT_API_KEY``) is sent to a server whose OpenAI routes require one.
     """
 
     base_url: str = Field(description="The Parrot server's base URL, e.g. http://127.0.0.1:9000.")
@@ -89,6 +91,12 @@ class ParrotLLM(LLM):
     seed: int | None = Field(default=None, description="Sampling seed (for temperature > 0).")
     stop: list[str] = Field(default_factory=list, description="Stop strings.")
     timeout: float = Field(default=60.0, gt=0, description="Seconds for each HTTP request.")
+    api_key: str | None = Field(
+        default_factory=lambda: os.environ.get("PARROT_API_KEY") or None,
+        exclude=True,
+        repr=False,
+        description="The server's API key, when its OpenAI routes require one.",
+    )
     get_timeout: float | None = Field(default=600.0, description="Seconds to wait for a call's value.")
     unrendered: bool = Field(default=True, description="Send prompt templates unrendered (semantic calls).")
     tokenizer: Callable[[str], list] | None = Field(
@@ -101,7 +109,8 @@ class ParrotLLM(LLM):
         base_url = base_url.rstrip("/")
         model = kwargs.get("model")
         if context_window is None or model is None:
-            served = served_model(base_url, model, kwargs.get("timeout", 60.0))
+            api_key = kwargs.get("api_key", os.environ.get("PARROT_API_KEY") or None)
+            served = served_model(base_url, model, kwargs.get("timeout", 60.0), api_key)
             if context_window is None:
                 context_window = served.context_window
             elif context_window > served.context_window:

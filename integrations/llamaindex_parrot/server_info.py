@@ -1,13 +1,15 @@
-"""What the server serves: the model name and its context window, from ``GET /v1/engines``."""
+"""What the server serves: the model name and its context window, from the public model cards
+(``GET /v1/models``, ``GET /v1/models/{id}``: each card has the model's ``max_model_len``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 import httpx
-from parrot.errors import ParrotError, error_from_response, error_from_transport
-from parrot.protocol import EngineStats
+from parrot.errors import NotFoundError, ParrotError, error_from_response, error_from_transport
+from parrot.protocol import OpenAIModelCard, OpenAIModelList
 from pydantic import ValidationError
 
 __all__ = ["ServedModel", "served_model"]
@@ -21,49 +23,49 @@ class ServedModel:
     context_window: int
 
 
-def served_model(base_url: str, model: str | None, timeout: float) -> ServedModel:
-    """The model named ``model`` (None: whatever the server runs unnamed calls on, i.e. any engine).
+def served_model(base_url: str, model: str | None, timeout: float, api_key: str | None = None) -> ServedModel:
+    """The model named ``model`` (None: whatever the server runs unnamed calls on, i.e. any model it serves).
 
-    The context window is the smallest ``max_model_len`` among the engines that may serve a call, so a
-    prompt packed for it fits whichever engine the server picks. Raises `parrot.ConnectionError` (naming
-    the URL) when the server cannot be reached and `ValueError` when it does not serve ``model``.
+    The context window is the card's ``max_model_len``; with ``model=None``, the smallest among the served
+    models, so a prompt packed for it fits whichever engine the server picks. ``api_key`` is sent when the
+    server's OpenAI routes require one. Raises `parrot.ConnectionError` (naming the URL) when the server
+    cannot be reached and `ValueError` when it does not serve ``model``.
     """
-    url = f"{base_url}/v1/engines"
+    if model is not None:
+        try:
+            card = _get(f"{base_url}/v1/models/{quote(model, safe='')}", OpenAIModelCard, timeout, api_key)
+        except NotFoundError:
+            served = ", ".join(repr(c.id) for c in _cards(base_url, timeout, api_key)) or "none"
+            raise ValueError(
+                f"the Parrot server at {base_url} does not serve model {model!r}; it serves {served}"
+            ) from None
+        return ServedModel(model, _window(card, base_url))
+    cards = _cards(base_url, timeout, api_key)
+    if not cards:
+        raise ValueError(f"the Parrot server at {base_url} has no live engine; start one first")
+    name = "|".join(sorted(c.id for c in cards))  # one model: its name
+    return ServedModel(name, min(_window(c, base_url) for c in cards))
+
+
+def _cards(base_url: str, timeout: float, api_key: str | None) -> list[OpenAIModelCard]:
+    return _get(f"{base_url}/v1/models", OpenAIModelList, timeout, api_key).data
+
+
+def _window(card: OpenAIModelCard, base_url: str) -> int:
+    if card.max_model_len is None:
+        raise ParrotError(f"the server at {base_url} does not publish the context window of {card.id!r}")
+    return card.max_model_len
+
+
+def _get(url: str, model: type[Any], timeout: float, api_key: str | None) -> Any:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     try:
-        response = httpx.get(url, timeout=timeout)
+        response = httpx.get(url, timeout=timeout, headers=headers)
     except httpx.TransportError as e:
         raise error_from_transport(e, url) from e
     if not response.is_success:
         raise error_from_response(response)
-    engines = _live_engines(response.json(), url)
-    if not engines:
-        raise ValueError(f"the Parrot server at {base_url} has no live engine; start one first")
-    if model is None:  # the server may route an unnamed model's calls to any engine
-        names = sorted({e.model for e in engines})
-        name = names[0] if len(names) == 1 else "|".join(names)
-        return ServedModel(name, min(e.max_model_len for e in engines))
-    serving = [e for e in engines if e.model == model]
-    if not serving:
-        served = ", ".join(sorted({repr(e.model) for e in engines}))
-        raise ValueError(
-            f"the Parrot server at {base_url} does not serve model {model!r}; it serves {served}"
-        )
-    return ServedModel(model, min(e.max_model_len for e in serving))
-
-
-def _live_engines(data: Any, url: str) -> list[EngineStats]:
-    """The stats of the engines that serve: each item of the list is an engine's status (its ``stats`` and
-    whether it is ``alive``) or, from servers before engine registration, the stats themselves."""
-    if not isinstance(data, list):
-        raise ParrotError(f"GET {url} answered {type(data).__name__}, not a list of engines")
-    engines = []
     try:
-        for item in data:
-            if isinstance(item, dict) and "stats" in item:
-                if item.get("alive", True):
-                    engines.append(EngineStats.model_validate(item["stats"]))
-            else:
-                engines.append(EngineStats.model_validate(item))
-    except ValidationError as e:
-        raise ParrotError(f"GET {url} answered engines this client cannot read: {e}") from None
-    return engines
+        return model.model_validate(response.json())
+    except (ValidationError, ValueError) as e:
+        raise ParrotError(f"GET {url} answered what this client cannot read: {e}") from None

@@ -3,6 +3,9 @@
 python -m server.engine --port 9100                                   # SmolLM2-135M-Instruct, the default
 python -m server.engine --port 9100 --manager http://127.0.0.1:9000   # join a manager
 python -m server.engine --model tiny --prompt "Once upon a time" --max-tokens 32
+
+The HTTP API (all but /health) and the manager accept only the cluster token: --cluster-token-file, else
+$PARROT_CLUSTER_TOKEN, else the default file the manager writes ($PARROT_CACHE_DIR or ~/.cache/parrot-serve).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from server.engine.engine import LLMEngine
 from server.engine.manager_link import ManagerLink
 from server.engine.model_names import DEFAULT_MODEL, MODEL_HELP
 from server.engine.sampling import SamplingParams
+from server.security import load_cluster_token
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -41,6 +45,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     join = p.add_argument_group("joining a manager")
     join.add_argument("--manager", default=None, help="register with the manager at this URL and heartbeat")
     join.add_argument("--name", default=None, help="the engine's name at the manager (default: host:port)")
+    join.add_argument(
+        "--cluster-token-file",
+        default=None,
+        metavar="PATH",
+        help="file with the manager's cluster token (default: $PARROT_CLUSTER_TOKEN, else the manager's "
+        "default file; a missing file is created with a new token)",
+    )
     join.add_argument(
         "--public-url",
         default=None,
@@ -88,6 +99,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per heartbeat
+    token = None
+    if args.prompt is None:  # before loading the model: a bad token file fails at once
+        try:
+            token = load_cluster_token(args.cluster_token_file)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"python -m server.engine: {e}") from None
+        logging.getLogger(__name__).info("cluster token from %s", token.source)
     engine = LLMEngine.from_pretrained(args.model, engine_config(args))
     try:
         if args.prompt is not None:
@@ -98,12 +116,14 @@ def main(argv: list[str] | None = None) -> int:
 
         from server.engine.api import create_engine_app
 
+        assert token is not None
         link = None
         if args.manager is not None:
             url = args.public_url or f"http://{args.host}:{args.port}"
             name = args.name or f"{args.host}:{args.port}"
-            link = ManagerLink(args.manager, url, name, engine.stats)
-        uvicorn.run(create_engine_app(engine, link), host=args.host, port=args.port, log_level="info")
+            link = ManagerLink(args.manager, url, name, engine.stats, cluster_token=token.value)
+        app = create_engine_app(engine, link, cluster_token=token.value)
+        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
         return 0
     finally:
         engine.shutdown()

@@ -2,6 +2,7 @@
 
 Bodies are the pydantic models of `parrot.protocol`. Engine errors become
 `{"error": {"type", "message"}}` with the status code of their class; other requests are unaffected.
+Every route but ``/health`` requires the cluster token (the manager's; ``Authorization: Bearer``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from parrot.protocol import (
@@ -39,6 +40,7 @@ from server.engine.errors import EngineError
 from server.engine.manager_link import ManagerLink
 from server.engine.request import GenerateResult
 from server.engine.sampling import SamplingParams
+from server.security import cluster_token_guard, install_auth_handler
 
 
 def error_response(status: int, error_type: str, message: str, op_index: int | None = None) -> JSONResponse:
@@ -50,9 +52,15 @@ def _sse(payload: str) -> str:
     return f"data: {payload}\n\n"
 
 
-def create_engine_app(engine: LLMEngine, link: ManagerLink | None = None) -> FastAPI:
+def create_engine_app(
+    engine: LLMEngine, link: ManagerLink | None = None, *, cluster_token: str | None
+) -> FastAPI:
     """The HTTP app serving one engine (the caller owns the engine's lifetime). With ``link``, the app
-    registers the engine with that manager while it serves, and unregisters when it stops."""
+    registers the engine with that manager while it serves, and unregisters when it stops.
+
+    Every route but ``/health`` answers only requests carrying ``cluster_token`` (401 without it, 403 with
+    another); None leaves them open — only for an app that no network reaches (in-process tests).
+    """
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -69,6 +77,9 @@ def create_engine_app(engine: LLMEngine, link: ManagerLink | None = None) -> Fas
             await link.leave()
 
     app = FastAPI(title="Parrot engine", version="1", lifespan=lifespan)
+    install_auth_handler(app)
+    guard = [] if cluster_token is None else [Depends(cluster_token_guard(cluster_token))]
+    api = APIRouter(dependencies=guard)
 
     @app.exception_handler(EngineError)
     async def _engine_error(_: Request, exc: EngineError) -> JSONResponse:
@@ -83,7 +94,7 @@ def create_engine_app(engine: LLMEngine, link: ManagerLink | None = None) -> Fas
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/info")
+    @api.get("/info")
     async def info() -> EngineInfo:
         stats = engine.stats()
         return EngineInfo(
@@ -95,16 +106,16 @@ def create_engine_app(engine: LLMEngine, link: ManagerLink | None = None) -> Fas
             eos_token_ids=sorted(engine.eos_token_ids),
         )
 
-    @app.get("/tokenizer")
+    @api.get("/tokenizer")
     async def tokenizer() -> EngineTokenizerFiles:
         """The tokenizer's files, for a manager that tokenizes prompts for this engine."""
         return EngineTokenizerFiles(files=await asyncio.to_thread(tokenizer_files, engine.tokenizer))
 
-    @app.get("/stats")
+    @api.get("/stats")
     async def stats() -> EngineStats:
         return engine.stats()
 
-    @app.post("/fill")
+    @api.post("/fill")
     async def fill(req: EngineFillRequest) -> EngineFillResponse:
         ids = req.token_ids
         if ids is None:
@@ -112,7 +123,7 @@ def create_engine_app(engine: LLMEngine, link: ManagerLink | None = None) -> Fas
         n = await engine.fill(req.context_id, ids, req.parent_context_id, parent_len=req.parent_len)
         return EngineFillResponse(context_id=req.context_id, num_tokens=n)
 
-    @app.post("/generate", response_model=None)
+    @api.post("/generate", response_model=None)
     async def generate(req: EngineGenerateRequest) -> EngineGenerateResponse | StreamingResponse:
         sampling = SamplingParams(**req.sampling.model_dump())
         if not req.stream:
@@ -136,11 +147,12 @@ def create_engine_app(engine: LLMEngine, link: ManagerLink | None = None) -> Fas
             _stream_events(engine, req, sampling, handle, first), media_type="text/event-stream"
         )
 
-    @app.post("/free_context")
+    @api.post("/free_context")
     async def free_context(req: EngineFreeContextRequest) -> EngineFreeContextResponse:
         await engine.free_context(req.context_id)
         return EngineFreeContextResponse(context_id=req.context_id)
 
+    app.include_router(api)
     return app
 
 

@@ -63,3 +63,26 @@ class EngineDeadError(EngineError):
 
     http_status = 503
     error_type = "engine_dead"
+
+
+class EngineDrainingError(EngineError):
+    """The engine is draining (shutting down gracefully): it finishes what runs but takes no new work.
+    The manager places the request on another engine."""
+
+    http_status = 503
+    error_type = "engine_draining"
+
+
+class EngineFailedError(EngineError):
+    """A request's engine failed (unreachable, stream broken, loop stopped) on every attempt the manager's
+    retry limit allows; the message names the engines."""
+
+    http_status = 503
+    error_type = "engine_failed"
+
+
+def engine_unavailable(error: BaseException) -> bool:
+    """Whether ``error`` says the engine, not the request, is at fault — it died, cannot be reached, broke
+    the stream, or is draining — so that the request may run again on another engine. Remote engines'
+    errors keep their type across HTTP, hence the comparison by ``error_type``."""
+    return getattr(error, "error_type", None) in (EngineDeadError.error_type, EngineDrainingError.error_type)

@@ -4,7 +4,9 @@
 (``POST /v1/engines`` with the URL the manager reaches it at — the manager then reads the model and the
 tokenizer from that URL), sends a heartbeat with the engine's stats at the interval the manager asked for,
 registers again when the manager no longer knows it (the manager restarted, or timed the engine out), and
-retries with backoff while the manager cannot be reached. On `leave` it unregisters.
+retries with backoff while the manager cannot be reached. On `leave` it unregisters. Every request
+carries the cluster token (``Authorization: Bearer``); a manager that refuses it is retried like one that
+cannot be reached, with its reason logged (it names the setting to fix).
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ _MAX_BACKOFF_S = 10.0
 
 class ManagerLink:
     """Registers the engine reachable at ``engine_url`` with the manager at ``manager_url`` under ``name``
-    and sends ``stats()`` as heartbeats. `run` loops until cancelled; `registered` is set while the
-    manager knows the engine (``engine_id`` is its id there)."""
+    and sends ``stats()`` as heartbeats, each request with the ``cluster_token``. `run` loops until
+    cancelled; `registered` is set while the manager knows the engine (``engine_id`` is its id there)."""
 
     def __init__(
         self,
@@ -35,10 +37,13 @@ class ManagerLink:
         name: str,
         stats: Callable[[], EngineStats],
         client: httpx.AsyncClient | None = None,
+        *,
+        cluster_token: str,
     ) -> None:
         self.manager_url = manager_url.rstrip("/")
         self.registration = EngineRegistration(name=name, url=engine_url)
         self.stats = stats
+        self._auth = {"Authorization": f"Bearer {cluster_token}"}
         self.engine_id: int | None = None
         self.registered = asyncio.Event()
         self._client = client
@@ -74,7 +79,7 @@ class ManagerLink:
             return
         client = self._client or httpx.AsyncClient(timeout=5.0)
         try:
-            await client.delete(f"{self.manager_url}/v1/engines/{self.engine_id}")
+            await client.delete(f"{self.manager_url}/v1/engines/{self.engine_id}", headers=self._auth)
         except httpx.HTTPError as e:
             log.warning("could not unregister from %s: %s", self.manager_url, e)
         finally:
@@ -83,7 +88,9 @@ class ManagerLink:
                 await client.aclose()
 
     async def _register(self, client: httpx.AsyncClient) -> EngineRegistered:
-        response = await client.post(f"{self.manager_url}/v1/engines", json=self.registration.model_dump())
+        response = await client.post(
+            f"{self.manager_url}/v1/engines", json=self.registration.model_dump(), headers=self._auth
+        )
         response.raise_for_status()
         answer = EngineRegistered.model_validate(response.json())
         self.engine_id = answer.engine_id
@@ -95,7 +102,8 @@ class ManagerLink:
         """Heartbeats until the manager no longer knows the engine (returns) or cannot be reached (raises)."""
         while True:
             url = f"{self.manager_url}/v1/engines/{answer.engine_id}/heartbeat"
-            response = await client.post(url, json=EngineHeartbeat(stats=self.stats()).model_dump())
+            beat = EngineHeartbeat(stats=self.stats()).model_dump()
+            response = await client.post(url, json=beat, headers=self._auth)
             if response.status_code == 404:
                 log.warning(
                     "manager %s forgot engine %d; registering again", self.manager_url, answer.engine_id

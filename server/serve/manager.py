@@ -8,6 +8,13 @@ A step runs once it is ready (its inputs have values) and activated (a `get` rea
 output equals `/v1/completions` on the same text), forks from the longest cached context whose tokens
 prefix it (`PrefixStore`), fills the rest, generates, applies the output's transforms, sets the variable and
 dispatches whatever that made runnable. Any failure fails the variable and everything downstream of it.
+
+An engine that fails (`engine_unavailable`: unreachable, a broken stream, a dead loop) is taken out of
+service at its first failure — no new work goes there, its cached contexts leave the prefix index — and the
+steps that were running on it run again from their inputs on an engine in service (nothing of their output
+was delivered), up to `ManagerConfig.max_step_retries` times. A draining engine gets no new work either;
+what runs there finishes. The OpenAI endpoints' requests fail over the same way until they stream
+(`retry_elsewhere`).
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import httpx
@@ -45,16 +52,32 @@ from parrot.protocol import (
 )
 
 from server.engine import EngineError, LLMEngine, SamplingParams
+from server.engine.errors import EngineDrainingError, EngineFailedError, engine_unavailable
 from server.openai_api import ModelNotFoundError
 from server.serve.deduction import StepObjective, objective
 from server.serve.graph import SessionGraph, StepNode
-from server.serve.ir import TextFill, build_call, input_vars, prefix_hashes, render_prompt, text_before
-from server.serve.placement import Placement, RequestTooLargeError
+from server.serve.ir import (
+    CallIR,
+    TextFill,
+    build_call,
+    input_vars,
+    prefix_hashes,
+    render_prompt,
+    text_before,
+)
+from server.serve.placement import (
+    NoServingEngineError,
+    PinnedEngineGoneError,
+    Placement,
+    RequestTooLargeError,
+)
 from server.serve.prefix_store import Entry, Match, PrefixStore, common_prefix_len
+from server.serve.quotas import Quotas, SessionUsage, check_call, check_session, check_variables
 from server.serve.remote_engine import RemoteEngine
 from server.serve.scheduler import EngineState, QueuedRequest, SchedulerConfig
 from server.serve.sessions import Session, SessionTable
-from server.serve.transforms import TransformError, apply_transforms, render_value
+from server.serve.transform_runner import run_transforms
+from server.serve.transforms import TransformError, apply_transforms, render_value, validate_transforms
 from server.serve.variables import VariableTable
 
 log = logging.getLogger(__name__)
@@ -95,9 +118,19 @@ class UnknownEngineError(Exception):
     error_type = "unknown_engine"
 
 
+class _AttemptFailed(Exception):
+    """A step's attempt failed because its engine did (``cause``); the step may run again elsewhere."""
+
+    def __init__(self, engine_index: int, cause: EngineError) -> None:
+        super().__init__(str(cause))
+        self.engine_index = engine_index
+        self.cause = cause
+
+
 @dataclass
 class ManagerConfig:
     session_ttl: float = 600.0  # seconds without calls before a session and all it owns are freed
+    quotas: Quotas = field(default_factory=Quotas)  # what one client / session may hold at once
     default_get_timeout: float = 60.0
     max_get_timeout: float = 300.0
     # Prompt prefixes at least this long (tokens) that several queued steps share (or a call's leading
@@ -126,6 +159,9 @@ class ManagerConfig:
     # Remote engines send a heartbeat this often; one silent for `engine_timeout` is out of service.
     heartbeat_interval: float = 2.0
     engine_timeout: float = 10.0
+    # How many times a step (or an OpenAI request that has streamed nothing) whose engine failed runs again
+    # on another engine before it fails naming the engines.
+    max_step_retries: int = 2
 
 
 Engine = LLMEngine | RemoteEngine
@@ -139,6 +175,7 @@ class _RemoteLink:
     url: str
     last_heartbeat: float
     alive: bool = True
+    draining: bool = False  # it announced a graceful shutdown: no new work, what runs finishes
 
 
 @dataclass
@@ -189,13 +226,20 @@ class Manager:
         self._tasks: dict[str, set[asyncio.Task[None]]] = {}
         self._waiters: dict[tuple[str, str], asyncio.Event] = {}
         self._calls: dict[tuple[str, str], _CallProgress] = {}  # (session, call) of multi-step calls
+        # Engines (local or remote) taken out of service by a failure; ids are never reused, so a remote
+        # engine that registers again is a new id and serves as new.
+        self._failed: set[int] = set()
+        self._cleanups: set[asyncio.Task[None]] = set()  # a retired engine's best-effort frees
 
     # ------------------------------------------------------------------------------------------ engines
-    async def register_engine(self, req: EngineRegistration) -> EngineRegistered:
+    async def register_engine(
+        self, req: EngineRegistration, cluster_token: str | None = None
+    ) -> EngineRegistered:
         """Add the remote engine at ``req.url`` (its model and tokenizer are read from it first). An engine
-        registering again under its name (restarted) replaces its old entry, which goes out of service."""
+        registering again under its name (restarted) replaces its old entry, which goes out of service.
+        ``cluster_token`` goes with every call the manager makes to the engine."""
         try:
-            engine = await RemoteEngine.connect(req.url, req.name)
+            engine = await RemoteEngine.connect(req.url, req.name, token=cluster_token)
         except (EngineError, httpx.InvalidURL, httpx.UnsupportedProtocol, ValueError) as e:
             raise EngineRegistrationError(
                 f"cannot register engine {req.name!r}: {e} — give a URL where this manager reaches the "
@@ -207,6 +251,7 @@ class Manager:
         self.engines.append(engine)
         engine_id = len(self.engines) - 1
         self._remote[engine_id] = _RemoteLink(req.name, engine.url, self._clock())
+        self.placement.engines_changed()  # steps waiting for an engine of its model may go now
         log.info("engine %d (%s, %s) registered from %s", engine_id, req.name, engine.model_name, req.url)
         return EngineRegistered(
             engine_id=engine_id,
@@ -226,6 +271,22 @@ class Manager:
         engine = self.engines[engine_id]
         assert isinstance(engine, RemoteEngine)
         engine.update_stats(stats)
+        # An engine announces a graceful shutdown in its stats (a ``draining`` flag where the protocol has
+        # one): it gets no new work from now on.
+        draining = bool(getattr(stats, "draining", False))
+        if draining != link.draining:
+            self.set_draining(engine_id, draining)
+
+    def set_draining(self, engine_id: int, draining: bool = True) -> None:
+        """Mark a remote engine as draining (no new work is placed there; what runs there finishes), or
+        as serving again."""
+        link = self._remote.get(engine_id)
+        if link is None or not link.alive:
+            raise UnknownEngineError(f"engine {engine_id} is not a registered remote engine in service")
+        if link.draining != draining:
+            link.draining = draining
+            log.info("engine %d (%s) %s", engine_id, link.name, "is draining" if draining else "serves again")
+            self.placement.engines_changed()
 
     async def unregister_engine(self, engine_id: int) -> None:
         """A remote engine leaves (it is shutting down)."""
@@ -253,28 +314,92 @@ class Manager:
             link = self._remote.get(i)
             name = link.name if link is not None else f"local-{i}"
             url = link.url if link is not None else None
-            alive = link.alive if link is not None else True
+            alive = (link is None or link.alive) and i not in self._failed
             out.append(EngineStatus(engine_id=i, name=name, url=url, alive=alive, stats=engine.stats()))
         return out
 
     def _in_service(self, engine_id: int) -> bool:
+        """Whether new work may be placed on the engine: not failed and, if remote, alive and not draining."""
+        if engine_id in self._failed:
+            return False
         link = self._remote.get(engine_id)
-        return link is None or link.alive
+        return link is None or (link.alive and not link.draining)
 
-    async def _retire(self, engine_id: int, why: str) -> None:
+    def _reachable(self, engine_id: int) -> bool:
+        """Whether the engine may still be called (a draining one is: what runs there finishes)."""
+        link = self._remote.get(engine_id)
+        return engine_id not in self._failed and (link is None or link.alive)
+
+    def engine_name(self, engine_id: int) -> str:
+        """How messages name an engine: its id, name and URL."""
+        link = self._remote.get(engine_id)
+        if link is None:
+            return f"engine {engine_id} (local-{engine_id})"
+        return f"engine {engine_id} ({link.name} at {link.url})"
+
+    async def engine_failed(self, engine_id: int, error: BaseException) -> None:
+        """A request to the engine failed because of the engine (`engine_unavailable`). A draining engine
+        only stops taking work; any other is taken out of service at once: nothing more is placed there,
+        its cached contexts leave the prefix index, and what runs there fails over (a remote engine's
+        connections are closed). A remote engine comes back only by registering again, as a new engine."""
+        if getattr(error, "error_type", None) == EngineDrainingError.error_type:
+            if engine_id in self._remote and self._reachable(engine_id):
+                self.set_draining(engine_id)
+            return
+        if engine_id in self._failed:
+            return
+        self._failed.add(engine_id)
+        if engine_id in self._remote:
+            if self._remote[engine_id].alive:  # else already retired (timed out, left): nothing more to do
+                await self._retire(engine_id, f"a request to it failed: {error}", cleanup=True)
+            return
+        log.warning("%s is out of service: %s", self.engine_name(engine_id), error)
+        self._forget_contexts(engine_id)
+        self.placement.engines_changed()
+
+    def _forget_contexts(self, engine_id: int) -> list[int]:
+        """Take the engine's kept contexts out of the prefix index (every namespace); returns their ids."""
+        entries = [e for key in self._store_keys(engine_id) for e in self._prefixes.remove_engine(key)]
+        return [e.context_id for e in entries]
+
+    async def _retire(self, engine_id: int, why: str, *, cleanup: bool = False) -> None:
+        """Take a remote engine out of service. With ``cleanup`` (an engine suspected of failing, which
+        may well be alive), its kept contexts are freed there in the background, best effort and bounded
+        by ``engine_timeout``, before its connections close; otherwise they close at once."""
         link = self._remote[engine_id]
         link.alive = False
-        log.warning("engine %d (%s) is out of service: %s", engine_id, link.name, why)
-        for key in self._store_keys(engine_id):  # its contexts are unreachable now, in every namespace
-            self._prefixes.remove_engine(key)
+        log.warning("%s is out of service: %s", self.engine_name(engine_id), why)
+        context_ids = self._forget_contexts(engine_id)
+        self.placement.engines_changed()
         engine = self.engines[engine_id]
         assert isinstance(engine, RemoteEngine)
-        await engine.aclose()
+        if not cleanup or not context_ids:
+            await engine.aclose()
+            return
+        task = asyncio.get_running_loop().create_task(self._free_then_close(engine, context_ids))
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)
+
+    async def _free_then_close(self, engine: RemoteEngine, context_ids: list[int]) -> None:
+        try:
+            async with asyncio.timeout(self.config.engine_timeout):
+                for context_id in context_ids:
+                    try:
+                        await engine.free_context(context_id)
+                    except EngineError as e:
+                        if engine_unavailable(e):
+                            return  # the engine is gone: so is what it held
+        except TimeoutError:
+            pass
+        finally:
+            await engine.aclose()  # closing aborts whatever still runs there: it fails over
 
     # ------------------------------------------------------------------------------------------ sessions
-    def create_session(self, cache_salt: str | None = None) -> CreateSessionResponse:
-        """A new session; with ``cache_salt`` its prompts share KV only with requests of the same salt."""
-        session = self.sessions.create(self._clock(), cache_salt)
+    def create_session(self, cache_salt: str | None = None, client: str = "") -> CreateSessionResponse:
+        """A new session for ``client`` (its address: the sessions_per_client quota); with ``cache_salt``
+        its prompts share KV only with requests of the same salt."""
+        check_session(self.config.quotas, client or "(unknown)", self.sessions.open_by(client))
+        session = self.sessions.create(self._clock(), cache_salt, client=client)
         self._tasks[session.session_id] = set()
         return CreateSessionResponse(session_id=session.session_id, token=session.token)
 
@@ -303,6 +428,7 @@ class Manager:
 
     # ------------------------------------------------------------------------------------------ variables
     def create_variable(self, session: Session, req: CreateVariableRequest) -> VariableCreated:
+        check_variables(self.config.quotas, SessionUsage(variables=len(session.graph.variables)), 1)
         var = session.graph.variables.create(req.name, req.value, var_id=req.var_id)
         return VariableCreated(var_id=var.var_id)
 
@@ -323,7 +449,8 @@ class Manager:
             wait = self.config.default_get_timeout if timeout is None else timeout
             event = self._waiters.setdefault((session.session_id, var_id), asyncio.Event())
             try:
-                await asyncio.wait_for(event.wait(), min(wait, self.config.max_get_timeout))
+                with self.sessions.waiting(session, self._clock):  # not idle while a get waits on it
+                    await asyncio.wait_for(event.wait(), min(wait, self.config.max_get_timeout))
             except TimeoutError:
                 raise GetTimeoutError(
                     f"variable {var_id!r} is still pending after {wait:g}s: its producer has not finished "
@@ -336,14 +463,31 @@ class Manager:
         """Register a call's steps in the session graph (validated first: nothing changes on error)."""
         graph = session.graph
         self._serving(req.model)  # an unknown model is the submitter's error, not a failed variable
+        for placeholder in req.placeholders:  # a pattern RE2 cannot run is the submitter's error (400)
+            validate_transforms(placeholder.transforms)
         outputs = {p.name: p.var_id or VariableTable.new_id() for p in req.placeholders if p.role == "output"}
         call = build_call(req, outputs)
+        self._check_call_quota(session, call)
         graph.add_call(call)
         for var_id in call.outputs.values():  # a step whose input had failed fails at once
             if graph.variables.get(var_id).settled:
                 self._settled(session, var_id)
         self._dispatch(session)
         return SubmitCallResponse(call_id=call.call_id, outputs=call.outputs)
+
+    def _check_call_quota(self, session: Session, call: CallIR) -> None:
+        """Refuse ``call`` beyond the session's quotas (variables, unfinished steps, their max_tokens).
+
+        The tokens of unfinished steps are summed only when a running estimate (what was submitted since
+        the last exact count) would refuse: the count is exact where it decides, and O(1) otherwise."""
+        quotas, graph = self.config.quotas, session.graph
+        tokens = sum(step.gen.sampling.max_tokens for step in call.steps)
+        check_variables(quotas, SessionUsage(variables=len(graph.variables)), len(call.outputs))
+        usage = SessionUsage(queued_steps=len(graph), queued_tokens=session.queued_tokens)
+        if usage.queued_tokens + tokens > quotas.queued_tokens_per_session:
+            usage.queued_tokens = sum(node.step.gen.sampling.max_tokens for node in graph.steps())
+        check_call(quotas, usage, len(call.steps), tokens)
+        session.queued_tokens = usage.queued_tokens + tokens
 
     def apply_batch(self, session: Session, req: BatchRequest) -> BatchApplied:
         """Apply ``req``'s operations in order and check its ``get`` names a variable (`answer_get` waits).
@@ -450,7 +594,14 @@ class Manager:
             value, kind = await self._execute(session, node, prep)
         except asyncio.CancelledError:
             raise
-        except (EngineError, TransformError, RequestTooLargeError, NoEngineError, ModelNotFoundError) as e:
+        except (
+            EngineError,
+            TransformError,
+            RequestTooLargeError,
+            NoEngineError,
+            NoServingEngineError,
+            ModelNotFoundError,
+        ) as e:
             self._fail(session, node, str(e))
             return
         except Exception as e:  # a bug must not leave the variable pending forever
@@ -466,22 +617,55 @@ class Manager:
         self._dispatch(session)
 
     async def _execute(self, session: Session, node: StepNode, prep: _Prepared) -> tuple[str, str]:
-        """Run one step on an engine; returns its output variable's value and kind (after transforms)."""
-        call = node.call
-        progress = prep.progress
+        """Run one step on an engine; returns its output variable's value and kind (after transforms).
+
+        A step whose engine fails (`engine_unavailable`) runs again from its inputs on an engine in service
+        — nothing of its output was delivered — up to ``max_step_retries`` times; then it fails with
+        `EngineFailedError` naming the engines. A later step of a call runs where the call's context is,
+        unless that engine left service: its prompt (the earlier steps' raw outputs included) is then
+        filled whole on another engine, which gives the same tokens the context held."""
+        failures: list[str] = []
+        pinned = prep.progress.engine if prep.progress is not None else None
+        while True:
+            if pinned is not None and not self._in_service(pinned):
+                pinned = None
+            try:
+                return await self._attempt(session, node, prep, pinned)
+            except PinnedEngineGoneError:
+                pinned = None  # it left while the step waited: nothing ran, not a failure of the step
+            except _AttemptFailed as e:
+                failures.append(f"{self.engine_name(e.engine_index)}: {e.cause}")
+                if len(failures) > self.config.max_step_retries:
+                    raise EngineFailedError(
+                        f"the step's engine failed {len(failures)} times (retry limit "
+                        f"{self.config.max_step_retries}): " + "; ".join(failures)
+                    ) from e.cause
+                log.warning("%s runs again: %s", node.id, failures[-1])
+                pinned = None
+
+    async def _attempt(
+        self, session: Session, node: StepNode, prep: _Prepared, pinned: int | None
+    ) -> tuple[str, str]:
+        """One placement and run of a step (on ``pinned`` if given). An engine failure takes the engine out
+        of service and raises `_AttemptFailed`."""
         # A call's steps share one context chain, so one engine; engines of one model share a tokenizer.
-        serving = [progress.engine] if progress is not None else self._serving(call.model)
+        serving = [pinned] if pinned is not None else self._serving(node.call.model)
         tokenizer = self.engines[serving[0]].tokenizer
         token_ids = tokenizer.encode(prep.prompt)
         shared, shared_key = [], None
-        if self.config.prefix_sharing and progress is None:
+        if self.config.prefix_sharing and pinned is None:
             shared, shared_key = self._shared_prefix(tokenizer, node, prep, token_ids)
         request = self._queued(
-            session, node, objective(node), token_ids, shared, shared_key, serving, prep, progress is not None
+            session, node, objective(node), token_ids, shared, shared_key, serving, prep, pinned is not None
         )
         engine_index = await self.placement.acquire(request)
         try:
             return await self._run_on(engine_index, session, node, prep, token_ids, shared, request)
+        except EngineError as e:
+            if not engine_unavailable(e):
+                raise
+            await self.engine_failed(engine_index, e)
+            raise _AttemptFailed(engine_index, e) from e
         finally:
             self.placement.release(engine_index, request)
 
@@ -574,7 +758,7 @@ class Manager:
             self._calls[key] = _CallProgress(engine_index, raw)
         try:
             if step.gen.transforms:  # parsers may be slow on hostile text: off the event loop
-                transformed = await asyncio.to_thread(apply_transforms, step.gen.transforms, result.text)
+                transformed = await asyncio.to_thread(run_transforms, step.gen.transforms, result.text)
             else:
                 transformed = apply_transforms((), result.text)
         except BaseException:
@@ -709,6 +893,9 @@ class Manager:
     async def _keep(self, engine_index: int, namespace: str, context_id: int, token_ids: list[int]) -> None:
         """Store a finished context as a shareable prefix; beyond the engine's cap (all namespaces together,
         so that many salts cannot hold more), free the least recently used ones nothing forks from."""
+        if not self._in_service(engine_index):  # failed or draining: nothing will fork from it there
+            await self._free(engine_index, context_id)
+            return
         entry = self._prefixes.insert(self._store_key(engine_index, namespace), context_id, token_ids)
         if entry.context_id != context_id:  # the same tokens are already held by another context
             await self._free(engine_index, context_id)
@@ -778,6 +965,15 @@ class Manager:
             return
         await self._keep(index, _namespace(cache_salt), context_id, token_ids)
 
+    async def retry_elsewhere(self, engine: Engine, error: EngineError, attempt: int) -> bool:
+        """An OpenAI request failed on ``engine`` on its ``attempt``-th try, before streaming anything.
+        When the engine is at fault (`engine_unavailable`) it leaves service (`engine_failed`) and the
+        answer is whether the request may run again on another engine (``max_step_retries``)."""
+        if not engine_unavailable(error):
+            return False
+        await self.engine_failed(self._index_of(engine), error)
+        return attempt <= self.config.max_step_retries
+
     async def drop_cache(self) -> int:
         """Free every kept context no request is forking from (all prefixes and finished steps); returns
         how many went. KV blocks then count only what runs."""
@@ -840,6 +1036,9 @@ class Manager:
         for engine_id, link in self._remote.items():
             if link.alive:
                 await self._retire(engine_id, "the manager is shutting down")
+        for task in list(self._cleanups):  # their engines' connections close as the tasks end
+            task.cancel()
+        await asyncio.gather(*self._cleanups, return_exceptions=True)
 
 
 def _namespace(cache_salt: str | None) -> str:

@@ -4,8 +4,13 @@ engine.
 A step calls `acquire` with its `QueuedRequest` and waits; a scheduling pass runs the pure
 `server.serve.scheduler.schedule` over every waiting step whenever steps arrive (coalesced: all steps made
 runnable in one loop iteration — a task group, a burst sharing a prefix — are placed by one pass) or one
-finishes (`release` frees its tokens). The running tokens per engine are this object's own accounting of
-what it placed, not the engines' (possibly stale) stats, so caps hold exactly.
+finishes (`release` frees its tokens) or the engines in service change (`engines_changed`: one failed,
+drains or joined). The running tokens per engine are this object's own accounting of what it placed, not the
+engines' (possibly stale) stats, so caps hold exactly.
+
+A waiting request that no engine in service could ever take fails at once rather than waiting: pinned to an
+engine that left (`PinnedEngineGoneError`: the caller places it again, unpinned) or of a model no engine in
+service serves (`NoServingEngineError`).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from parrot.protocol import Criteria
 
 from server.serve.scheduler import EngineState, QueuedRequest, Reason, SchedulerConfig, schedule
 
-__all__ = ["Placement", "RequestTooLargeError"]
+__all__ = ["NoServingEngineError", "PinnedEngineGoneError", "Placement", "RequestTooLargeError"]
 
 
 class RequestTooLargeError(Exception):
@@ -29,6 +34,22 @@ class RequestTooLargeError(Exception):
 
     http_status = 413
     error_type = "request_too_large"
+
+
+class NoServingEngineError(Exception):
+    """No engine in service serves the request's model (all failed, drained or left): HTTP 503."""
+
+    http_status = 503
+    error_type = "no_engine"
+
+
+class PinnedEngineGoneError(Exception):
+    """The engine a request was pinned to left service while the request waited; nothing of it ran, so the
+    caller may place it again without the pin."""
+
+    def __init__(self, engine_id: int) -> None:
+        super().__init__(f"engine {engine_id} left service before the request was placed there")
+        self.engine_id = engine_id
 
 
 @dataclass
@@ -92,7 +113,13 @@ class Placement:
         self._request_pass()
 
     def running_tokens(self, engine_id: int) -> int:
+        """Tokens placed on ``engine_id`` and not released yet."""
         return self._running[engine_id]
+
+    def engines_changed(self) -> None:
+        """The engines in service changed (one failed, started draining or joined): place again now, so that
+        nothing waits for an engine that went or misses one that came."""
+        self._request_pass()
 
     def _request_pass(self) -> None:
         if not self._pass_pending:
@@ -108,6 +135,16 @@ class Placement:
             replace(e, running=self._running[e.engine_id], latency_running=self._latency[e.engine_id] > 0)
             for e in self._engines()
         ]
+        placeable = []
+        for w in waiting:
+            error = _stranded(w.request, engines)
+            if error is None:
+                placeable.append(w)
+            else:
+                w.future.set_exception(error)
+        waiting = placeable
+        if not waiting:
+            return
         decision = schedule([w.request for w in waiting], engines, self._config)
         unfit = set(decision.unfit)
         for w in waiting:
@@ -131,3 +168,18 @@ class Placement:
                 )
             else:  # waits for the next pass; its age counts toward the scheduler's aging rule
                 w.request = replace(w.request, waited=w.request.waited + 1)
+
+
+def _stranded(request: QueuedRequest, engines: list[EngineState]) -> Exception | None:
+    """Why no engine in service could ever take ``request`` (waiting would not help), or None."""
+    if request.pinned is not None:
+        if any(e.engine_id == request.pinned for e in engines):
+            return None
+        return PinnedEngineGoneError(request.pinned)
+    if any(e.serves(request.model) for e in engines):
+        return None
+    what = "any model" if request.model is None else f"the model {request.model!r}"
+    return NoServingEngineError(
+        f"no engine in service serves {what} (engines failed, are draining or left): start one "
+        "(python -m server.engine --manager URL) or retry once one has registered"
+    )

@@ -11,15 +11,20 @@ Every generate is streamed from the engine, even when the caller wants only the 
 away, closing the stream aborts the request on the engine (a plain request would keep generating there).
 Errors keep their engine type and status (`RemoteEngineError`); an engine that cannot be reached is an
 `EngineDeadError` naming its URL.
+
+Every call carries the cluster token (``Authorization: Bearer``). Registration is a request from outside,
+so `connect` fetches only ``/info`` and ``/tokenizer`` from the URL it is given, within a time and a size
+limit, follows no redirect, and never quotes what the URL answered in its errors (no SSRF read-back).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 from parrot.protocol import (
@@ -35,6 +40,7 @@ from parrot.protocol import (
     ErrorResponse,
     SamplingConfig,
 )
+from pydantic import BaseModel, ValidationError
 
 from server.engine.errors import ContextBusyError, EngineDeadError, EngineError
 from server.engine.request import GenerateResult
@@ -42,8 +48,14 @@ from server.engine.sampling import SamplingParams
 
 __all__ = ["RemoteEngine", "RemoteEngineError", "RemoteGenerationStream"]
 
+log = logging.getLogger(__name__)
+
 # A context is busy for a moment after its generate was aborted; its free is retried this long.
 _FREE_RETRY_S = 5.0
+# What a registering engine's URL may answer: an engine's /info is a few hundred bytes; the largest
+# tokenizers' files (tokenizer.json of 150k-token vocabularies) are tens of MB.
+MAX_INFO_BYTES = 64 * 1024
+MAX_TOKENIZER_BYTES = 64 * 1024 * 1024
 
 
 class RemoteEngineError(EngineError):
@@ -91,13 +103,24 @@ class RemoteEngine:
         )
 
     @classmethod
-    async def connect(cls, url: str, name: str, timeout: float = 30.0) -> RemoteEngine:
-        """Read the engine's model and tokenizer from ``url``; `EngineDeadError` if it cannot be reached."""
-        client = httpx.AsyncClient(base_url=url.rstrip("/"), timeout=httpx.Timeout(timeout, read=None))
+    async def connect(
+        cls, url: str, name: str, timeout: float = 30.0, *, token: str | None = None
+    ) -> RemoteEngine:
+        """Read the engine's model and tokenizer from ``url`` (within ``timeout`` seconds in all), sending
+        the cluster ``token`` then and on every later call; `EngineDeadError` if it cannot be reached or
+        does not answer as an engine."""
+        headers = {"Authorization": f"Bearer {token}"} if token is not None else None
+        client = httpx.AsyncClient(
+            base_url=url.rstrip("/"), timeout=httpx.Timeout(timeout, read=None), headers=headers
+        )
         try:
-            info = EngineInfo.model_validate(await _call(client, url, "GET", "/info"))
-            files = EngineTokenizerFiles.model_validate(await _call(client, url, "GET", "/tokenizer"))
+            async with asyncio.timeout(timeout):
+                info = await _fetch(client, url, "/info", EngineInfo, MAX_INFO_BYTES)
+                files = await _fetch(client, url, "/tokenizer", EngineTokenizerFiles, MAX_TOKENIZER_BYTES)
             tokenizer = await asyncio.to_thread(_load_tokenizer, files.files)
+        except TimeoutError:
+            await client.aclose()
+            raise EngineDeadError(f"the engine at {url} did not answer within {timeout:g}s") from None
         except BaseException:
             await client.aclose()
             raise
@@ -266,7 +289,51 @@ async def _call(
     return response.json()
 
 
+_M = TypeVar("_M", bound=BaseModel)
+
+
+async def _fetch(client: httpx.AsyncClient, url: str, path: str, model: type[_M], max_bytes: int) -> _M:
+    """``GET path`` of a registering engine as ``model``, read up to ``max_bytes``. Errors say what was
+    wrong with the answer (status, size, shape), never what it said: the URL is the registrant's choice."""
+    what = f"GET {url.rstrip('/')}{path}"
+    body = bytearray()
+    try:
+        async with client.stream("GET", path) as response:
+            if response.status_code in (401, 403):
+                raise EngineDeadError(_refused_token(url, response.status_code))
+            if not response.is_success:
+                raise EngineDeadError(f"{what} answered HTTP {response.status_code}, not an engine's answer")
+            async for chunk in response.aiter_bytes():  # decoded: a compressed answer counts in full
+                body += chunk
+                if len(body) > max_bytes:
+                    raise EngineDeadError(f"{what} answered more than {max_bytes} bytes")
+    except httpx.TransportError as e:
+        raise _dead(url, e) from e
+    try:
+        return model.model_validate_json(bytes(body))
+    except ValidationError as e:
+        # Only the top-level field names (ours): deeper locations may be the answer's own keys.
+        fields = sorted({str(err["loc"][0]) if err["loc"] else "(not JSON)" for err in e.errors()})
+        raise EngineDeadError(
+            f"{what} did not answer an engine's {path} ({len(body)} bytes; wrong or missing: "
+            f"{', '.join(fields[:8])})"
+        ) from None
+
+
+def _refused_token(url: str, status: int) -> str:
+    return (
+        f"the engine at {url} refused the manager's cluster token (HTTP {status}): start the engine with "
+        "the manager's token ($PARROT_CLUSTER_TOKEN or --cluster-token-file)"
+    )
+
+
 def _error(response: httpx.Response) -> RemoteEngineError:
+    if response.status_code in (401, 403):  # not the request's fault: the cluster is misconfigured
+        return RemoteEngineError(
+            _refused_token(str(response.request.url.copy_with(path="/")), response.status_code),
+            502,
+            "engine_refused_token",
+        )
     try:
         error = ErrorResponse.model_validate_json(response.content).error
         return RemoteEngineError(error.message, response.status_code, error.type)
@@ -284,13 +351,17 @@ def _load_tokenizer(files: dict[str, str]) -> Any:
 
     with tempfile.TemporaryDirectory() as tmp:
         for name, text in files.items():
-            if Path(name).name != name:  # only plain file names: never write outside the folder
-                raise EngineDeadError(f"the engine sent a tokenizer file with a path: {name!r}")
+            if Path(name).name != name or name in ("", ".", ".."):  # never write outside the folder
+                raise EngineDeadError("the engine sent a tokenizer file name with a path")
             (Path(tmp) / name).write_text(text, encoding="utf-8")
         try:
             return AutoTokenizer.from_pretrained(tmp, local_files_only=True)
         except Exception as e:  # whatever transformers raises for files it cannot use
-            raise EngineDeadError(f"the engine's tokenizer files do not load as a tokenizer: {e}") from e
+            # The reason may quote the files (the registrant's choice): in the log, not in the answer.
+            log.warning("a registering engine's tokenizer files do not load: %.300s", e)
+            raise EngineDeadError(
+                f"the engine's tokenizer files do not load as a tokenizer ({type(e).__name__})"
+            ) from None
 
 
 def _status_of(error_type: str) -> int:

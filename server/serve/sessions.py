@@ -6,8 +6,12 @@ simulator can drive it. The asyncio side (waiters, step tasks) lives in the mana
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from server.serve.graph import SessionGraph
@@ -49,50 +53,84 @@ class Session:
     last_seen: float = 0.0
     # Its prompts' KV is shared only with requests carrying the same salt (None: with everyone).
     cache_salt: str | None = None
+    client: str = ""  # the address that created it (its sessions_per_client quota)
+    waiters: int = 0  # requests of its client waiting on it now (a long-poll get): it is not idle
+    queued_tokens: int = 0  # max_tokens of its unfinished steps, as of the last quota check (an estimate)
 
 
 class SessionTable:
-    """Every live session; tokens are checked in constant time."""
+    """Every live session. A token finds its session in O(1) through its SHA-256 digest (so the lookup's
+    timing says nothing about the token), and is then compared in constant time."""
 
     def __init__(self, ttl: float) -> None:
         self.ttl = ttl
         self._sessions: dict[str, Session] = {}
+        self._by_token: dict[bytes, str] = {}  # sha256(token) -> session id
+        self._per_client: Counter[str] = Counter()
 
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Session]:
         return iter(list(self._sessions.values()))
 
-    def create(self, now: float, cache_salt: str | None = None) -> Session:
-        session = Session(uuid.uuid4().hex, secrets.token_urlsafe(24), last_seen=now, cache_salt=cache_salt)
+    def open_by(self, client: str) -> int:
+        """Sessions ``client`` has open now."""
+        return self._per_client[client]
+
+    def create(self, now: float, cache_salt: str | None = None, client: str = "") -> Session:
+        session = Session(
+            uuid.uuid4().hex, secrets.token_urlsafe(24), last_seen=now, cache_salt=cache_salt, client=client
+        )
         self._sessions[session.session_id] = session
+        self._by_token[_digest(session.token)] = session.session_id
+        self._per_client[client] += 1
         return session
 
     def authenticate(self, session_id: str, token: str | None, now: float) -> Session:
         """The session, if ``token`` is its bearer token; refreshes its expiry."""
-        session = self._sessions.get(session_id)
         if token is None:
             raise UnauthorizedError(
                 "missing 'Authorization: Bearer <token>' (the token of POST /v1/sessions)"
             )
-        if session is None:
+        session = self._sessions.get(session_id)
+        if session is None or not secrets.compare_digest(session.token, token):
             # Do not tell a token holder of another session whether this id exists.
-            if any(secrets.compare_digest(s.token, token) for s in self._sessions.values()):
+            if self._by_token.get(_digest(token)) is not None:
                 raise ForbiddenError(f"this token does not belong to session {session_id!r}")
-            raise UnknownSessionError(
-                f"session {session_id!r} does not exist (never created, expired or deleted)"
-            )
-        if not secrets.compare_digest(session.token, token):
-            if any(secrets.compare_digest(s.token, token) for s in self._sessions.values()):
-                raise ForbiddenError(f"this token does not belong to session {session_id!r}")
+            if session is None:
+                raise UnknownSessionError(
+                    f"session {session_id!r} does not exist (never created, expired or deleted)"
+                )
             raise UnauthorizedError(f"wrong token for session {session_id!r}")
         session.last_seen = now
         return session
 
+    @contextmanager
+    def waiting(self, session: Session, clock: Callable[[], float]) -> Iterator[None]:
+        """Mark ``session`` busy while its client waits on it (a long-poll get): a session is idle only
+        when nobody waits on it, so the reaper never deletes one under a waiting request."""
+        session.waiters += 1
+        try:
+            yield
+        finally:
+            session.waiters -= 1
+            session.last_seen = max(session.last_seen, clock())  # idle from when the wait ended
+
     def remove(self, session_id: str) -> Session | None:
-        return self._sessions.pop(session_id, None)
+        session = self._sessions.pop(session_id, None)
+        if session is not None:
+            self._by_token.pop(_digest(session.token), None)
+            self._per_client[session.client] -= 1
+            if self._per_client[session.client] <= 0:
+                del self._per_client[session.client]
+        return session
 
     def expired(self, now: float) -> list[Session]:
-        """Sessions idle for longer than the TTL (not removed: the caller frees what they own first)."""
-        return [s for s in self._sessions.values() if now - s.last_seen > self.ttl]
+        """Sessions idle for longer than the TTL, none waited on (not removed: the caller frees what they
+        own first)."""
+        return [s for s in self._sessions.values() if s.waiters == 0 and now - s.last_seen > self.ttl]
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()

@@ -10,16 +10,30 @@ Values: a variable's value is text. A transform may produce a structured value (
 that travels as JSON with the type tag ``"json"``. `TransformResult` carries both forms, and
 `render_value` turns either back into the text LangChain's `PromptTemplate` would insert into a prompt
 (``str()`` of the Python object, as an f-string does).
+
+Bounds: nothing a client sends may hold the server. Regular expressions run on RE2 (``google-re2``), whose
+matching is linear in the text and releases the GIL; a pattern RE2 cannot run (a backreference, a
+look-around) is refused when the call is submitted (`TransformPatternError`, HTTP 400). Every transform is
+bounded in time and output size (`TransformLimits`); exceeding a bound fails the variable with a
+`TransformLimitError` naming the limit. The checks here are cooperative (after each transform, and between
+regex matches); `server.serve.transform_runner` runs transforms in worker processes and enforces the time
+limit hard, whatever a parser does.
+
+RE2 differs from Python's ``re`` in a few places a pattern may notice: ``\\d``, ``\\w``, ``\\s`` and ``\\b``
+are ASCII-only, ``$`` (without ``(?m)``) matches only at the very end, and Python's ``\\Z`` is
+written ``\\z``.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import re2
 from langchain_core.exceptions import OutputParserException
 from langchain_core.output_parsers import (
     CommaSeparatedListOutputParser,
@@ -28,12 +42,21 @@ from langchain_core.output_parsers import (
     NumberedListOutputParser,
     XMLOutputParser,
 )
-from parrot.protocol import TransformSpec
+from parrot.protocol import CallError, TransformSpec
 from pydantic import ValidationError
 
 __all__ = [
+    "DEFAULT_LIMITS",
+    "MAX_PATTERN_CHARS",
+    "MAX_TRANSFORM_OUTPUT_CHARS",
+    "RE2_MAX_MEM",
+    "TRANSFORM_TIME_LIMIT_S",
     "XML_PARSER",
+    "LimitName",
     "TransformError",
+    "TransformLimitError",
+    "TransformLimits",
+    "TransformPatternError",
     "TransformResult",
     "TransformSpec",
     "ValueKind",
@@ -44,6 +67,21 @@ __all__ = [
 ]
 
 ValueKind = Literal["text", "json"]
+LimitName = Literal["time", "output_size"]
+
+# Defaults of `TransformLimits`. A transform on an LLM output (max_tokens long) takes milliseconds; two
+# seconds is far above any honest use and short enough that a hostile one is cut before a client notices.
+TRANSFORM_TIME_LIMIT_S = 2.0
+# A transform's output, counted in characters of its wire form (the text, or the JSON of a structured
+# value): well above any LLM output, low enough that a findall of the empty pattern cannot balloon.
+MAX_TRANSFORM_OUTPUT_CHARS = 1 << 20
+# Patterns are written by people; RE2's own program-size bound (RE2_MAX_MEM) does the rest.
+MAX_PATTERN_CHARS = 1000
+# RE2's memory budget per compiled pattern (program plus DFA cache; RE2 falls back to its slower, still
+# linear, NFA when the DFA cache fills). 8 MiB is RE2's default.
+RE2_MAX_MEM = 8 << 20
+# The re2 module caches up to 128 compiled patterns, each up to RE2_MAX_MEM; we purge beyond this many.
+_RE2_CACHE_MAX = 16
 
 # How much of the offending text an error message quotes: enough to see what the model wrote, bounded so a
 # long output does not flood logs or the variable's failure message.
@@ -68,6 +106,46 @@ class TransformError(Exception):
         super().__init__(f"{transform_type} transform failed: {message}")
         self.transform_type = transform_type
         self.message = message
+
+
+class TransformLimitError(TransformError):
+    """A transform exceeded one of its bounds: ``limit`` names which (``"time"`` or ``"output_size"``)."""
+
+    def __init__(self, transform_type: str, limit: LimitName, message: str) -> None:
+        super().__init__(transform_type, f"{limit} limit exceeded: {message}")
+        self.limit: LimitName = limit
+
+
+class TransformPatternError(TransformError, CallError):
+    """A regex pattern the server will not run (invalid for RE2, unsupported by RE2, or too long).
+
+    A `CallError` (HTTP 400) when a call is submitted; a `TransformError` (its variable fails) if a spec
+    reaches `apply_transforms` unchecked.
+    """
+
+    def __init__(self, pattern: str, reason: str) -> None:
+        super().__init__("regex", f"pattern {pattern!r} cannot be used: {reason}")
+        self.pattern = pattern
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class TransformLimits:
+    """Bounds on every transform: wall time each, output size each, and the regex pattern and its memory."""
+
+    time_s: float = TRANSFORM_TIME_LIMIT_S
+    max_output_chars: int = MAX_TRANSFORM_OUTPUT_CHARS
+    max_pattern_chars: int = MAX_PATTERN_CHARS
+    re2_max_mem: int = RE2_MAX_MEM
+
+    def __post_init__(self) -> None:
+        if not (self.time_s > 0 and self.max_output_chars > 0 and self.max_pattern_chars > 0):
+            raise ValueError(f"transform limits must be positive: {self}")
+        if self.re2_max_mem < 1 << 16:  # below this RE2 cannot compile even trivial patterns
+            raise ValueError(f"re2_max_mem must be at least 64 KiB: {self.re2_max_mem}")
+
+
+DEFAULT_LIMITS = TransformLimits()
 
 
 @dataclass(frozen=True)
@@ -112,23 +190,44 @@ def render_value(value: str, kind: ValueKind = "text") -> str:
     return render_data(json.loads(value))
 
 
-def validate_transforms(specs: Sequence[TransformSpec | Mapping[str, Any]]) -> list[TransformSpec]:
-    """Validate transform specs up front (at submit time); raises pydantic's ValidationError on bad ones."""
-    return [s if isinstance(s, TransformSpec) else TransformSpec.model_validate(s) for s in specs]
+def validate_transforms(
+    specs: Sequence[TransformSpec | Mapping[str, Any]], limits: TransformLimits = DEFAULT_LIMITS
+) -> list[TransformSpec]:
+    """Validate transform specs up front (at submit time).
+
+    Raises pydantic's ValidationError on a malformed spec and `TransformPatternError` (a `CallError`:
+    HTTP 400) on a regex pattern the server will not run.
+    """
+    checked = [s if isinstance(s, TransformSpec) else TransformSpec.model_validate(s) for s in specs]
+    for spec in checked:
+        if spec.type == "regex":
+            assert spec.pattern is not None  # the spec validator requires it
+            _compile(spec.pattern, limits)
+    return checked
 
 
-def apply_transforms(specs: Sequence[TransformSpec | Mapping[str, Any]], text: str) -> TransformResult:
-    """Apply ``specs`` in order to an LLM's output ``text``.
+def apply_transforms(
+    specs: Sequence[TransformSpec | Mapping[str, Any]],
+    text: str,
+    limits: TransformLimits = DEFAULT_LIMITS,
+    on_start: Callable[[int, str], None] | None = None,
+) -> TransformResult:
+    """Apply ``specs`` in order to an LLM's output ``text``, each within ``limits``.
 
-    Raises pydantic's ValidationError for an invalid spec (before anything runs) and `TransformError` for a
-    transform that fails on this text.
+    ``on_start(index, type)`` is called as each transform begins (the process runner times them with it).
+
+    Raises pydantic's ValidationError for an invalid spec and `TransformPatternError` for an unusable
+    pattern (both before anything runs), `TransformLimitError` for a transform over a bound, and
+    `TransformError` for a transform that fails on this text.
     """
     data: Any = text
     spec_type = "transform"
     try:
-        for spec in validate_transforms(specs):
+        for index, spec in enumerate(validate_transforms(specs, limits)):
             spec_type = spec.type
-            data = _APPLY[spec.type](spec, data)
+            if on_start is not None:
+                on_start(index, spec.type)
+            data = _run_one(spec, data, limits)
         return TransformResult.of(data)
     except (TransformError, ValidationError):
         raise
@@ -136,6 +235,52 @@ def apply_transforms(specs: Sequence[TransformSpec | Mapping[str, Any]], text: s
         # Whatever else a parser or json.dumps throws on hostile output (say, JSON nested 10k deep) is still
         # this transform failing on this text: the caller gets the one typed error it handles.
         raise TransformError(spec_type, f"{type(e).__name__}: {e} on {_quote(text)}") from e
+
+
+def _run_one(spec: TransformSpec, data: Any, limits: TransformLimits) -> Any:
+    """Apply one validated transform to ``data`` and check its time and output size against ``limits``."""
+    started = time.monotonic()
+    out = _regex(spec, data, limits, started) if spec.type == "regex" else _APPLY[spec.type](spec, data)
+    _check_time(spec.type, started, limits)
+    size = len(out) if isinstance(out, str) else len(json.dumps(out))
+    if size > limits.max_output_chars:
+        raise TransformLimitError(
+            spec.type, "output_size", f"output of {size} chars is over {limits.max_output_chars}"
+        )
+    return out
+
+
+def _check_time(transform_type: str, started: float, limits: TransformLimits) -> None:
+    elapsed = time.monotonic() - started
+    if elapsed > limits.time_s:
+        raise TransformLimitError(transform_type, "time", f"ran {elapsed:.2f} s, over {limits.time_s:g} s")
+
+
+def _compile(pattern: str, limits: TransformLimits) -> Any:
+    """Compile ``pattern`` with RE2 under ``limits``, or raise `TransformPatternError` saying why not."""
+    if len(pattern) > limits.max_pattern_chars:
+        raise TransformPatternError(
+            pattern[:_QUOTE_CHARS] + ("..." if len(pattern) > _QUOTE_CHARS else ""),
+            f"{len(pattern)} chars is over the {limits.max_pattern_chars}-char limit on patterns",
+        )
+    options = re2.Options()
+    options.max_mem = limits.re2_max_mem
+    options.log_errors = False  # a refused pattern is the client's error, not a line in our log
+    try:
+        compiled = re2.compile(pattern, options)
+    except re2.error as e:
+        reason = e.args[0].decode(errors="replace") if e.args and isinstance(e.args[0], bytes) else str(e)
+        raise TransformPatternError(
+            pattern,
+            f"{reason} (the server runs regexes on RE2, which has no backreferences, look-around or "
+            "possessive quantifiers and bounds repetition counts and program size; "
+            "syntax: https://github.com/google/re2/wiki/Syntax)",
+        ) from None
+    finally:
+        # re2.compile caches up to 128 patterns of up to max_mem each; keep the cache small instead.
+        if re2._Regexp._make.cache_info().currsize > _RE2_CACHE_MAX:
+            re2.purge()
+    return compiled
 
 
 # ----------------------------------------------------------------------------------------- the transforms
@@ -214,19 +359,36 @@ def _markdown_list(spec: TransformSpec, data: Any) -> list[str]:
     return _MARKDOWN.parse(_text_input(spec, data))
 
 
-def _regex(spec: TransformSpec, data: Any) -> str | list[str]:
+def _regex(spec: TransformSpec, data: Any, limits: TransformLimits, started: float) -> str | list[str]:
     text = _text_input(spec, data)
     assert spec.pattern is not None  # the spec validator requires it
-    pattern = re.compile(spec.pattern)
+    pattern = _compile(spec.pattern, limits)
     # No group given: the only group, or the whole match — what re.findall returns (the validator rejects
     # a pattern with several groups and no choice). A group that did not take part reads as "", as in findall.
     group = spec.group if spec.group is not None else min(pattern.groups, 1)
     if spec.findall:
-        return [m.group(group) or "" for m in pattern.finditer(text)]
+        return list(_bounded_findall(spec, pattern.finditer(text), group, limits, started))
     match = pattern.search(text)
     if match is None:
         raise TransformError(spec.type, f"pattern {spec.pattern!r} does not match {_quote(text)}")
     return match.group(group) or ""
+
+
+def _bounded_findall(
+    spec: TransformSpec, matches: Iterator[Any], group: int | str, limits: TransformLimits, started: float
+) -> Iterator[str]:
+    # Each match is linear work, but a text can hold many: check both bounds as the list grows, so a
+    # findall of the empty pattern on a long text stops at the limit instead of building it first.
+    size = 2  # "[]"
+    for match in matches:
+        item = match.group(group) or ""
+        size += len(json.dumps(item)) + 2  # ", " between items
+        if size > limits.max_output_chars:
+            raise TransformLimitError(
+                spec.type, "output_size", f"findall output is over {limits.max_output_chars} chars"
+            )
+        _check_time(spec.type, started, limits)
+        yield item
 
 
 def _xml(spec: TransformSpec, data: Any) -> Any:
@@ -243,11 +405,11 @@ def _render(spec: TransformSpec, data: Any) -> str:
     return render_data(data)
 
 
+# regex is not here: it takes the limits too (its pattern's memory, its findall's bounds).
 _APPLY: dict[str, Callable[[TransformSpec, Any], Any]] = {
     "strip": _strip,
     "json": _json,
     "csv_list": _csv_list,
-    "regex": _regex,
     "numbered_list": _numbered_list,
     "markdown_list": _markdown_list,
     "xml": _xml,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -17,11 +18,14 @@ from server.engine import LLMEngine
 from server.engine.api import create_engine_app
 from tests.engine.conftest import hf_greedy, prompts
 
+TOKEN = "engine-api-test-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
 
 @pytest.fixture
 async def client(engine: LLMEngine) -> AsyncIterator[httpx.AsyncClient]:
-    transport = httpx.ASGITransport(app=create_engine_app(engine))
-    async with httpx.AsyncClient(transport=transport, base_url="http://engine") as c:
+    transport = httpx.ASGITransport(app=create_engine_app(engine, cluster_token=TOKEN))
+    async with httpx.AsyncClient(transport=transport, base_url="http://engine", headers=AUTH) as c:
         yield c
 
 
@@ -134,6 +138,7 @@ def test_cli_serves_http_and_answers_one_shot(gqa_model: Path) -> None:
         [sys.executable, "-m", "server.engine", "--model", str(gqa_model), "--port", str(port)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
+        env=os.environ | {"PARROT_CLUSTER_TOKEN": TOKEN},
     )
     try:
         base = f"http://127.0.0.1:{port}"
@@ -145,12 +150,16 @@ def test_cli_serves_http_and_answers_one_shot(gqa_model: Path) -> None:
                 time.sleep(0.1)
         else:
             pytest.fail("the engine server did not come up")
-        info = httpx.get(f"{base}/info").json()
+        assert httpx.get(f"{base}/info").status_code == 401  # only the cluster token's holder
+        info = httpx.get(f"{base}/info", headers=AUTH).json()
         assert info["vocab_size"] == 4096 and info["max_model_len"] == 512
         prompt = prompts(1, seed=32)[0]
-        httpx.post(f"{base}/fill", json={"context_id": 1, "token_ids": prompt}).raise_for_status()
+        fill = {"context_id": 1, "token_ids": prompt}
+        httpx.post(f"{base}/fill", json=fill, headers=AUTH).raise_for_status()
         r = httpx.post(
-            f"{base}/generate", json={"context_id": 1, "sampling": {"max_tokens": 5, "ignore_eos": True}}
+            f"{base}/generate",
+            json={"context_id": 1, "sampling": {"max_tokens": 5, "ignore_eos": True}},
+            headers=AUTH,
         )
         assert r.json()["token_ids"] == hf_greedy(gqa_model, prompt, 5)
     finally:

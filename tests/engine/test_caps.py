@@ -290,7 +290,7 @@ async def test_latency_cap_travels_from_a_remote_engine_over_http_to_the_request
             add(req)
 
         engine._scheduler.add = record  # type: ignore[method-assign]
-        app = create_engine_app(engine)
+        app = create_engine_app(engine, cluster_token=None)  # in-process: no network reaches it
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://e") as client:
             info = EngineInfo.model_validate((await client.get("/info")).json())
             remote = RemoteEngine("http://e", "e", info, engine.tokenizer, client)

@@ -192,7 +192,7 @@ async def test_bad_parent_len_is_an_invalid_request(fresh: LLMEngine, parent: li
 # ------------------------------------------------------------------------------------------ HTTP
 @pytest.fixture
 async def client(fresh: LLMEngine) -> AsyncIterator[httpx.AsyncClient]:
-    transport = httpx.ASGITransport(app=create_engine_app(fresh))
+    transport = httpx.ASGITransport(app=create_engine_app(fresh, cluster_token=None))
     async with httpx.AsyncClient(transport=transport, base_url="http://engine") as c:
         yield c
 

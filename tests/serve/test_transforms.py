@@ -1,4 +1,6 @@
-"""Output transforms: parity with LangChain's own parsers and prompt rendering on the same texts, and errors.
+"""Output transforms: parity with LangChain's own parsers and prompt rendering on the same texts, errors,
+and the bounds that keep a hostile transform from holding the server (RE2, time and output limits, the
+process runner).
 
 Each parity table holds realistic LLM outputs; the expected value is always computed by LangChain (or, for
 regex and key paths, which LangChain has no parser for, by Python's `re` and plain indexing) — never written
@@ -15,6 +17,8 @@ import pytest
 
 pytest.importorskip("langchain_core")
 
+from collections.abc import Iterator
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from langchain_core.exceptions import OutputParserException
@@ -27,12 +31,17 @@ from langchain_core.output_parsers import (
     XMLOutputParser,
 )
 from langchain_core.prompts import PromptTemplate
-from parrot.protocol import TransformSpec
+from parrot.protocol import CallError, TransformSpec
 from pydantic import ValidationError
 
+from server.serve.transform_runner import TransformRunner
 from server.serve.transforms import (
+    DEFAULT_LIMITS,
     XML_PARSER,
     TransformError,
+    TransformLimitError,
+    TransformLimits,
+    TransformPatternError,
     TransformResult,
     apply_transforms,
     render_data,
@@ -381,3 +390,162 @@ def test_list_parsers_property(text: str) -> None:
     assert run(text, {"type": "csv_list"}).data == CommaSeparatedListOutputParser().parse(text)
     assert run(text, {"type": "numbered_list"}).data == NumberedListOutputParser().parse(text)
     assert run(text, {"type": "markdown_list"}).data == MarkdownListOutputParser().parse(text)
+
+
+# ------------------------------------------------------------------------------- bounds: RE2 and limits
+# The pattern of issue 16: with Python's `re` it backtracks for ever on a short text without "QQQ".
+CATASTROPHIC = "(.*.*)*QQQ"
+
+
+def test_catastrophic_pattern_is_linear_on_re2() -> None:
+    text = "The quick brown fox jumps over the lazy dog again and again " * 4
+    with pytest.raises(TransformError, match=re.escape(f"pattern {CATASTROPHIC!r} does not match")):
+        run(text, {"type": "regex", "pattern": CATASTROPHIC})
+    check_result(run(text + "QQQ", {"type": "regex", "pattern": CATASTROPHIC, "group": 0}), text + "QQQ")
+
+
+@pytest.mark.parametrize(
+    ("pattern", "reason"),
+    [
+        (r"(a)\1", r"invalid escape sequence: \1"),  # a backreference
+        (r"foo(?=bar)", "invalid perl operator: (?="),  # look-ahead
+        (r"(?<!x)y", "invalid perl operator: (?<!"),  # look-behind
+        (r"a++", "bad repetition operator: ++"),  # possessive
+        (r"end\Z", r"invalid escape sequence: \Z"),  # Python's \Z is RE2's \z
+        (r"(?x) a b", "invalid perl operator: (?x"),  # verbose mode
+        (r"(?:(?:a{100}){100}){100}", "invalid repetition size"),  # a program over RE2's size bound
+    ],
+)
+def test_patterns_re2_cannot_run_are_refused_up_front(pattern: str, reason: str) -> None:
+    spec = {"type": "regex", "pattern": pattern}
+    TransformSpec.model_validate(spec)  # valid for Python's re (the client's check) ...
+    with pytest.raises(TransformPatternError) as info:  # ... but not what the server runs
+        validate_transforms([spec])
+    e = info.value
+    assert isinstance(e, CallError)  # HTTP 400 at submit
+    assert (e.pattern, e.transform_type) == (pattern, "regex")
+    assert reason in e.reason and repr(pattern) in str(e) and "RE2" in str(e)
+    with pytest.raises(TransformPatternError):  # before any transform runs on the text
+        apply_transforms([{"type": "strip"}, spec], "text")
+
+
+def test_pattern_length_is_bounded() -> None:
+    limits = TransformLimits(max_pattern_chars=10)
+    assert validate_transforms([{"type": "regex", "pattern": "a" * 10}], limits)
+    with pytest.raises(TransformPatternError, match="11 chars is over the 10-char limit on patterns"):
+        validate_transforms([{"type": "regex", "pattern": "a" * 11}], limits)
+    with pytest.raises(TransformPatternError, match=f"{DEFAULT_LIMITS.max_pattern_chars + 1} chars is over"):
+        validate_transforms([{"type": "regex", "pattern": "a" * (DEFAULT_LIMITS.max_pattern_chars + 1)}])
+
+
+def test_re2_memory_is_bounded() -> None:
+    # Twenty alternatives of a thousand repetitions: a program far over a 64 KiB budget.
+    big = "(?:" + "|".join(f"{i}a{{1000}}" for i in range(20)) + ")"
+    with pytest.raises(TransformPatternError, match="pattern too large"):
+        validate_transforms([{"type": "regex", "pattern": big}], TransformLimits(re2_max_mem=1 << 16))
+
+
+def test_findall_output_is_bounded() -> None:
+    limits = TransformLimits(max_output_chars=1000)
+    spec = {"type": "regex", "pattern": "x?", "findall": True}  # an (empty) match at every position
+    assert len(apply_transforms([spec], "a" * 100, limits).data) == 101
+    with pytest.raises(TransformLimitError) as info:
+        apply_transforms([spec], "a" * 10_000, limits)
+    assert info.value.limit == "output_size" and info.value.transform_type == "regex"
+    assert "output_size limit exceeded: findall output is over 1000 chars" in str(info.value)
+
+
+def test_every_transform_output_is_bounded() -> None:
+    limits = TransformLimits(max_output_chars=20)
+    assert apply_transforms([{"type": "csv_list"}], "a, b, c", limits).data == ["a", "b", "c"]
+    with pytest.raises(TransformLimitError) as info:
+        apply_transforms([{"type": "csv_list"}], ", ".join("abcdefgh"), limits)
+    assert info.value.limit == "output_size" and info.value.transform_type == "csv_list"
+    assert "output of 40 chars is over 20" in str(info.value)
+    with pytest.raises(TransformLimitError, match="strip transform failed: output_size limit"):
+        apply_transforms([{"type": "strip"}], "y" * 21, limits)
+
+
+def test_limits_must_be_sane() -> None:
+    with pytest.raises(ValueError, match="must be positive"):
+        TransformLimits(time_s=0)
+    with pytest.raises(ValueError, match="at least 64 KiB"):
+        TransformLimits(re2_max_mem=1024)
+
+
+# A JSON repair that is quadratic in LangChain's parse_partial_json: it retries json.loads on every prefix,
+# and each attempt reads the whole list before failing on the garbage. Tens of seconds at this size.
+QUADRATIC_JSON = "[" + "1," * 20_000 + "x" * 20_000
+
+
+@pytest.fixture(scope="module")
+def runner() -> Iterator[TransformRunner]:
+    r = TransformRunner(workers=1)
+    yield r
+    r.close()
+
+
+@pytest.mark.parametrize(
+    ("specs", "text"),
+    [
+        ([{"type": "json", "key": "a.1"}], '```json\n{"a": [1, {"b": "c"}]}\n```'),
+        ([{"type": "regex", "pattern": r"(?P<n>\d+)", "group": "n", "findall": True}], "1 22 333"),
+        ([{"type": "numbered_list"}, {"type": "render"}], "1. a\n2. b"),
+        ([{"type": "strip"}], "  lone \ud800 surrogate and caf\u00e9  "),
+        ([], "no transforms"),
+    ],
+)
+def test_runner_gives_what_apply_gives(
+    runner: TransformRunner, specs: list[dict[str, Any]], text: str
+) -> None:
+    assert runner.run(specs, text) == apply_transforms(specs, text)
+
+
+@pytest.mark.parametrize(
+    ("specs", "text", "error"),
+    [
+        ([{"type": "json"}], "not json", TransformError),
+        ([{"type": "regex", "pattern": CATASTROPHIC}], "x" * 24, TransformError),
+        ([{"type": "regex", "pattern": r"(a)\1"}], "aa", TransformPatternError),
+        ([{"type": "regex", "pattern": "x?", "findall": True}], "a" * 400_000, TransformLimitError),
+    ],
+)
+def test_runner_raises_what_apply_raises(
+    runner: TransformRunner, specs: list[dict[str, Any]], text: str, error: type[Exception]
+) -> None:
+    with pytest.raises(error) as expected:
+        apply_transforms(specs, text)
+    with pytest.raises(error) as got:
+        runner.run(specs, text)
+    assert type(got.value) is type(expected.value) and str(got.value) == str(expected.value)
+
+
+def test_runner_stops_a_runaway_transform_and_keeps_serving(runner: TransformRunner) -> None:
+    killed = runner.killed
+    limits = TransformLimits(time_s=0.5)
+    with pytest.raises(TransformLimitError) as info:
+        runner.run([{"type": "strip"}, {"type": "json"}], QUADRATIC_JSON, limits)
+    e = info.value
+    assert (e.limit, e.transform_type) == ("time", "json")  # it names the transform that ran over
+    assert (
+        str(e)
+        == "json transform failed: time limit exceeded: still running after 0.5 s; stopped (worker killed)"
+    )
+    assert runner.killed == killed + 1
+    assert runner.run([{"type": "json", "key": "ok"}], '{"ok": true}').data is True  # a fresh worker
+
+
+def test_runner_replaces_a_worker_that_died_while_idle(runner: TransformRunner) -> None:
+    runner.run([{"type": "strip"}], "x")  # a worker is idle now
+    (worker,) = runner._idle
+    worker.proc.kill()
+    worker.proc.wait()
+    assert runner.run([{"type": "strip"}], " y ").value == "y"
+    assert runner._idle and runner._idle[0] is not worker
+
+
+def test_closed_runner_refuses_work() -> None:
+    r = TransformRunner(workers=1)
+    r.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        r.run([{"type": "strip"}], "x")

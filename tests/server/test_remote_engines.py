@@ -30,14 +30,16 @@ def _free_port() -> int:
 
 
 @contextmanager
-def remote_engine(manager_url: str, name: str = "remote-a") -> Iterator[tuple[LLMEngine, ManagerLink]]:
-    """An engine's HTTP API in a background thread, joined to the manager like `--manager URL` does."""
+def remote_engine(
+    manager_url: str, token: str, name: str = "remote-a"
+) -> Iterator[tuple[LLMEngine, ManagerLink]]:
+    """An engine's HTTP API in a background thread, joined to the manager like `--manager URL` does, with
+    the manager's cluster ``token``."""
     engine = LLMEngine.from_pretrained("tiny", EngineConfig(num_kv_blocks=256))
     port = _free_port()
-    link = ManagerLink(manager_url, f"http://127.0.0.1:{port}", name, engine.stats)
-    server = uvicorn.Server(
-        uvicorn.Config(create_engine_app(engine, link), host="127.0.0.1", port=port, log_level="warning")
-    )
+    link = ManagerLink(manager_url, f"http://127.0.0.1:{port}", name, engine.stats, cluster_token=token)
+    app = create_engine_app(engine, link, cluster_token=token)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
@@ -88,10 +90,14 @@ def test_no_engine_is_a_clear_503(manager_only: LaunchedServer) -> None:
 
 
 def test_a_remote_engine_registers_serves_and_times_out(manager_only: LaunchedServer) -> None:
-    url = manager_only.url
-    with remote_engine(url) as (engine, link):
-        _wait(lambda: any(e["alive"] for e in httpx.get(f"{url}/v1/engines").json()))
-        (status,) = [e for e in httpx.get(f"{url}/v1/engines").json() if e["alive"]]
+    url, auth = manager_only.url, manager_only.cluster_headers
+
+    def engines() -> list[dict]:
+        return httpx.get(f"{url}/v1/engines", headers=auth).json()
+
+    with remote_engine(url, manager_only.cluster_token) as (engine, link):
+        _wait(lambda: any(e["alive"] for e in engines()))
+        (status,) = [e for e in engines() if e["alive"]]
         assert status["name"] == "remote-a" and status["url"].startswith("http://127.0.0.1:")
         assert status["stats"]["model"] == "tiny" and link.engine_id == status["engine_id"]
 
@@ -122,20 +128,21 @@ def test_a_remote_engine_registers_serves_and_times_out(manager_only: LaunchedSe
         # Heartbeats stop (a frozen or partitioned engine): taken out of service, then it registers again.
         old_id = link.engine_id
         link.manager_url = f"http://127.0.0.1:{_free_port()}"  # the manager is out of reach
-        _wait(lambda: not httpx.get(f"{url}/v1/engines").json()[old_id]["alive"])
+        _wait(lambda: not engines()[old_id]["alive"])
         link.manager_url = url
         _wait(lambda: link.engine_id != old_id and link.registered.is_set())
         with P.Session(url):
             assert continue_story("again").get() == _reference(engine, "Continue the story: again Next: ", 8)
     # The engine left (unregistered on shutdown): out of service at once.
-    assert not any(e["alive"] for e in httpx.get(f"{url}/v1/engines").json())
+    assert not any(e["alive"] for e in engines())
 
 
 def test_registration_of_an_unreachable_engine_names_its_url(manager_only: LaunchedServer) -> None:
-    dead = f"http://127.0.0.1:{_free_port()}"
-    r = httpx.post(f"{manager_only.url}/v1/engines", json={"name": "ghost", "url": dead}, timeout=30)
+    dead, auth = f"http://127.0.0.1:{_free_port()}", manager_only.cluster_headers
+    body = {"name": "ghost", "url": dead}
+    r = httpx.post(f"{manager_only.url}/v1/engines", json=body, headers=auth, timeout=30)
     assert r.status_code == 400 and dead in r.json()["error"]["message"]
-    r = httpx.post(f"{manager_only.url}/v1/engines/99/heartbeat", json={"stats": _stats()})
+    r = httpx.post(f"{manager_only.url}/v1/engines/99/heartbeat", json={"stats": _stats()}, headers=auth)
     assert r.status_code == 404 and "register again" in r.json()["error"]["message"]
 
 

@@ -1,0 +1,88 @@
+"""`--api-key`: with keys configured, the OpenAI routes refuse requests without one (401) or with another
+(403), accept any configured key, and leave the rest of the API (sessions, health) as it was. The clients
+(the OpenAI-style HTTP call, LangChain's models, LlamaIndex's LLM) pass a key through."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import parrot as P
+import pytest
+from langchain_parrot import ChatParrot
+from langchain_parrot import ParrotLLM as LangChainLLM
+from llamaindex_parrot import ParrotLLM as LlamaIndexLLM
+from llamaindex_parrot.server_info import served_model
+
+from server.launcher import LaunchedServer, launch
+
+KEYS = ("key-one", "key-two")
+
+OPENAI_ROUTES: list[tuple[str, str, dict[str, Any] | None]] = [
+    ("POST", "/v1/completions", {"model": "tiny", "prompt": "Once", "max_tokens": 2}),
+    (
+        "POST",
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+    ),
+    ("GET", "/v1/models", None),
+    ("GET", "/v1/models/tiny", None),
+]
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[LaunchedServer]:
+    with launch("tiny", api_keys=list(KEYS)) as s:
+        yield s
+
+
+def _bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+@pytest.mark.parametrize(("method", "path", "body"), OPENAI_ROUTES)
+def test_the_openai_routes_need_a_configured_key(
+    served: LaunchedServer, method: str, path: str, body: dict[str, Any] | None
+) -> None:
+    refusals = [({}, 401, "missing_api_key"), (_bearer("key-three"), 403, "invalid_api_key")]
+    refusals.append((_bearer(KEYS[0][:-1]), 403, "invalid_api_key"))  # a prefix of a key is wrong too
+    for headers, status, error_type in refusals:
+        r = httpx.request(method, served.url + path, json=body, headers=headers, timeout=60)
+        assert r.status_code == status, r.text
+        error = r.json()["error"]
+        assert error["type"] == error_type and "--api-key" in error["message"]
+        assert all(key not in r.text for key in KEYS)
+    for key in KEYS:  # every configured key is accepted
+        r = httpx.request(method, served.url + path, json=body, headers=_bearer(key), timeout=60)
+        assert r.status_code == 200, r.text
+
+
+def test_the_rest_of_the_api_needs_no_key(served: LaunchedServer) -> None:
+    assert httpx.get(f"{served.url}/health").status_code == 200
+
+    @P.semantic_function(max_tokens=2)
+    def echo(x):  # type: ignore[no-untyped-def]
+        """Say {{input:x}}: {{output:y}}"""
+
+    with P.Session(served.url):
+        assert isinstance(echo("a").get(), str)
+
+
+def test_without_keys_the_openai_routes_stay_open() -> None:
+    with launch("tiny", api_keys=[]) as served:
+        assert httpx.get(f"{served.url}/v1/models").status_code == 200
+
+
+def test_clients_pass_the_key(served: LaunchedServer) -> None:
+    assert served_model(served.url, "tiny", 30, api_key=KEYS[1]).context_window > 0
+    with pytest.raises(P.AuthError):
+        served_model(served.url, "tiny", 30)
+    llm = LlamaIndexLLM(served.url, model="tiny", api_key=KEYS[0], max_tokens=2)
+    assert llm.metadata.context_window == served.engines[0].max_model_len
+    assert "api_key" not in llm.model_dump()  # a secret is not serialized
+    assert LangChainLLM(base_url=served.url, api_key=KEYS[0], max_tokens=2).invoke("Once") is not None
+    chat = ChatParrot(base_url=served.url, api_key=KEYS[1], max_tokens=2)
+    assert chat.invoke("hi").content is not None
+    with pytest.raises(P.AuthError):
+        ChatParrot(base_url=served.url, api_key="nope", max_tokens=2, max_retries=0).invoke("hi")
