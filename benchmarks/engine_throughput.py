@@ -104,6 +104,7 @@ from benchmarks.common import (
     write_json,
 )
 from server.engine import EngineConfig, LLMEngine, SamplingParams
+from server.engine.config import cpu_has_native_bf16
 
 NAME = "engine_throughput"
 WORKER_SCRIPT = Path(__file__).resolve().with_name("vllm_worker.py")
@@ -901,8 +902,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--dtype", choices=DTYPES, help="our engine's dtype, and HF's (default: the engine's, fp32 on CPU)"
     )
     vllm = parser.add_argument_group("vLLM", "vLLM side by side (needs an interpreter that has vllm)")
-    vllm.add_argument("--vllm-python", metavar="PATH", help="python of a virtualenv with vLLM installed")
-    vllm.add_argument("--vllm-dtype", default="bfloat16", choices=DTYPES, help="vLLM's dtype (default bf16)")
+    vllm.add_argument(
+        "--vllm-python",
+        metavar="PATH",
+        default=os.environ.get("PARROT_VLLM_PYTHON") or None,
+        help="python of a virtualenv with vLLM installed (default: $PARROT_VLLM_PYTHON, which the "
+        "benchmark runner passes through)",
+    )
+    vllm.add_argument(
+        "--vllm-dtype",
+        choices=DTYPES,
+        help="vLLM's dtype (default: bf16 where the CPU computes bf16 natively, else fp32, as ours)",
+    )
     vllm.add_argument(
         "--vllm-engine-args",
         metavar="JSON",
@@ -1090,6 +1101,8 @@ def start_vllm(
     """The vLLM worker on ``folder`` (our weights), sized for the largest batch of this run."""
     max_model_len = min(engine.max_model_len, cfg.prompt_len + cfg.max_new_tokens + 16)
     max_num_seqs = max(cfg.batches)
+    if args.vllm_dtype is None:
+        args.vllm_dtype = "bfloat16" if cpu_has_native_bf16() else "float32"
     log(f"starting vLLM ({args.vllm_python}, {args.vllm_dtype}) on {folder} ...")
     worker = VLLMWorker(
         args.vllm_python,

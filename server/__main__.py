@@ -11,6 +11,7 @@ generated into $PARROT_CACHE_DIR/cluster_token (or ~/.cache/parrot-serve/cluster
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import sys
 
@@ -19,6 +20,7 @@ from starlette.types import ASGIApp
 
 from server.app import create_app
 from server.engine import EngineConfig
+from server.engine.draining import DrainingServer
 from server.engine.model_names import DEFAULT_MODEL, MODEL_HELP
 from server.launcher import build_engines
 from server.netdelay import NetworkDelayMiddleware
@@ -33,6 +35,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=9000)
     p.add_argument("--session-ttl", type=float, default=600.0)
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM: new sessions and calls get 503; running steps get this long to finish",
+    )
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument(
         "--dtype",
@@ -94,7 +102,14 @@ def main(argv: list[str] | None = None) -> int:
         app: ASGIApp = create_app(manager, security=settings)
         if args.network_delay is not None:
             app = NetworkDelayMiddleware(app, *args.network_delay)
-        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+        config = uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level="info",
+            timeout_graceful_shutdown=args.drain_timeout,
+        )
+        DrainingServer(config, functools.partial(manager.drain, args.drain_timeout)).run()
     finally:
         for engine in engines:
             engine.shutdown()

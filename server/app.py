@@ -62,6 +62,7 @@ from server.serve.manager import (
     GetTimeoutError,
     Manager,
     NoEngineError,
+    ServerDrainingError,
     UnknownEngineError,
 )
 from server.serve.remote_engine import RemoteEngine
@@ -83,6 +84,7 @@ _TYPED: tuple[type[Exception], ...] = (
     EngineError,
     GetTimeoutError,
     NoEngineError,
+    ServerDrainingError,
     UnknownEngineError,
     EngineRegistrationError,
     OpenAIAPIError,
@@ -329,7 +331,7 @@ def create_app(
     )
     async def batch(s: SessionDep, req: BatchRequest) -> StreamingResponse:
         """Apply operations in order, then wait for one variable: a whole DAG in one round trip."""
-        applied = manager.apply_batch(s, req)  # before the answer starts: an error gets its own status
+        applied = await manager.apply_batch(s, req)  # before the answer starts: an error gets its own status
 
         async def lines() -> AsyncIterator[str]:
             yield applied.model_dump_json() + "\n"  # the client may send more as soon as it reads this

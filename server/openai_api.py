@@ -317,9 +317,21 @@ def _sampling(
     engine: LLMEngine,
     prompts: list[list[int]],
 ) -> SamplingParams:
-    """Engine sampling parameters; no ``max_tokens`` means up to the end of the context window."""
+    """Engine sampling parameters; no ``max_tokens`` means up to the end of the context window, or of the KV
+    cache where that is smaller. A request whose prompt and ``max_tokens`` cannot fit the KV cache even
+    alone is refused: generating would stop short where the cache ends, an answer cut with HTTP 200."""
+    longest = max(len(p) for p in prompts)
+    stats = engine.stats()
+    cache_tokens = stats.blocks_total * stats.block_size
     if max_tokens is None:
-        max_tokens = max(1, engine.max_model_len - max(len(p) for p in prompts))
+        max_tokens = max(1, min(engine.max_model_len, cache_tokens) - longest)
+    # (a prompt over the context window is the engine's 413 prompt_too_long, the more precise answer)
+    if longest < engine.max_model_len and longest + max_tokens > cache_tokens:
+        raise OpenAIAPIError(
+            f"the prompt ({longest} tokens) and max_tokens ({max_tokens}) need {longest + max_tokens} tokens "
+            f"of KV cache, which holds {cache_tokens} ({stats.blocks_total} blocks of {stats.block_size}): "
+            "lower max_tokens or shorten the prompt"
+        )
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     return SamplingParams(
         max_tokens=max_tokens,

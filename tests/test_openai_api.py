@@ -291,3 +291,28 @@ def test_client_gone_mid_stream_frees_context(base_url: str, engine: LLMEngine) 
     while engine.stats().contexts and time.monotonic() < deadline:
         time.sleep(0.02)
     assert engine.stats().contexts == 0 and engine.stats().running == 0
+
+
+async def test_a_request_the_kv_cache_cannot_hold_is_refused_not_cut() -> None:
+    # An engine whose KV cache (8 blocks of 16: 128 tokens) is smaller than its context window (4,096):
+    # a prompt + max_tokens over the cache would stop where the cache ends, a cut answer with HTTP 200.
+    small = LLMEngine.from_pretrained("tiny", EngineConfig(num_kv_blocks=8))
+    try:
+        app = FastAPI()
+        app.include_router(create_openai_router(StaticBackend({"tiny": small})))
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 500, "temperature": 0}
+            refused = await c.post("/v1/completions", json=body)
+            assert refused.status_code == 400, refused.text
+            assert "KV cache" in refused.json()["error"]["message"]
+            # Without max_tokens, generation may run to the end of the cache, not of the context window.
+            body.pop("max_tokens")
+            body["ignore_eos"] = True
+            answered = await c.post("/v1/completions", json=body)
+            assert answered.status_code == 200, answered.text
+            usage = answered.json()["usage"]
+            assert usage["prompt_tokens"] + usage["completion_tokens"] <= 8 * 16
+            assert answered.json()["choices"][0]["finish_reason"] == "length"
+    finally:
+        small.shutdown()

@@ -134,6 +134,7 @@ class EngineStats(BaseModel):
     evictions: int
     grouped_decode_steps: int
     max_model_len: int
+    draining: bool = False  # it is shutting down gracefully: place no new work there; what runs finishes
 
 
 class EngineInfo(BaseModel):

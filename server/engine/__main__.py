@@ -46,6 +46,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     join.add_argument("--manager", default=None, help="register with the manager at this URL and heartbeat")
     join.add_argument("--name", default=None, help="the engine's name at the manager (default: host:port)")
     join.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM: seconds running requests get to finish after the manager is told (default 30)",
+    )
+    join.add_argument(
         "--cluster-token-file",
         default=None,
         metavar="PATH",
@@ -115,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         import uvicorn
 
         from server.engine.api import create_engine_app
+        from server.engine.draining import DrainingServer
 
         assert token is not None
         link = None
@@ -123,7 +130,14 @@ def main(argv: list[str] | None = None) -> int:
             name = args.name or f"{args.host}:{args.port}"
             link = ManagerLink(args.manager, url, name, engine.stats, cluster_token=token.value)
         app = create_engine_app(engine, link, cluster_token=token.value)
-        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+        config = uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level="info",
+            timeout_graceful_shutdown=args.drain_timeout,
+        )
+        DrainingServer(config, None if link is None else link.drain).run()
         return 0
     finally:
         engine.shutdown()

@@ -46,6 +46,7 @@ class ManagerLink:
         self._auth = {"Authorization": f"Bearer {cluster_token}"}
         self.engine_id: int | None = None
         self.registered = asyncio.Event()
+        self.draining = False  # set by `drain`: every heartbeat from then on says so
         self._client = client
 
     async def run(self) -> None:
@@ -87,6 +88,27 @@ class ManagerLink:
             if self._client is None:
                 await client.aclose()
 
+    async def drain(self, timeout: float = 5.0) -> None:
+        """Announce a graceful shutdown now (one heartbeat saying ``draining``, best effort): the manager
+        stops placing new work here at once, and what runs here finishes."""
+        self.draining = True
+        if self.engine_id is None or not self.registered.is_set():
+            return
+        client = self._client or httpx.AsyncClient(timeout=timeout)
+        try:
+            url = f"{self.manager_url}/v1/engines/{self.engine_id}/heartbeat"
+            beat = EngineHeartbeat(stats=self._stats()).model_dump()
+            await client.post(url, json=beat, headers=self._auth)
+        except httpx.HTTPError as e:
+            log.warning("could not announce draining to %s: %s", self.manager_url, e)
+        finally:
+            if self._client is None:
+                await client.aclose()
+
+    def _stats(self) -> EngineStats:
+        stats = self.stats()
+        return stats.model_copy(update={"draining": True}) if self.draining else stats
+
     async def _register(self, client: httpx.AsyncClient) -> EngineRegistered:
         response = await client.post(
             f"{self.manager_url}/v1/engines", json=self.registration.model_dump(), headers=self._auth
@@ -102,7 +124,7 @@ class ManagerLink:
         """Heartbeats until the manager no longer knows the engine (returns) or cannot be reached (raises)."""
         while True:
             url = f"{self.manager_url}/v1/engines/{answer.engine_id}/heartbeat"
-            beat = EngineHeartbeat(stats=self.stats()).model_dump()
+            beat = EngineHeartbeat(stats=self._stats()).model_dump()
             response = await client.post(url, json=beat, headers=self._auth)
             if response.status_code == 404:
                 log.warning(

@@ -75,7 +75,7 @@ from server.serve.prefix_store import Entry, Match, PrefixStore, common_prefix_l
 from server.serve.quotas import Quotas, SessionUsage, check_call, check_session, check_variables
 from server.serve.remote_engine import RemoteEngine
 from server.serve.scheduler import EngineState, QueuedRequest, SchedulerConfig
-from server.serve.sessions import Session, SessionTable
+from server.serve.sessions import Session, SessionTable, UnknownSessionError
 from server.serve.transform_runner import run_transforms
 from server.serve.transforms import TransformError, apply_transforms, render_value, validate_transforms
 from server.serve.variables import VariableTable
@@ -99,9 +99,19 @@ class BatchOpError(Exception):
         self.cause = cause
 
 
+BATCH_SLICE = 256  # batch operations applied between two yields to the event loop
+
+
 class NoEngineError(Exception):
     http_status = 503
     error_type = "no_engine"
+
+
+class ServerDrainingError(Exception):
+    """The server is shutting down gracefully: it takes no new sessions, calls or OpenAI requests."""
+
+    http_status = 503
+    error_type = "server_draining"
 
 
 class EngineRegistrationError(Exception):
@@ -224,6 +234,7 @@ class Manager:
         self._inflight: Counter[str] = Counter()
         self._dispatch_pending: set[str] = set()
         self._tasks: dict[str, set[asyncio.Task[None]]] = {}
+        self.draining = False  # `drain` began: new work is refused, running steps finish
         self._waiters: dict[tuple[str, str], asyncio.Event] = {}
         self._calls: dict[tuple[str, str], _CallProgress] = {}  # (session, call) of multi-step calls
         # Engines (local or remote) taken out of service by a failure; ids are never reused, so a remote
@@ -271,11 +282,10 @@ class Manager:
         engine = self.engines[engine_id]
         assert isinstance(engine, RemoteEngine)
         engine.update_stats(stats)
-        # An engine announces a graceful shutdown in its stats (a ``draining`` flag where the protocol has
-        # one): it gets no new work from now on.
-        draining = bool(getattr(stats, "draining", False))
-        if draining != link.draining:
-            self.set_draining(engine_id, draining)
+        # An engine announces a graceful shutdown in its stats (`server.engine.draining`): it gets no new
+        # work from now on.
+        if stats.draining != link.draining:
+            self.set_draining(engine_id, stats.draining)
 
     def set_draining(self, engine_id: int, draining: bool = True) -> None:
         """Mark a remote engine as draining (no new work is placed there; what runs there finishes), or
@@ -398,6 +408,7 @@ class Manager:
     def create_session(self, cache_salt: str | None = None, client: str = "") -> CreateSessionResponse:
         """A new session for ``client`` (its address: the sessions_per_client quota); with ``cache_salt``
         its prompts share KV only with requests of the same salt."""
+        self._refuse_if_draining("sessions")
         check_session(self.config.quotas, client or "(unknown)", self.sessions.open_by(client))
         session = self.sessions.create(self._clock(), cache_salt, client=client)
         self._tasks[session.session_id] = set()
@@ -461,6 +472,7 @@ class Manager:
     # ------------------------------------------------------------------------------------------ calls
     def submit_call(self, session: Session, req: SubmitCallRequest) -> SubmitCallResponse:
         """Register a call's steps in the session graph (validated first: nothing changes on error)."""
+        self._refuse_if_draining("calls")
         graph = session.graph
         self._serving(req.model)  # an unknown model is the submitter's error, not a failed variable
         for placeholder in req.placeholders:  # a pattern RE2 cannot run is the submitter's error (400)
@@ -489,8 +501,12 @@ class Manager:
         check_call(quotas, usage, len(call.steps), tokens)
         session.queued_tokens = usage.queued_tokens + tokens
 
-    def apply_batch(self, session: Session, req: BatchRequest) -> BatchApplied:
+    async def apply_batch(self, session: Session, req: BatchRequest) -> BatchApplied:
         """Apply ``req``'s operations in order and check its ``get`` names a variable (`answer_get` waits).
+
+        A long batch yields to the event loop every ``BATCH_SLICE`` operations, so thousands of operations
+        never hold up other sessions or ``/health`` (steps made ready by an earlier slice may then start
+        before the get is applied; the get re-prioritises them where they wait).
 
         The first operation that fails stops the batch: `BatchOpError` carries its index (``len(ops)`` for
         the get) and cause; the operations before it stay applied (their ids are the client's, so it knows
@@ -498,6 +514,10 @@ class Manager:
         """
         results: list[VariableCreated | GetVariableResponse | SubmitCallResponse] = []
         for index, op in enumerate(req.ops):
+            if index and index % BATCH_SLICE == 0:
+                await asyncio.sleep(0)
+                if session.session_id not in self._tasks:
+                    raise BatchOpError(index, op.op, UnknownSessionError("the session was deleted meanwhile"))
             try:
                 if isinstance(op, BatchCreateVariable):
                     results.append(self.create_variable(session, op))
@@ -925,6 +945,7 @@ class Manager:
         return sorted({e.model_name for i, e in enumerate(self.engines) if self._in_service(i)})
 
     def engine_for(self, model: str | None) -> Engine:
+        self._refuse_if_draining("requests")
         return self.engines[self._pick_engine(self._serving(model))]
 
     def _serving(self, model: str | None) -> list[int]:
@@ -1029,6 +1050,24 @@ class Manager:
         event = self._waiters.pop((session.session_id, var_id), None)
         if event is not None:
             event.set()
+
+    async def drain(self, grace: float) -> int:
+        """Graceful shutdown: refuse new sessions, calls and OpenAI requests (503) from now on, and wait up
+        to ``grace`` seconds for the steps already dispatched to finish; returns how many were still running
+        (0: all finished)."""
+        self.draining = True
+        log.info("draining: no new work; waiting up to %gs for running steps", grace)
+        deadline = time.monotonic() + grace
+        while (running := sum(len(tasks) for tasks in self._tasks.values())) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return running
+
+    def _refuse_if_draining(self, what: str) -> None:
+        if self.draining:
+            raise ServerDrainingError(
+                f"the server is shutting down: it takes no new {what} (what runs finishes); "
+                "retry on another server or once it is back"
+            )
 
     async def shutdown(self) -> None:
         for session in list(self.sessions):

@@ -411,3 +411,29 @@ def test_killing_an_engine_mid_session_loses_no_variable(
     assert not s.manager._store_keys(victim_id)
     with P.Session(s.url) as session:
         assert LONG(session.variable("back again")).get(timeout=120) == asyncio.run(expected("back again"))
+
+
+def test_sigterm_drains_an_engine_process_through_the_manager(
+    cluster: tuple[LaunchedServer, list[_Process]],
+) -> None:
+    # The first SIGTERM announces `draining` in a heartbeat (the manager places nothing new there), lets the
+    # running generation finish where it runs, unregisters and exits 0: nothing is re-run elsewhere.
+    s, procs = cluster
+    ids = {p.name: _live(s, p.name) for p in procs}
+    running = s.manager.placement.running_tokens
+    with P.Session(s.url) as session:
+        first = LONG(session.variable("the last story of a draining engine"))
+        session.flush()
+        _wait(lambda: any(i is not None and running(i) > 0 for i in ids.values()))
+        name, engine_id = next((n, i) for n, i in ids.items() if i is not None and running(i) > 0)
+        proc = next(p for p in procs if p.name == name)
+        placed_before = sum(s.manager.placement.placed.values())
+        proc.proc.send_signal(signal.SIGTERM)
+        _wait(lambda: s.manager._remote[engine_id].draining, timeout=30)  # told before it stops
+        later = [LONG(session.variable(f"placed elsewhere {i}")) for i in range(3)]
+        assert all(o.get(timeout=120) for o in later)
+        assert first.get(timeout=120)
+        assert proc.proc.wait(timeout=60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal
+    # One placement per call: the drained engine's step was not re-run.
+    assert sum(s.manager.placement.placed.values()) - placed_before == len(later)
+    _wait(lambda: _live(s, name) is None, timeout=30)  # it unregistered

@@ -1,0 +1,86 @@
+"""Issue 16: SIGTERM drains the manager. New sessions, calls and OpenAI requests get 503 with the reason,
+the step already running finishes and its value is delivered, and the process then exits. The server
+runs in a subprocess (``python -m server``): the signal is the real one."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import parrot as P
+import pytest
+
+slow = P.SemanticFunction.from_template(
+    "Tell a long story: {{output:story}}",
+    name="slow",
+    sampling=P.SamplingConfig(max_tokens=400, ignore_eos=True),
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_up(proc: subprocess.Popen[bytes], url: str) -> None:
+    for _ in range(600):
+        if proc.poll() is not None:
+            pytest.fail(f"the server exited with status {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.1)
+    pytest.fail("the server did not come up")
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_refuses_new_work_and_finishes_what_runs() -> None:
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = [
+        sys.executable,
+        "-m",
+        "server",
+        "--model",
+        "tiny",
+        "--port",
+        str(port),
+        "--drain-timeout",
+        "120",
+    ]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_up(proc, url)
+        with P.Session(url, timeout=120) as session:
+            story = slow()
+            session.flush()  # submitted: it runs at once (eager dispatch)
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 30
+            while True:  # the drain begins within moments; until then a session may still be created
+                refused = httpx.post(f"{url}/v1/sessions", json={}, timeout=10)
+                if refused.status_code == 503 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            assert refused.status_code == 503, refused.text
+            assert refused.json()["error"]["type"] == "server_draining"
+            assert "shutting down" in refused.json()["error"]["message"]
+            completion = httpx.post(
+                f"{url}/v1/completions", json={"prompt": "Once", "max_tokens": 4}, timeout=10
+            )
+            assert completion.status_code == 503, completion.text
+            with pytest.raises(P.ParrotError, match="shutting down"):
+                slow().get(timeout=10)  # a new call in the open session
+            assert len(story.get(timeout=120)) > 0  # what ran finishes and is delivered
+        # uvicorn re-raises the signal it captured once shut down: "terminated by SIGTERM", after the drain.
+        assert proc.wait(timeout=120) in (0, -signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
