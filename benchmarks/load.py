@@ -3,7 +3,7 @@
 Each session is one user of the `parrot` frontend: it opens a ``P.Session``, submits a 3-call chain (call 2
 reads call 1's output variable, call 3 call 2's; greedy, ``--max-tokens`` tokens each, EOS ignored), gets
 the three values and closes the session. All ``--sessions`` sessions start at once (one ``asyncio`` task
-each, one shared HTTP connection pool). Reported:
+each, with its own HTTP connections, as separate users have). Reported:
 
 * throughput: sessions/s and calls/s over the load's wall time; p50/p99 latency of one chain (session
   opened to its three values in hand);
