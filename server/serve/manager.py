@@ -959,6 +959,11 @@ class Manager:
             )
         serving = [i for i in live if model is None or self.engines[i].model_name == model]
         if not serving:
+            if any(e.model_name == model for e in self.engines):  # it was served: its engines are out now
+                raise NoEngineError(
+                    f"no engine serving {model!r} is in service now (failed, draining or timed out); retry "
+                    "once one is back"
+                )
             raise ModelNotFoundError(model, self.models())
         return serving
 

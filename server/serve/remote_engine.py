@@ -41,6 +41,7 @@ from parrot.protocol import (
     SamplingConfig,
 )
 from pydantic import BaseModel, ValidationError
+from transformers import AutoTokenizer  # at import: its lazy import in threads can race
 
 from server.engine.errors import ContextBusyError, EngineDeadError, EngineError
 from server.engine.request import GenerateResult
@@ -347,8 +348,6 @@ def _dead(url: str, e: httpx.TransportError) -> EngineDeadError:
 
 
 def _load_tokenizer(files: dict[str, str]) -> Any:
-    from transformers import AutoTokenizer
-
     with tempfile.TemporaryDirectory() as tmp:
         for name, text in files.items():
             if Path(name).name != name or name in ("", ".", ".."):  # never write outside the folder

@@ -437,3 +437,23 @@ def test_sigterm_drains_an_engine_process_through_the_manager(
     # One placement per call: the drained engine's step was not re-run.
     assert sum(s.manager.placement.placed.values()) - placed_before == len(later)
     _wait(lambda: _live(s, name) is None, timeout=30)  # it unregistered
+
+
+def test_a_model_whose_engines_all_failed_is_503_not_an_unknown_model(
+    doomed: LLMEngine, survivor: LLMEngine
+) -> None:
+    # The dead engine was the only one serving "tiny-a"; another model still has an engine. A request for
+    # "tiny-a" is "no engine in service now" (503, retry later), not "no such model" (404).
+    a = DyingEngine(doomed)
+    a.model_name = "tiny-a"  # type: ignore[attr-defined]
+    a.die()
+    manager = Manager([a, survivor])  # type: ignore[list-item]
+    with TestClient(create_app(manager)) as client:
+        body = {"model": "tiny-a", "prompt": "Once upon", "max_tokens": 3}
+        first = client.post("/v1/completions", json=body)  # fails over: no other engine serves it
+        assert first.status_code == 503, first.text
+        again = client.post("/v1/completions", json=body)
+        assert again.status_code == 503 and again.json()["error"]["type"] == "no_engine", again.text
+        unknown = client.post("/v1/completions", json={**body, "model": "never-served"})
+        assert unknown.status_code == 404, unknown.text
+        client.portal.call(manager.drop_cache)  # type: ignore[union-attr]
