@@ -7,9 +7,9 @@ nothing past the limit is kept. A body within the limit is handed to the app unc
 
 from __future__ import annotations
 
+from parrot.protocol import ErrorBody, ErrorResponse
+from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
-from server.engine.api import error_response
 
 __all__ = ["BodyLimitMiddleware"]
 
@@ -49,9 +49,9 @@ class BodyLimitMiddleware:
         await self.app(scope, _replay(messages, receive), send)
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        response = error_response(
-            413, "body_too_large", f"request body over {self.max_bytes} bytes: send a smaller request"
-        )
+        message = f"request body over {self.max_bytes} bytes: send a smaller request"
+        body = ErrorResponse(error=ErrorBody(type="body_too_large", message=message))
+        response = JSONResponse(body.model_dump(exclude_none=True), status_code=413)
         response.headers["Connection"] = "close"  # the rest of the body is never read
         await response(scope, receive, send)
 

@@ -101,14 +101,16 @@ class OpenAIEndpoint:
     """``POST`` requests to one Parrot server's OpenAI-compatible API, each with its own httpx client
     (so that a sync call and an async one on any event loop never share a connection pool)."""
 
-    def __init__(self, base_url: str, timeout: float) -> None:
+    def __init__(self, base_url: str, timeout: float, api_key: str | None = None) -> None:
         self.base_url = base_url
         self.timeout = timeout
+        # Sent on every request: a server started with --api-key refuses the OpenAI routes without it.
+        self.headers = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
 
     def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         url = self.base_url + path
         try:
-            with httpx.Client(timeout=self.timeout) as client:
+            with httpx.Client(timeout=self.timeout, headers=self.headers) as client:
                 response = client.post(url, json=body)
         except httpx.TransportError as e:
             raise error_from_transport(e, url) from e
@@ -119,7 +121,7 @@ class OpenAIEndpoint:
     async def apost(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         url = self.base_url + path
         try:
-            async with httpx.AsyncClient(timeout=self.timeout) as client:
+            async with httpx.AsyncClient(timeout=self.timeout, headers=self.headers) as client:
                 response = await client.post(url, json=body)
         except httpx.TransportError as e:
             raise error_from_transport(e, url) from e
@@ -132,7 +134,7 @@ class OpenAIEndpoint:
         url = self.base_url + path
         try:
             with (
-                httpx.Client(timeout=self.timeout) as client,
+                httpx.Client(timeout=self.timeout, headers=self.headers) as client,
                 client.stream("POST", url, json=body) as response,
             ):
                 if not response.is_success:
@@ -149,7 +151,7 @@ class OpenAIEndpoint:
         url = self.base_url + path
         try:
             async with (
-                httpx.AsyncClient(timeout=self.timeout) as client,
+                httpx.AsyncClient(timeout=self.timeout, headers=self.headers) as client,
                 client.stream("POST", url, json=body) as response,
             ):
                 if not response.is_success:

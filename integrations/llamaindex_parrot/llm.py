@@ -142,7 +142,7 @@ class ParrotLLM(LLM):
     @property
     def _endpoint(self) -> OpenAIEndpoint:
         # Built on use (it holds no connection), so a `model_copy` with another URL or timeout is right.
-        return OpenAIEndpoint(self.base_url, self.timeout)
+        return OpenAIEndpoint(self.base_url, self.timeout, self.api_key)
 
     def prompt_helper(self, **kwargs: Any) -> PromptHelper:
         """LlamaIndex's `PromptHelper` for this LLM: its window and output length, counting tokens with

@@ -34,6 +34,7 @@ from parrot.protocol import (
     ErrorResponse,
 )
 
+from server.body_limit import BodyLimitMiddleware
 from server.engine.detokenize import IncrementalDetokenizer
 from server.engine.engine import GenerationStream, LLMEngine
 from server.engine.errors import EngineError
@@ -41,6 +42,9 @@ from server.engine.manager_link import ManagerLink
 from server.engine.request import GenerateResult
 from server.engine.sampling import SamplingParams
 from server.security import cluster_token_guard, install_auth_handler
+
+# A fill carries token ids as JSON (~6-8 bytes each): 64 MiB holds a few million, beyond any context window.
+MAX_ENGINE_BODY_BYTES = 64 * 1024 * 1024
 
 
 def error_response(status: int, error_type: str, message: str, op_index: int | None = None) -> JSONResponse:
@@ -77,6 +81,7 @@ def create_engine_app(
             await link.leave()
 
     app = FastAPI(title="Parrot engine", version="1", lifespan=lifespan)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=MAX_ENGINE_BODY_BYTES)
     install_auth_handler(app)
     guard = [] if cluster_token is None else [Depends(cluster_token_guard(cluster_token))]
     api = APIRouter(dependencies=guard)

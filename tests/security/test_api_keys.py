@@ -81,6 +81,12 @@ def test_clients_pass_the_key(served: LaunchedServer) -> None:
     llm = LlamaIndexLLM(served.url, model="tiny", api_key=KEYS[0], max_tokens=2)
     assert llm.metadata.context_window == served.engines[0].max_model_len
     assert "api_key" not in llm.model_dump()  # a secret is not serialized
+    assert llm.complete("Once").text is not None  # its OpenAI-style calls carry the key
+    assert "".join(r.delta or "" for r in llm.stream_complete("Once")) is not None
+    with pytest.raises(P.AuthError):
+        LlamaIndexLLM(served.url, model="tiny", api_key=KEYS[0], max_tokens=2).model_copy(
+            update={"api_key": "nope"}
+        ).complete("Once")
     assert LangChainLLM(base_url=served.url, api_key=KEYS[0], max_tokens=2).invoke("Once") is not None
     chat = ChatParrot(base_url=served.url, api_key=KEYS[1], max_tokens=2)
     assert chat.invoke("hi").content is not None

@@ -3,6 +3,7 @@ counted as it is read and refused (413) as soon as it passes the limit, with not
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 
@@ -85,3 +86,27 @@ def test_the_server_refuses_a_chunked_upload_over_its_limit(monkeypatch: pytest.
         r = httpx.post(f"{served.url}/v1/sessions", content=iter([body]), headers=json_type, timeout=30)
         assert r.status_code == 200, r.text  # a chunked body within the limit is served as before
         assert len(served.manager.sessions) == sessions + 1
+
+
+def test_an_engine_api_refuses_a_body_over_its_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The engine's own HTTP API has the limit too (64 MiB by default: a fill is a list of token ids).
+    import server.engine.api as engine_api
+    from server.engine import EngineConfig, LLMEngine
+
+    monkeypatch.setattr(engine_api, "MAX_ENGINE_BODY_BYTES", LIMIT)
+    engine = LLMEngine.from_pretrained("tiny", EngineConfig(num_kv_blocks=64))
+    try:
+        app = engine_api.create_engine_app(engine, cluster_token="t")
+        transport = httpx.ASGITransport(app=app)
+        auth = {"Authorization": "Bearer t"}
+
+        async def post(body: dict) -> httpx.Response:
+            async with httpx.AsyncClient(transport=transport, base_url="http://engine") as c:
+                return await c.post("/fill", json=body, headers=auth)
+
+        big = asyncio.run(post({"context_id": 1, "token_ids": [1] * LIMIT}))
+        assert big.status_code == 413 and big.json()["error"]["type"] == "body_too_large", big.text
+        small = asyncio.run(post({"context_id": 1, "token_ids": [1, 2, 3]}))
+        assert small.status_code == 200, small.text
+    finally:
+        engine.shutdown()
