@@ -31,7 +31,7 @@ class QuotaExceededError(SessionError):
 class Quotas:
     """Per client address and per session bounds (`ManagerConfig.quotas`)."""
 
-    sessions_per_client: int = 1000
+    sessions_per_client: int = 4096  # a load test of thousands of users from one host still fits
     variables_per_session: int = 20_000
     queued_steps_per_session: int = 2_000  # steps of calls submitted and not finished
     queued_tokens_per_session: int = 4_000_000  # max_tokens summed over those steps
