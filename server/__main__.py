@@ -15,12 +15,11 @@ import functools
 import logging
 import sys
 
-import uvicorn
 from starlette.types import ASGIApp
 
 from server.app import create_app
 from server.engine import EngineConfig
-from server.engine.draining import DrainingServer
+from server.engine.draining import serve_draining
 from server.engine.model_names import DEFAULT_MODEL, MODEL_HELP
 from server.launcher import build_engines
 from server.netdelay import NetworkDelayMiddleware
@@ -102,14 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         app: ASGIApp = create_app(manager, security=settings)
         if args.network_delay is not None:
             app = NetworkDelayMiddleware(app, *args.network_delay)
-        config = uvicorn.Config(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level="info",
-            timeout_graceful_shutdown=args.drain_timeout,
-        )
-        DrainingServer(config, functools.partial(manager.drain, args.drain_timeout)).run()
+        drain = functools.partial(manager.drain, args.drain_timeout)
+        serve_draining(app, args.host, args.port, args.drain_timeout, drain)
     finally:
         for engine in engines:
             engine.shutdown()

@@ -118,10 +118,9 @@ def main(argv: list[str] | None = None) -> int:
             text = asyncio.run(one_shot(engine, args))
             print(args.prompt + text if not args.chat else text)
             return 0
-        import uvicorn
 
         from server.engine.api import create_engine_app
-        from server.engine.draining import DrainingServer
+        from server.engine.draining import serve_draining
 
         assert token is not None
         link = None
@@ -130,14 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             name = args.name or f"{args.host}:{args.port}"
             link = ManagerLink(args.manager, url, name, engine.stats, cluster_token=token.value)
         app = create_engine_app(engine, link, cluster_token=token.value)
-        config = uvicorn.Config(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level="info",
-            timeout_graceful_shutdown=args.drain_timeout,
-        )
-        DrainingServer(config, None if link is None else link.drain).run()
+        serve_draining(app, args.host, args.port, args.drain_timeout, None if link is None else link.drain)
         return 0
     finally:
         engine.shutdown()

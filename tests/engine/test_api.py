@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import pytest
 from server.engine import LLMEngine
 from server.engine.api import create_engine_app
 from tests.engine.conftest import hf_greedy, prompts
+from tests.processes import free_port
 
 TOKEN = "engine-api-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -126,14 +126,8 @@ async def test_bad_sampling_and_stream_errors(client: httpx.AsyncClient) -> None
     await client.post("/free_context", json={"context_id": 76})
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_cli_serves_http_and_answers_one_shot(gqa_model: Path) -> None:
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "server.engine", "--model", str(gqa_model), "--port", str(port)],
         stdout=subprocess.PIPE,

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from server.security import CLUSTER_TOKEN_ENV, load_cluster_token
-from tests.security.conftest import free_port
+from tests.processes import free_port
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ from server.engine.errors import EngineDeadError
 from server.launcher import LaunchedServer, launch
 from server.serve.manager import Manager, ManagerConfig
 from server.serve.sessions import Session
+from tests.processes import free_port, wait_until
 
 TEMPLATE = "Continue the story: {{input:text}} Next: {{output:next}}"
 MAX_TOKENS = 8
@@ -256,26 +256,12 @@ def test_an_openai_request_that_streamed_nothing_runs_on_another_engine(
 
 
 # ------------------------------------------------------------------------------------------ engine processes
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait(predicate: Callable[[], bool], timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not reached")
-        time.sleep(0.02)
-
-
 class _Process:
     """``python -m server.engine --model tiny --manager URL`` as a subprocess."""
 
     def __init__(self, manager_url: str, name: str, port: int | None = None) -> None:
         self.name = name
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         command = [sys.executable, "-m", "server.engine", "--model", "tiny", "--port", str(self.port)]
         command += ["--manager", manager_url, "--name", name, "--num-kv-blocks", "256"]
@@ -312,7 +298,7 @@ def cluster() -> Iterator[tuple[LaunchedServer, list[_Process]]]:
         with launch("tiny", engines=0, manager_config=config) as s:
             procs = [_Process(s.url, "engine-a"), _Process(s.url, "engine-b")]
             try:
-                _wait(lambda: all(_live(s, p.name) is not None for p in procs), timeout=120)
+                wait_until(lambda: all(_live(s, p.name) is not None for p in procs), timeout=120)
                 yield s, procs
             finally:
                 for p in procs:
@@ -345,7 +331,7 @@ def test_a_draining_engine_gets_no_new_work_and_finishes_what_runs(
     with P.Session(s.url) as session:
         first = LONG(session.variable("the drained one"))
         session.flush()  # submitted now (not with the first get): it runs at once (eager dispatch)
-        _wait(lambda: any(running(i) > 0 for i in ids if i is not None))
+        wait_until(lambda: any(running(i) > 0 for i in ids if i is not None))
         drained = next(i for i in ids if i is not None and running(i) > 0)
         before = _placed_on(s, drained)
         assert s.run(drain(drained, True)) > 0  # it still runs there as the drain begins
@@ -369,7 +355,7 @@ def test_killing_an_engine_mid_session_loses_no_variable(
     with P.Session(s.url) as session:
         outs = [LONG(session.variable(t)) for t in texts]
         session.flush()
-        _wait(lambda: running(victim_id) > 0 and running(kept_id) > 0)  # both engines busy
+        wait_until(lambda: running(victim_id) > 0 and running(kept_id) > 0)  # both engines busy
         victim.kill()
         killed_at = time.monotonic()
         after = LONG(session.variable("after the kill"))  # a new call, right after the kill
@@ -405,7 +391,7 @@ def test_killing_an_engine_mid_session_loses_no_variable(
     # The engine comes back as a new engine: a fresh id, nothing of the old one trusted.
     restarted = _Process(s.url, victim.name, victim.port)
     procs[0] = restarted
-    _wait(lambda: _live(s, victim.name) is not None, timeout=120)
+    wait_until(lambda: _live(s, victim.name) is not None, timeout=120)
     new_id = _live(s, victim.name)
     assert new_id is not None and new_id != victim_id
     assert not s.manager._store_keys(victim_id)
@@ -424,19 +410,19 @@ def test_sigterm_drains_an_engine_process_through_the_manager(
     with P.Session(s.url) as session:
         first = LONG(session.variable("the last story of a draining engine"))
         session.flush()
-        _wait(lambda: any(i is not None and running(i) > 0 for i in ids.values()))
+        wait_until(lambda: any(i is not None and running(i) > 0 for i in ids.values()))
         name, engine_id = next((n, i) for n, i in ids.items() if i is not None and running(i) > 0)
         proc = next(p for p in procs if p.name == name)
         placed_before = sum(s.manager.placement.placed.values())
         proc.proc.send_signal(signal.SIGTERM)
-        _wait(lambda: s.manager._remote[engine_id].draining, timeout=30)  # told before it stops
+        wait_until(lambda: s.manager._remote[engine_id].draining, timeout=30)  # told before it stops
         later = [LONG(session.variable(f"placed elsewhere {i}")) for i in range(3)]
         assert all(o.get(timeout=120) for o in later)
         assert first.get(timeout=120)
         assert proc.proc.wait(timeout=60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal
     # One placement per call: the drained engine's step was not re-run.
     assert sum(s.manager.placement.placed.values()) - placed_before == len(later)
-    _wait(lambda: _live(s, name) is None, timeout=30)  # it unregistered
+    wait_until(lambda: _live(s, name) is None, timeout=30)  # it unregistered
 
 
 def test_a_model_whose_engines_all_failed_is_503_not_an_unknown_model(

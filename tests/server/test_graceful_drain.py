@@ -5,7 +5,6 @@ runs in a subprocess (``python -m server``): the signal is the real one."""
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,8 @@ import httpx
 import parrot as P
 import pytest
 
+from tests.processes import free_port, wait_healthy
+
 slow = P.SemanticFunction.from_template(
     "Tell a long story: {{output:story}}",
     name="slow",
@@ -21,27 +22,9 @@ slow = P.SemanticFunction.from_template(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_up(proc: subprocess.Popen[bytes], url: str) -> None:
-    for _ in range(600):
-        if proc.poll() is not None:
-            pytest.fail(f"the server exited with status {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            time.sleep(0.1)
-    pytest.fail("the server did not come up")
-
-
 @pytest.mark.timeout(300)
 def test_sigterm_refuses_new_work_and_finishes_what_runs() -> None:
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     command = [
         sys.executable,
@@ -56,7 +39,7 @@ def test_sigterm_refuses_new_work_and_finishes_what_runs() -> None:
     ]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        _wait_up(proc, url)
+        wait_healthy(proc, url)
         with P.Session(url, timeout=120) as session:
             story = slow()
             session.flush()  # submitted: it runs at once (eager dispatch)

@@ -4,9 +4,7 @@ and the OpenAI API exactly like an in-process engine, and goes out of service wh
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -21,12 +19,7 @@ from server.engine.api import create_engine_app
 from server.engine.manager_link import ManagerLink
 from server.launcher import LaunchedServer, launch
 from server.serve.manager import ManagerConfig
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.processes import free_port, wait_until
 
 
 @contextmanager
@@ -36,7 +29,7 @@ def remote_engine(
     """An engine's HTTP API in a background thread, joined to the manager like `--manager URL` does, with
     the manager's cluster ``token``."""
     engine = LLMEngine.from_pretrained("tiny", EngineConfig(num_kv_blocks=256))
-    port = _free_port()
+    port = free_port()
     link = ManagerLink(manager_url, f"http://127.0.0.1:{port}", name, engine.stats, cluster_token=token)
     app = create_engine_app(engine, link, cluster_token=token)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -48,14 +41,6 @@ def remote_engine(
         server.should_exit = True
         thread.join(timeout=30)
         engine.shutdown()
-
-
-def _wait(predicate, timeout: float = 30.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not reached")
-        time.sleep(0.05)
 
 
 @P.semantic_function(max_tokens=8)
@@ -96,7 +81,7 @@ def test_a_remote_engine_registers_serves_and_times_out(manager_only: LaunchedSe
         return httpx.get(f"{url}/v1/engines", headers=auth).json()
 
     with remote_engine(url, manager_only.cluster_token) as (engine, link):
-        _wait(lambda: any(e["alive"] for e in engines()))
+        wait_until(lambda: any(e["alive"] for e in engines()), timeout=30)
         (status,) = [e for e in engines() if e["alive"]]
         assert status["name"] == "remote-a" and status["url"].startswith("http://127.0.0.1:")
         assert status["stats"]["model"] == "tiny" and link.engine_id == status["engine_id"]
@@ -127,10 +112,10 @@ def test_a_remote_engine_registers_serves_and_times_out(manager_only: LaunchedSe
 
         # Heartbeats stop (a frozen or partitioned engine): taken out of service, then it registers again.
         old_id = link.engine_id
-        link.manager_url = f"http://127.0.0.1:{_free_port()}"  # the manager is out of reach
-        _wait(lambda: not engines()[old_id]["alive"])
+        link.manager_url = f"http://127.0.0.1:{free_port()}"  # the manager is out of reach
+        wait_until(lambda: not engines()[old_id]["alive"], timeout=30)
         link.manager_url = url
-        _wait(lambda: link.engine_id != old_id and link.registered.is_set())
+        wait_until(lambda: link.engine_id != old_id and link.registered.is_set(), timeout=30)
         with P.Session(url):
             assert continue_story("again").get() == _reference(engine, "Continue the story: again Next: ", 8)
     # The engine left (unregistered on shutdown): out of service at once.
@@ -138,7 +123,7 @@ def test_a_remote_engine_registers_serves_and_times_out(manager_only: LaunchedSe
 
 
 def test_registration_of_an_unreachable_engine_names_its_url(manager_only: LaunchedServer) -> None:
-    dead, auth = f"http://127.0.0.1:{_free_port()}", manager_only.cluster_headers
+    dead, auth = f"http://127.0.0.1:{free_port()}", manager_only.cluster_headers
     body = {"name": "ghost", "url": dead}
     r = httpx.post(f"{manager_only.url}/v1/engines", json=body, headers=auth, timeout=30)
     assert r.status_code == 400 and dead in r.json()["error"]["message"]

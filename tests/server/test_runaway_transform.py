@@ -6,16 +6,16 @@ interpreter would show as another session's request timing out — a failure —
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 
 import httpx
 import parrot as P
 import pytest
+
+from tests.processes import free_port, stop, wait_healthy
 
 # Client-side bounds: well above what the calls need, so a stalled server fails the test instead.
 REQUEST_TIMEOUT_S = 60.0
@@ -38,15 +38,9 @@ backref = P.SemanticFunction.from_template(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def server_url() -> Iterator[str]:
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "server", "--model", "tiny", "--port", str(port)],
         stdout=subprocess.DEVNULL,
@@ -54,24 +48,10 @@ def server_url() -> Iterator[str]:
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(600):
-            if proc.poll() is not None:
-                pytest.fail(f"the server exited with status {proc.returncode}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
-        else:
-            pytest.fail("the server did not come up")
+        wait_healthy(proc, url)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
 
 
 @pytest.mark.timeout(300)

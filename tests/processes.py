@@ -1,0 +1,54 @@
+"""Helpers for tests that run servers as real processes or on real ports: a free port, waiting until a
+server answers its health route, and stopping a process for good."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+
+import httpx
+import pytest
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (on 127.0.0.1)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 60.0, interval: float = 0.02) -> None:
+    """Poll ``predicate`` until it holds; `TimeoutError` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not reached")
+        time.sleep(interval)
+
+
+def wait_healthy(proc: subprocess.Popen[bytes], url: str, timeout: float = 60.0) -> None:
+    """Wait until the server ``proc`` runs answers ``GET {url}/health``; fail the test if it exits first or
+    never answers."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"the server exited with status {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.1)
+    pytest.fail(f"the server at {url} did not come up within {timeout:g}s")
+
+
+def stop(proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
+    """Terminate ``proc`` (killing it if it does not exit within ``timeout``)."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
