@@ -28,6 +28,7 @@ from parrot.protocol import (
     CreateVariableRequest,
     Criteria,
     EngineHeartbeat,
+    EngineHeartbeatAnswer,
     EngineRegistered,
     EngineRegistration,
     EngineStatus,
@@ -276,15 +277,15 @@ def create_app(
         finally:
             joining -= 1
 
-    @app.post("/v1/engines/{engine_id}/heartbeat", status_code=204, dependencies=cluster_only)
-    async def heartbeat(engine_id: int, req: EngineHeartbeat) -> Response:
+    @app.post("/v1/engines/{engine_id}/heartbeat", dependencies=cluster_only)
+    async def heartbeat(engine_id: int, req: EngineHeartbeat) -> EngineHeartbeatAnswer:
         engine = manager.engines[engine_id] if 0 <= engine_id < len(manager.engines) else None
         if isinstance(engine, RemoteEngine):  # any other id is the manager's 404
             problem = heartbeat_problem(req.stats, engine.stats())
             if problem is not None:
                 raise HeartbeatError(f"heartbeat of engine {engine_id} refused: {problem}")
         manager.heartbeat(engine_id, req.stats)
-        return Response(status_code=204)
+        return EngineHeartbeatAnswer(steps_running=manager.placement.running_steps(engine_id))
 
     @app.delete("/v1/engines/{engine_id}", status_code=204, dependencies=cluster_only)
     async def unregister_engine(engine_id: int) -> Response:

@@ -181,6 +181,14 @@ class EngineHeartbeat(_Strict):
     stats: EngineStats
 
 
+class EngineHeartbeatAnswer(BaseModel):
+    """The manager's answer to a heartbeat. ``steps_running``: steps it placed on the engine that have not
+    finished — a draining engine keeps serving until it is 0, since a step sends the engine several requests
+    (fills, then generation) and one refused between them would run again elsewhere."""
+
+    steps_running: int
+
+
 class EngineStatus(BaseModel):
     """One engine of ``GET /v1/engines``: where it runs, whether it serves, and its stats."""
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import sys
 
@@ -129,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
             name = args.name or f"{args.host}:{args.port}"
             link = ManagerLink(args.manager, url, name, engine.stats, cluster_token=token.value)
         app = create_engine_app(engine, link, cluster_token=token.value)
-        serve_draining(app, args.host, args.port, args.drain_timeout, None if link is None else link.drain)
+        drain = None if link is None else functools.partial(link.drain, args.drain_timeout)
+        serve_draining(app, args.host, args.port, args.drain_timeout, drain)
         return 0
     finally:
         engine.shutdown()

@@ -16,7 +16,13 @@ import logging
 from collections.abc import Callable
 
 import httpx
-from parrot.protocol import EngineHeartbeat, EngineRegistered, EngineRegistration, EngineStats
+from parrot.protocol import (
+    EngineHeartbeat,
+    EngineHeartbeatAnswer,
+    EngineRegistered,
+    EngineRegistration,
+    EngineStats,
+)
 
 __all__ = ["ManagerLink"]
 
@@ -88,19 +94,30 @@ class ManagerLink:
             if self._client is None:
                 await client.aclose()
 
-    async def drain(self, timeout: float = 5.0) -> None:
-        """Announce a graceful shutdown now (one heartbeat saying ``draining``, best effort): the manager
-        stops placing new work here at once, and what runs here finishes."""
+    async def drain(self, timeout: float = 30.0, poll: float = 0.2) -> None:
+        """Announce a graceful shutdown (heartbeats saying ``draining``: the manager places nothing new here)
+        and return once the manager has no step running here, or after ``timeout`` seconds. Best effort: an
+        unreachable manager ends the wait (it cannot send more work either)."""
         self.draining = True
         if self.engine_id is None or not self.registered.is_set():
             return
-        client = self._client or httpx.AsyncClient(timeout=timeout)
+        client = self._client or httpx.AsyncClient(timeout=min(timeout, 5.0))
+        deadline = asyncio.get_running_loop().time() + timeout
+        url = f"{self.manager_url}/v1/engines/{self.engine_id}/heartbeat"
         try:
-            url = f"{self.manager_url}/v1/engines/{self.engine_id}/heartbeat"
-            beat = EngineHeartbeat(stats=self._stats()).model_dump()
-            await client.post(url, json=beat, headers=self._auth)
-        except httpx.HTTPError as e:
-            log.warning("could not announce draining to %s: %s", self.manager_url, e)
+            while True:
+                beat = EngineHeartbeat(stats=self._stats()).model_dump()
+                response = await client.post(url, json=beat, headers=self._auth)
+                response.raise_for_status()
+                answer = EngineHeartbeatAnswer.model_validate(response.json())
+                left = deadline - asyncio.get_running_loop().time()
+                if answer.steps_running == 0 or left <= 0:
+                    if answer.steps_running:
+                        log.warning("drain timeout: %d steps still run here", answer.steps_running)
+                    return
+                await asyncio.sleep(min(poll, left))
+        except (httpx.HTTPError, ValueError) as e:
+            log.warning("could not drain through %s: %s", self.manager_url, e)
         finally:
             if self._client is None:
                 await client.aclose()

@@ -72,6 +72,7 @@ class Placement:
         self._placed: dict[str, QueuedRequest] = {}
         self._running: Counter[int] = Counter()  # engine -> tokens placed there and not released
         self._latency: Counter[int] = Counter()  # engine -> latency-bound steps running there
+        self._steps: Counter[int] = Counter()  # engine -> requests placed there and not released
         self._seq = itertools.count()
         self._pass_pending = False
         self.placed: Counter[tuple[int, Reason]] = Counter()  # (engine, branch) -> steps, for metrics
@@ -108,6 +109,7 @@ class Placement:
         """``request`` finished (or failed) on ``engine_id``: its tokens are free for others."""
         request = self._placed.pop(request.key, request)
         self._running[engine_id] -= request.tokens
+        self._steps[engine_id] -= 1
         if request.latency_bound:
             self._latency[engine_id] -= 1
         self._request_pass()
@@ -115,6 +117,10 @@ class Placement:
     def running_tokens(self, engine_id: int) -> int:
         """Tokens placed on ``engine_id`` and not released yet."""
         return self._running[engine_id]
+
+    def running_steps(self, engine_id: int) -> int:
+        """Requests placed on ``engine_id`` and not released yet (a draining engine waits for 0)."""
+        return self._steps[engine_id]
 
     def engines_changed(self) -> None:
         """The engines in service changed (one failed, started draining or joined): place again now, so that
@@ -152,6 +158,7 @@ class Placement:
             if key in decision.assignments:
                 engine_id = decision.assignments[key]
                 self._running[engine_id] += w.request.tokens
+                self._steps[engine_id] += 1
                 if w.request.latency_bound:
                     self._latency[engine_id] += 1
                 self.placed[engine_id, decision.reasons[key]] += 1

@@ -4,6 +4,7 @@ and the OpenAI API exactly like an in-process engine, and goes out of service wh
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -134,3 +135,37 @@ def test_registration_of_an_unreachable_engine_names_its_url(manager_only: Launc
 def _stats() -> dict:
     fields = EngineStats.model_fields
     return {name: "tiny" if name == "model" else 0 for name in fields}
+
+
+def _draining_manager(answers: list[int]) -> tuple[httpx.AsyncClient, list[dict]]:
+    """A manager that answers heartbeats with ``steps_running`` from ``answers`` (the last repeats)."""
+    beats: list[dict] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        beats.append(json.loads(request.content))
+        left = answers[min(len(beats), len(answers)) - 1]
+        return httpx.Response(200, json={"steps_running": left})
+
+    return httpx.AsyncClient(transport=httpx.MockTransport(handle)), beats
+
+
+def _registered_link(client: httpx.AsyncClient) -> ManagerLink:
+    stats = EngineStats.model_validate(_stats())
+    link = ManagerLink("http://manager", "http://engine", "e", lambda: stats, client, cluster_token="t")
+    link.engine_id = 0
+    link.registered.set()
+    return link
+
+
+def test_a_draining_engine_waits_until_the_manager_runs_nothing_there() -> None:
+    # A step sends an engine several requests (fills, then the generation): the engine must not stop
+    # between them, or the step runs again elsewhere. It heartbeats `draining` until the manager says 0.
+    client, beats = _draining_manager([2, 1, 0])
+    asyncio.run(_registered_link(client).drain(timeout=30, poll=0.01))
+    assert len(beats) == 3 and all(b["stats"]["draining"] for b in beats)
+
+
+def test_a_drain_that_never_empties_ends_at_its_timeout() -> None:
+    client, beats = _draining_manager([5])
+    asyncio.run(_registered_link(client).drain(timeout=0.1, poll=0.01))
+    assert 2 <= len(beats) < 100
