@@ -154,6 +154,13 @@ class BenchConfig:
     seed: int = 0
 
 
+def app_sizes(apps: int) -> tuple[int, ...]:
+    """System-prompt sizes of ``apps`` apps: the paper's four sizes, repeated."""
+    if apps < 1:
+        raise SystemExit("--apps must be at least 1")
+    return tuple(BenchConfig.system_tokens[i % 4] for i in range(apps))
+
+
 FULL = BenchConfig()
 QUICK = BenchConfig(duration_s=5.0, warmup_s=1.0, bisect_steps=1)
 TINY = BenchConfig(duration_s=2.5, warmup_s=0.0, fixed_rate=4.0)
@@ -726,6 +733,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--engines", type=int, help="simulated engines (default 4)")
     parser.add_argument("--seed", type=int, help="workload seed")
     parser.add_argument(
+        "--apps",
+        type=int,
+        help="number of apps (default 4); their system prompts cycle through 1k, 3k, 5k, 7k tokens",
+    )
+    parser.add_argument(
         "--policies", help=f"comma-separated subset of {','.join(POLICIES)} (parrot always runs)"
     )
     return parser.parse_args(argv)
@@ -747,6 +759,7 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
         latency_cap=args.latency_cap,
         engines=args.engines,
         seed=args.seed,
+        system_tokens=None if args.apps is None else app_sizes(args.apps),
     )
 
 

@@ -117,7 +117,7 @@ from benchmarks.common import (
     sized,
     write_json,
 )
-from benchmarks.map_reduce import ENGINE_COUNTERS, engine_counters
+from benchmarks.harness.systems import ENGINE_COUNTERS
 from benchmarks.plotting import pyplot, save
 from benchmarks.workloads.multi_agent import Budgets, Workflow, make_workflow, project_brief, stage_roles
 from server.engine import EngineConfig
@@ -384,19 +384,24 @@ def runner(
     return lambda on_result: parrot_multi_agent(http, workflow, on_result=on_result, all_outputs=all_outputs)
 
 
+def _counters(served: LaunchedServer) -> dict[str, int]:
+    stats = served.engines[0].stats()
+    return {name: int(getattr(stats, name)) for name in ENGINE_COUNTERS}
+
+
 async def run_once(servers: Servers, client: str, workflow: Workflow, all_outputs: bool = False) -> Run:
     """One timed job of ``client``: requests counted up to the result (Parrot's later gets and delete not)."""
     served = servers.by_client[client]
     counter = servers.clients[client].event_hooks["request"][0]
     assert isinstance(counter, RequestCounter)
-    engine_before = engine_counters(served)
+    engine_before = _counters(served)
     done: list[tuple[float, int]] = []
     requests_before = counter.count
     start = time.perf_counter()
     outputs = await runner(servers, client, workflow, all_outputs)(
         lambda _: done.append((time.perf_counter(), counter.count))
     )
-    after = engine_counters(served)
+    after = _counters(served)
     return Run(
         seconds=done[0][0] - start,
         outputs=outputs,

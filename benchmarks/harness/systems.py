@@ -1,0 +1,196 @@
+"""Systems: named server configurations, started on real engines (`serve`) or on the simulator (`simulate`).
+
+A `System` is what one column of a results table ran on — Parrot, a Parrot ablation, the request-centric
+baseline with its FIFO latency cap — as an engine and a manager configuration. `serve` starts every system
+as its own in-process server (`server.launch`), each behind the simulated client network delay switched off;
+`simulate` starts one on simulated engines (`server.sim`) on virtual time. Both hand back `Served`: the
+base URL, an HTTP client (real servers: opened by `connected` on the event loop that uses it), the engines'
+counters and the delay switch, so one client function drives either.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+import httpx
+
+from server.engine import EngineConfig
+from server.launcher import LaunchedServer, launch
+from server.netdelay import NetworkDelayMiddleware
+from server.serve.manager import ManagerConfig
+
+__all__ = [
+    "DELAY_S",
+    "ENGINE_COUNTERS",
+    "Served",
+    "System",
+    "baseline",
+    "connected",
+    "delayed",
+    "parrot",
+    "serve",
+    "simulate",
+]
+
+DELAY_S = (0.2, 0.3)  # the paper's client network delay, U(0.2, 0.3) s per request
+ENGINE_COUNTERS = ("steps", "prefill_tokens_computed", "decode_tokens_computed", "preemptions")
+
+
+@dataclass(frozen=True)
+class System:
+    """One server configuration compared in an experiment."""
+
+    name: str
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    manager: ManagerConfig = field(default_factory=ManagerConfig)
+    engines: int = 1
+
+    def describe(self) -> dict[str, Any]:
+        """The configuration as strings, for the JSON payload."""
+        return {
+            "engines": self.engines,
+            "engine_config": _strings(self.engine),
+            "manager_config": _strings(self.manager),
+        }
+
+
+def parrot(
+    name: str = "parrot", engine: EngineConfig | None = None, *, engines: int = 1, **manager: Any
+) -> System:
+    """Parrot: the engine uncapped (its KV cache bounds it), ``manager`` options on `ManagerConfig`."""
+    return System(name, engine or EngineConfig(), ManagerConfig(**manager), engines)
+
+
+def baseline(
+    name: str = "baseline", engine: EngineConfig | None = None, *, cap: int | None = None, engines: int = 1
+) -> System:
+    """The request-centric baseline: the same engine, admitting FIFO under ``cap`` running tokens (the
+    paper's latency-centric setting; None: its KV cache), and no prefix cache on the OpenAI routes."""
+    engine = engine or EngineConfig()
+    if cap is not None:
+        engine = replace(engine, max_running_tokens=cap)
+    return System(name, engine, ManagerConfig(openai_prefix_cache=False), engines)
+
+
+@dataclass
+class Served:
+    """A running system: where to reach it, its engines' counters and its network-delay switch."""
+
+    system: System
+    url: str
+    engines: Sequence[Any]  # LLMEngine or SimEngine: both have .stats() and .model_name
+    delay: NetworkDelayMiddleware | None = None
+    server: LaunchedServer | None = None  # None on the simulator
+    client: httpx.AsyncClient | None = None
+
+    @property
+    def http(self) -> httpx.AsyncClient:
+        """The system's HTTP client (inside `connected`, or on the simulator)."""
+        if self.client is None:
+            raise RuntimeError(f"{self.system.name}: no HTTP client; use `async with connected(servers)`")
+        return self.client
+
+    @property
+    def model_name(self) -> str:
+        return str(self.engines[0].model_name)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engines[0].tokenizer
+
+    def counters(self) -> dict[str, int]:
+        """`ENGINE_COUNTERS` summed over the system's engines (diff two readings for one run)."""
+        return {name: sum(int(getattr(e.stats(), name)) for e in self.engines) for name in ENGINE_COUNTERS}
+
+    def requests(self) -> Counter[tuple[str, str]]:
+        """A copy of the requests answered so far by ``(method, route)`` (real servers; empty on the
+        simulator)."""
+        return Counter(self.server.request_counts) if self.server is not None else Counter()
+
+    def set_delay(self, enabled: bool) -> None:
+        if self.delay is None:
+            raise ValueError(f"{self.system.name} was started without a network delay")
+        self.delay.enabled = enabled
+
+
+@contextlib.contextmanager
+def serve(
+    model: str,
+    systems: Iterable[System],
+    *,
+    delay: tuple[float, float] | None = DELAY_S,
+    seed: int = 0,
+) -> Iterator[dict[str, Served]]:
+    """Every system as its own in-process server on ``model``, by name; the delay starts switched off."""
+    with contextlib.ExitStack() as stack:
+        out: dict[str, Served] = {}
+        for system in systems:
+            launched = stack.enter_context(
+                launch(
+                    model,
+                    engines=system.engines,
+                    engine_config=system.engine,
+                    manager_config=system.manager,
+                    startup_timeout=120,
+                    network_delay=delay,
+                    network_delay_seed=seed,
+                )
+            )
+            served = Served(system, launched.url, launched.engines, launched.network_delay, launched)
+            if served.delay is not None:
+                served.set_delay(False)
+            out[system.name] = served
+        yield out
+
+
+@contextlib.asynccontextmanager
+async def simulate(
+    system: System, profile: str, *, delay: tuple[float, float] | None = None, seed: int = 0
+) -> AsyncIterator[Served]:
+    """``system`` on simulated engines with the latency ``profile`` (run inside `server.sim.run`: virtual
+    time); its delay, if any, is on."""
+    from server.sim import load_profile, sim_cluster
+
+    async with sim_cluster(
+        system.engines,
+        load_profile(profile),
+        engine_config=system.engine,
+        manager_config=system.manager,
+        network_delay=delay,
+        network_delay_seed=seed,
+    ) as cluster:
+        yield Served(system, cluster.url, cluster.engines, cluster.network_delay, client=cluster.client)
+
+
+@contextlib.asynccontextmanager
+async def connected(servers: Mapping[str, Served], timeout: float = 300.0) -> AsyncIterator[None]:
+    """An HTTP client per server (`Served.http`) for the block, on the running event loop."""
+    async with contextlib.AsyncExitStack() as stack:
+        for s in servers.values():
+            s.client = await stack.enter_async_context(httpx.AsyncClient(base_url=s.url, timeout=timeout))
+        try:
+            yield
+        finally:
+            for s in servers.values():
+                s.client = None
+
+
+@contextlib.contextmanager
+def delayed(servers: Mapping[str, Served] | Iterable[Served], enabled: bool = True) -> Iterator[None]:
+    """The network delay switched to ``enabled`` on every server for the block, off afterwards."""
+    targets = list(servers.values() if isinstance(servers, Mapping) else servers)
+    for s in targets:
+        s.set_delay(enabled)
+    try:
+        yield
+    finally:
+        for s in targets:
+            s.set_delay(False)
+
+
+def _strings(config: Any) -> dict[str, str]:
+    return {f.name: str(getattr(config, f.name)) for f in fields(config)}
