@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
-import inspect
 import json
 import math
 import os
@@ -19,51 +17,16 @@ import platform
 import statistics
 import subprocess
 import sys
-import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from workload_text import stdlib_text  # the workload text, here for the benchmarks that import it
+
 Config = TypeVar("Config")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-
-# Modules whose docstrings make the workload text. A fixed list in a fixed order: the text is the same on
-# every run of one Python version, with nothing downloaded.
-_TEXT_MODULES = (
-    "argparse",
-    "asyncio",
-    "collections",
-    "contextlib",
-    "dataclasses",
-    "decimal",
-    "email.message",
-    "enum",
-    "fractions",
-    "functools",
-    "heapq",
-    "http.client",
-    "inspect",
-    "itertools",
-    "json",
-    "logging",
-    "os",
-    "pathlib",
-    "pickle",
-    "re",
-    "shutil",
-    "statistics",
-    "string",
-    "subprocess",
-    "tarfile",
-    "textwrap",
-    "threading",
-    "typing",
-    "unittest",
-    "urllib.parse",
-    "zipfile",
-)
 
 
 # ----------------------------------------------------------------------------------------------- machine
@@ -128,38 +91,6 @@ def machine_info() -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------------------------- workload
-def stdlib_text(min_chars: int) -> str:
-    """Deterministic English-ish text: docstrings of standard-library modules and their public members.
-
-    Repeated as needed to reach ``min_chars``. Identical on every run of one Python version.
-    """
-    parts: list[str] = []
-    for name in _TEXT_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ImportError:  # a stripped-down Python: skip, the text just comes from fewer modules
-            continue
-        docs = [inspect.getdoc(module)]
-        with warnings.catch_warnings():  # deprecated members (typing.io, ...) warn when touched
-            warnings.simplefilter("ignore", DeprecationWarning)
-            members = sorted(inspect.getmembers(module), key=lambda kv: kv[0])
-            docs += [
-                inspect.getdoc(member) for member_name, member in members if not member_name.startswith("_")
-            ]
-        # A member's docstring may be inherited (int, object, ...): keep each text once.
-        seen: set[str] = set()
-        for doc in docs:
-            if doc and doc not in seen:
-                seen.add(doc)
-                parts.append(doc)
-    text = "\n\n".join(parts)
-    if not text:
-        raise RuntimeError("no docstrings found in the standard library (python -OO?)")
-    while len(text) < min_chars:
-        text = text + "\n\n" + text
-    return text
-
-
 def document_chunks(tokenizer: Any, count: int, chunk_tokens: int) -> list[str]:
     """``count`` consecutive pieces of `stdlib_text`, ``chunk_tokens`` tokens each under ``tokenizer`` (a
     Hugging Face tokenizer), decoded back to text: a long document cut into parts."""

@@ -35,7 +35,7 @@ if not __package__:
 import kernels
 from benchmarks.common import add_size_flags, machine_info, result_line, write_json
 from benchmarks.plotting import pyplot, save
-from server.engine.malloc_tuning import tune_glibc_malloc
+from server.malloc_tuning import tune_glibc_malloc
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 SUFFIX = 256

@@ -33,8 +33,8 @@ from langchain_core.runnables import Runnable
 from langchain_parrot import ChatParrot, CompiledChain, compile_chain
 from tqdm import tqdm
 
-from benchmarks.common import stdlib_text
 from recipes.common import gettysburg_address, service
+from workload_text import stdlib_text
 
 SYSTEM = "You summarize documents."
 FIRST_SUMMARY = "(nothing yet)"

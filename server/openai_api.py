@@ -52,6 +52,7 @@ from server.engine.engine import GenerationStream, LLMEngine
 from server.engine.errors import EngineError
 from server.engine.request import GenerateResult
 from server.engine.sampling import SamplingParams
+from server.serve.errors import ModelNotFoundError
 
 # OpenAI's own default; a client that wants greedy output passes ``temperature=0``.
 DEFAULT_TEMPERATURE = 1.0
@@ -62,20 +63,6 @@ class OpenAIAPIError(Exception):
 
     http_status: int = 400
     error_type: str = "invalid_request_error"
-
-
-class ModelNotFoundError(OpenAIAPIError):
-    """The request names a model no engine serves; `OpenAIBackend.engine_for` raises it."""
-
-    http_status = 404
-    error_type = "model_not_found"
-
-    def __init__(self, model: str | None, available: Sequence[str]) -> None:
-        names = ", ".join(repr(m) for m in available) or "none"
-        what = "no model is being served" if model is None else f"the model {model!r} does not exist"
-        super().__init__(f"{what}; available models: {names}")
-        self.model = model
-        self.available = list(available)
 
 
 class UnsupportedOptionError(OpenAIAPIError):
@@ -198,7 +185,7 @@ def create_openai_router(backend: OpenAIBackend) -> APIRouter:
     async def retrieve_model(model: str) -> OpenAIModelCard | JSONResponse:
         try:
             return model_card(model, backend.engine_for(model), started)
-        except OpenAIAPIError as e:
+        except (EngineError, OpenAIAPIError) as e:  # ModelNotFoundError is an EngineError
             return _error(e)
 
     @router.post(

@@ -22,14 +22,19 @@ from __future__ import annotations
 import keyword
 import re
 from collections.abc import Generator, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import parrot as P
-from parrot.protocol import Criteria, SamplingConfig, TransformSpec
+from parrot.protocol import Criteria
 
-from langchain_parrot.parsers import OutputPlan
-from langchain_parrot.values import PathStep, Pending, apply_path, iter_symbolic, replace_symbolic
+from langchain_parrot.values import (
+    Pending,
+    PendingCall,
+    apply_path,
+    iter_symbolic,
+    replace_symbolic,
+)
 
 __all__ = ["Effect", "Fetch", "PendingCall", "RunClient", "Submission", "placeholder_name"]
 
@@ -65,44 +70,6 @@ def placeholder_name(hint: str, taken: Iterable[str]) -> str:
     while name in used:
         name, n = f"{base}_{n}", n + 1
     return name
-
-
-@dataclass(eq=False)
-class PendingCall:
-    """A semantic function call of this run: its template, what its inputs are bound to, its output."""
-
-    name: str  # the function's name in the server's logs
-    template: str  # with `{{output:<output>}}` last
-    output: str
-    inputs: dict[str, str | Pending]
-    sampling: SamplingConfig
-    model: str | None
-    plan: OutputPlan
-    demands: set[tuple[PathStep, ...]] = field(default_factory=set)  # how consumers use the output
-    variable: P.Variable | None = None  # once queued in the session
-    fused: tuple[PathStep, ...] = ()  # the key path folded into the output's transforms
-    fetched: bool = False
-    raw: Any = None  # the variable's value, once fetched
-
-    @property
-    def emitted(self) -> bool:
-        return self.variable is not None
-
-    def fusable_path(self) -> tuple[PathStep, ...]:
-        """The key path to fold into the transforms: the one path every consumer uses, if foldable."""
-        if len(self.demands) != 1 or not self.plan.keyable:
-            return ()
-        (path,) = self.demands
-        # Only string keys: the server's key path reads digits as list indices, Python's itemgetter does not
-        # on dicts, and a "." would split the key.
-        if all(isinstance(k, str) and k and "." not in k and not k.lstrip("-").isdigit() for _, k in path):
-            return path
-        return ()
-
-    def transforms(self) -> list[TransformSpec]:
-        if not self.fused:
-            return list(self.plan.transforms)
-        return self.plan.with_key([str(k) for _, k in self.fused])
 
 
 class Submission:

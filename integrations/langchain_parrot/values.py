@@ -1,29 +1,28 @@
 """Symbolic values: what flows between the steps of a compiled chain before the server has produced it.
 
 While a compiled chain runs on the client, a model step does not wait for its output: it queues a semantic
-function call and passes on a `Pending` — the future output, possibly with a key path into it (a JSON
-value's ``"topic"``) — so the next step can bind it as a variable of its own call. `Concat` is text made
-of constant pieces and pending texts (``"\\n\\n".join`` over a ``.map()`` of model outputs). Dicts and lists
-of a chain (a `RunnableParallel`'s output) may hold them anywhere; everything else is a plain value.
+function call (a `PendingCall`) and passes on a `Pending` — the future output, possibly with a key path into
+it (a JSON value's ``"topic"``) — so the next step can bind it as a variable of its own call. `Concat` is text
+made of constant pieces and pending texts (``"\\n\\n".join`` over a ``.map()`` of model outputs). Dicts and
+lists of a chain (a `RunnableParallel`'s output) may hold them anywhere; everything else is a plain value.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import parrot as P
+from parrot.protocol import SamplingConfig, TransformSpec
 
-from langchain_parrot.parsers import ValueKind
-
-if TYPE_CHECKING:
-    from langchain_parrot.submission import PendingCall
+from langchain_parrot.parsers import OutputPlan, ValueKind
 
 __all__ = [
     "Concat",
     "PathStep",
     "Pending",
+    "PendingCall",
     "apply_path",
     "contains_symbolic",
     "is_symbolic",
@@ -75,6 +74,45 @@ class Pending:
         where = f"step {self.call.name}" if self.call is not None else f"variable {self.variable!r}"
         path = "".join(f"[{k!r}]" for _, k in self.path)
         return f"<pending output of {where}{path}>"
+
+
+@dataclass(eq=False)
+class PendingCall:
+    """A semantic function call of one run of a compiled chain (queued in a
+    `langchain_parrot.submission.Submission`): its template, what its inputs are bound to, its output."""
+
+    name: str  # the function's name in the server's logs
+    template: str  # with `{{output:<output>}}` last
+    output: str
+    inputs: dict[str, str | Pending]
+    sampling: SamplingConfig
+    model: str | None
+    plan: OutputPlan
+    demands: set[tuple[PathStep, ...]] = field(default_factory=set)  # how consumers use the output
+    variable: P.Variable | None = None  # once queued in the session
+    fused: tuple[PathStep, ...] = ()  # the key path folded into the output's transforms
+    fetched: bool = False
+    raw: Any = None  # the variable's value, once fetched
+
+    @property
+    def emitted(self) -> bool:
+        return self.variable is not None
+
+    def fusable_path(self) -> tuple[PathStep, ...]:
+        """The key path to fold into the transforms: the one path every consumer uses, if foldable."""
+        if len(self.demands) != 1 or not self.plan.keyable:
+            return ()
+        (path,) = self.demands
+        # Only string keys: the server's key path reads digits as list indices, Python's itemgetter does not
+        # on dicts, and a "." would split the key.
+        if all(isinstance(k, str) and k and "." not in k and not k.lstrip("-").isdigit() for _, k in path):
+            return path
+        return ()
+
+    def transforms(self) -> list[TransformSpec]:
+        if not self.fused:
+            return list(self.plan.transforms)
+        return self.plan.with_key([str(k) for _, k in self.fused])
 
 
 @dataclass(frozen=True)

@@ -4,18 +4,37 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from parrot.errors import ConflictError, ParrotError, VariableFailedError
 from parrot.protocol import Criteria, GetVariableResponse
 
-if TYPE_CHECKING:
-    from parrot.session import Session
-
-__all__ = ["LATENCY", "THROUGHPUT", "Variable"]
+__all__ = ["LATENCY", "THROUGHPUT", "Variable", "VariableOwner"]
 
 LATENCY: Criteria = "latency"
 THROUGHPUT: Criteria = "throughput"
+
+
+class VariableOwner(Protocol):
+    """What a variable needs of the session that made it; `parrot.Session` is the implementation.
+
+    Declared here, not imported, so that the dependency points one way: `parrot.session` imports this
+    module (a session makes variables), never the reverse.
+    """
+
+    def flush(self) -> None:
+        """Send every queued operation now (`parrot.Session.flush`)."""
+        ...
+
+    async def aflush(self) -> None:
+        """``await`` form of `flush`."""
+        ...
+
+    def _get(self, var: Variable, criteria: Criteria | None, timeout: float | None) -> Any: ...
+
+    async def _aget(self, var: Variable, criteria: Criteria | None, timeout: float | None) -> Any: ...
+
+    def _enqueue_set(self, var: Variable, value: str) -> None: ...
 
 
 class Variable:
@@ -26,7 +45,9 @@ class Variable:
     (or `Session.flush`), in one request with that get.
     """
 
-    def __init__(self, session: Session, *, name: str | None = None, producer: str | None = None) -> None:
+    def __init__(
+        self, session: VariableOwner, *, name: str | None = None, producer: str | None = None
+    ) -> None:
         self._session = session
         self._name = name
         self._producer = producer  # the semantic function producing it, for an output
@@ -48,8 +69,8 @@ class Variable:
         return self._name
 
     @property
-    def session(self) -> Session:
-        """The session the variable belongs to."""
+    def session(self) -> VariableOwner:
+        """The session the variable belongs to (the `parrot.Session` that made it)."""
         return self._session
 
     def get(self, criteria: Criteria | None = None, timeout: float | None = None) -> Any:

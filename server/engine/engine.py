@@ -37,7 +37,6 @@ from server.engine.errors import (
     UnknownContextError,
 )
 from server.engine.loader import build_model, load_checkpoint
-from server.engine.malloc_tuning import tune_glibc_malloc
 from server.engine.model import LlamaForCausalLM
 from server.engine.model_names import DEFAULT_MODEL
 from server.engine.model_runner import KVCache, ModelRunner
@@ -45,6 +44,7 @@ from server.engine.request import FinishReason, GenerateResult, Request
 from server.engine.sampling import SamplingParams, make_generator, sample
 from server.engine.scheduler import ScheduledChunk, Scheduler
 from server.engine.step_features import StepRecord, step_features
+from server.malloc_tuning import tune_glibc_malloc
 
 log = logging.getLogger(__name__)
 

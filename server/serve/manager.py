@@ -53,8 +53,8 @@ from parrot.protocol import (
 
 from server.engine import EngineError, LLMEngine, SamplingParams
 from server.engine.errors import EngineDrainingError, EngineFailedError, engine_unavailable
-from server.openai_api import ModelNotFoundError
 from server.serve.deduction import StepObjective, objective
+from server.serve.errors import ModelNotFoundError
 from server.serve.graph import SessionGraph, StepNode
 from server.serve.ir import (
     CallIR,

@@ -26,8 +26,8 @@ from langchain_parrot.messages import to_wire_messages
 from langchain_parrot.parsers import OutputPlan, plan_output
 from langchain_parrot.prompts import NotExpressibleError, plain_variables, render_prompt
 from langchain_parrot.steps import ModelStep
-from langchain_parrot.submission import PendingCall, Submission
-from langchain_parrot.values import Pending
+from langchain_parrot.submission import Submission
+from langchain_parrot.values import Pending, PendingCall
 from parrot.protocol import SamplingConfig, TemplatePlaceholder, TemplateText, parse_template
 
 from server.serve.transforms import render_value

@@ -16,10 +16,10 @@ import pytest_socket
 from llamaindex_parrot import ParrotLLM, load_tokenizer
 from tokenizers import Tokenizer
 
-from benchmarks.common import stdlib_text
 from server.engine import EngineConfig
 from server.engine.tiny import TOKENIZER_DIR
 from server.launcher import LaunchedServer, launch
+from workload_text import stdlib_text
 
 # Routes a query may use between creating and deleting its session.
 CALLS = ("POST", "/v1/sessions/{session_id}/calls")

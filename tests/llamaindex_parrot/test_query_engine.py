@@ -11,9 +11,9 @@ from llama_index.core.node_parser import SentenceSplitter
 from llama_index.core.query_engine import RetrieverQueryEngine
 from llamaindex_parrot import ParrotLLM, ParrotTreeSummarize, get_response_synthesizer
 
-from benchmarks.common import stdlib_text
 from server.launcher import LaunchedServer
 from tests.llamaindex_parrot.conftest import Prompts, Traffic, one_round_trip
+from workload_text import stdlib_text
 
 QUERY = "How do I join paths?"
 

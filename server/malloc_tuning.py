@@ -5,6 +5,8 @@ such allocation in a non-main thread (the engine loop thread) is a fresh `mmap` 
 on first touch: measured 2-3x slower attention on the engine thread than on the main thread. Raising the
 mmap and trim thresholds makes freed blocks reusable. It is process-wide and harmless elsewhere, so it is
 applied once, when the first engine starts, and only where glibc is the allocator.
+
+It lives outside `server.engine` so that the kernels benchmark applies it too without importing the engine.
 """
 
 from __future__ import annotations
