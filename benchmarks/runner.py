@@ -105,7 +105,9 @@ def _model_config(model: str) -> dict[str, Any]:
 
         source = resolve_model(model)
         if source.kind == "gguf":
-            return {"path": str(source.path), **gguf_hf_config(read_gguf(source.path))}
+            # The file's name and size, never its absolute path: results are compared across machines.
+            file = {"file": source.path.name, "file_bytes": source.path.stat().st_size}
+            return {**file, **gguf_hf_config(read_gguf(source.path))}
     except (OSError, ValueError):
         pass
     return {"path": model}

@@ -69,9 +69,9 @@ class Recorder:
         self.name = name
         self.args = args
         self.started = time.perf_counter()
-        self.machine = machine_info()
         if getattr(args, "threads", None):
-            set_threads(args)
+            set_threads(args)  # before reading the machine: its record states the threads used
+        self.machine = machine_info()
 
     @property
     def elapsed_s(self) -> float:

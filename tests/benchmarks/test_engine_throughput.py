@@ -1,5 +1,6 @@
-"""engine_throughput: the vLLM worker's protocol, the worker driven through a pipe, the HF export of the
-engine's weights, and a tiny run with vLLM's side played by a fake worker (no vLLM needed).
+"""engine_throughput and its harness (`benchmarks.harness.engines`): the vLLM worker's protocol, the worker
+driven through a pipe, its process group stopped with it (closed, SIGTERM, SIGINT), the HF export of the
+engine's weights, the model record, and a tiny run with vLLM's side played by a fake worker (no vLLM needed).
 
 A test against the real vLLM runs only where ``VLLM_PYTHON`` names an interpreter that has vLLM.
 """
@@ -9,8 +10,10 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -19,16 +22,23 @@ import torch
 
 from benchmarks import engine_throughput as et
 from benchmarks import vllm_worker as vw
-from benchmarks.common import REPO_ROOT, export_hf_folder, hf_config_dict
+from benchmarks.common import REPO_ROOT, engine_model, export_hf_folder, hf_config_dict
+from benchmarks.harness import engines
 from server.engine import EngineConfig, LLMEngine
 from server.engine.config import ModelConfig
 
 # A stand-in for vLLM in the worker protocol: each request's tokens are its last prompt token repeated,
-# and its time grows with the tokens made (so decode rates are finite and positive).
+# and its time grows with the tokens made (so decode rates are finite and positive). With FAKE_CHILD_PIDFILE
+# set it first starts a child that outlives it unless killed (as vLLM's EngineCore would) and writes its pid.
 FAKE_WORKER = f"""
-import sys, time
+import os, subprocess, sys, time
 sys.path.insert(0, {str(REPO_ROOT)!r})
 from benchmarks import vllm_worker as w
+
+if os.environ.get("FAKE_CHILD_PIDFILE"):
+    child = subprocess.Popen(["sleep", "600"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    with open(os.environ["FAKE_CHILD_PIDFILE"], "w") as f:
+        f.write(str(child.pid))
 
 def generate(prompts, n):
     time.sleep(0.001 * n)
@@ -132,7 +142,7 @@ def fake_worker(tmp_path: Path) -> Path:
 
 
 def test_worker_process_round_trip(fake_worker: Path, tmp_path: Path) -> None:
-    worker = et.VLLMWorker(
+    worker = engines.VLLMWorker(
         sys.executable, tmp_path, dtype="bfloat16", max_model_len=64, max_num_seqs=4, script=fake_worker
     )
     try:
@@ -152,7 +162,7 @@ def test_worker_that_cannot_load_is_an_error(fake_worker: Path, tmp_path: Path) 
     script = tmp_path / "failing.py"
     script.write_text(FAKE_WORKER.replace('if "--fail" in sys.argv:', "if True:"))
     with pytest.raises(RuntimeError, match="no such model"):
-        et.VLLMWorker(
+        engines.VLLMWorker(
             sys.executable, tmp_path, dtype="bfloat16", max_model_len=8, max_num_seqs=1, script=script
         )
 
@@ -161,14 +171,98 @@ def test_worker_that_dies_is_an_error(tmp_path: Path) -> None:
     script = tmp_path / "dies.py"
     script.write_text("import sys; sys.exit(3)\n")
     with pytest.raises(RuntimeError, match="exited"):
-        et.VLLMWorker(
+        engines.VLLMWorker(
             sys.executable, tmp_path, dtype="bfloat16", max_model_len=8, max_num_seqs=1, script=script
         )
 
 
+def gone(pid: int) -> bool:
+    """The process has exited (a zombie that no one reaped yet counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def wait_gone(pid: int, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not gone(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_closing_the_worker_stops_what_it_started(
+    fake_worker: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pidfile = tmp_path / "child.pid"
+    monkeypatch.setenv("FAKE_CHILD_PIDFILE", str(pidfile))
+    worker = engines.VLLMWorker(
+        sys.executable, tmp_path, dtype="bfloat16", max_model_len=8, max_num_seqs=1, script=fake_worker
+    )
+    child = int(pidfile.read_text())
+    assert not gone(child)
+    worker.close()  # the worker quits cleanly; its child would live on without the group stop
+    assert wait_gone(child)
+    assert signal.getsignal(signal.SIGTERM) is not engines._on_signal  # handlers restored
+
+
+# The benchmark's side, as a separate process: a worker (with a child) started, then it waits to be killed.
+PARENT = f"""
+import sys, time
+from pathlib import Path
+sys.path.insert(0, {str(REPO_ROOT)!r})
+from benchmarks.harness import engines
+
+engines.VLLMWorker(sys.executable, Path(sys.argv[2]), dtype="bfloat16", max_model_len=8, max_num_seqs=1,
+                   script=Path(sys.argv[1]))
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_killed_benchmark_leaves_no_worker_processes_behind(
+    signum: int, fake_worker: Path, tmp_path: Path
+) -> None:
+    pidfile = tmp_path / "child.pid"
+    env = {**os.environ, "FAKE_CHILD_PIDFILE": str(pidfile)}
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, str(fake_worker), str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
+    try:
+        assert parent.stdout is not None and parent.stdout.readline().strip() == "ready"
+        child = int(pidfile.read_text())
+        worker = int(Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[1])  # its parent
+        parent.send_signal(signum)
+        assert parent.wait(timeout=30) != 0
+        assert wait_gone(child), "the worker's child (vLLM's EngineCore) outlived the benchmark"
+        assert wait_gone(worker)
+    finally:
+        parent.kill()
+        parent.wait()
+
+
+def test_model_record_names_the_weights_without_a_path(tiny_engine: LLMEngine, tmp_path: Path) -> None:
+    gguf = tmp_path / "SomeModel.Q4.gguf"
+    gguf.write_bytes(b"\0" * 1234)  # resolved by name only: the record reads the file's size, not its content
+    record = engines.model_record(str(gguf), tiny_engine)
+    assert record["name"] == "SomeModel.Q4" and record["file"] == gguf.name and record["file_bytes"] == 1234
+    assert str(tmp_path) not in json.dumps(record)
+    assert record["parameters"] == sum(p.numel() for p in engine_model(tiny_engine).parameters())
+    tiny = engines.model_record("tiny", tiny_engine)
+    assert (tiny["name"], tiny["file"], tiny["file_bytes"]) == ("tiny", None, None)
+
+
 def test_cpu_lists_and_worker_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert et.cpu_list([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
-    assert et.cpu_list([3]) == "3"
+    assert engines.cpu_list([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+    assert engines.cpu_list([3]) == "3"
     cfg = ModelConfig(
         vocab_size=10,
         hidden_size=8,
@@ -180,18 +274,18 @@ def test_cpu_lists_and_worker_environment(monkeypatch: pytest.MonkeyPatch) -> No
         max_position_embeddings=8192,
     )
     # 64 x 656 tokens of 30 layers x 3 heads x 64 x K and V x 2 bytes: ~0.96 GiB, 1.25x room -> 2.
-    assert et.kv_cache_gib(cfg, "bfloat16", 64 * 656) == 2
+    assert engines.kv_cache_gib(cfg, "bfloat16", 64 * 656) == 2
     monkeypatch.setenv("PYTHONPATH", str(REPO_ROOT))
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "7")  # the user's own setting wins over the default
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
-    env = et.vllm_env(cfg, "bfloat16", 656, 64, ["LD_PRELOAD=/x.so", "VLLM_LOGGING_LEVEL=INFO"])
+    env = engines.vllm_env(cfg, "bfloat16", 656, 64, ["LD_PRELOAD=/x.so", "VLLM_LOGGING_LEVEL=INFO"])
     assert "PYTHONPATH" not in env
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "7" and env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
     assert env["LD_PRELOAD"] == "/x.so" and env["VLLM_LOGGING_LEVEL"] == "INFO"
     cores = sorted(os.sched_getaffinity(0))[: torch.get_num_threads()]
-    assert env["VLLM_CPU_OMP_THREADS_BIND"] == et.cpu_list(cores)
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == engines.cpu_list(cores)
     with pytest.raises(SystemExit):
-        et.vllm_env(cfg, "bfloat16", 656, 64, ["NOEQUALS"])
+        engines.vllm_env(cfg, "bfloat16", 656, 64, ["NOEQUALS"])
 
 
 # ----------------------------------------------------------------------------------------------- export
@@ -204,8 +298,8 @@ def tiny_engine() -> Iterator[LLMEngine]:
 def test_export_writes_the_engines_weights_as_a_hf_folder(tiny_engine: LLMEngine, tmp_path: Path) -> None:
     folder = export_hf_folder(tiny_engine, tmp_path / "hf")
     assert ModelConfig.from_pretrained(folder) == tiny_engine.model_config
-    hf = et.load_hf(folder, torch.float32)  # raises if any weight is missing
-    ours = dict(et.engine_model(tiny_engine).named_parameters())
+    hf = engines.load_hf(folder, torch.float32)  # raises if any weight is missing
+    ours = dict(engine_model(tiny_engine).named_parameters())
     for name, tensor in hf.state_dict().items():
         assert torch.equal(tensor, ours[name]), name
     from transformers import AutoTokenizer
@@ -238,20 +332,20 @@ def test_hf_folder_exports_only_when_the_model_is_not_a_folder(
 ) -> None:
     folder = tmp_path / "given"
     folder.mkdir()
-    assert et.hf_folder(str(folder), tiny_engine, tmp_path, 0) == folder
+    assert engines.hf_folder(str(folder), tiny_engine, tmp_path, 0) == folder
     assert not (tmp_path / "hf-export").exists()
-    exported = et.hf_folder(str(tmp_path / "model.gguf"), tiny_engine, tmp_path, 0)
+    exported = engines.hf_folder(str(tmp_path / "model.gguf"), tiny_engine, tmp_path, 0)
     assert exported == tmp_path / "hf-export" and (exported / "model.safetensors").is_file()
 
 
 def test_decode_weight_bytes_counts_a_tied_embedding_once(tiny_engine: LLMEngine) -> None:
-    model = et.engine_model(tiny_engine)
+    model = engine_model(tiny_engine)
     cfg = tiny_engine.model_config
     per_param = 4  # fp32
     total = sum(p.numel() for p in model.parameters()) * per_param
     # "tiny" is untied: of its embedding table a decode step reads one row.
     assert not cfg.tie_word_embeddings
-    assert et.decode_weight_bytes(model) == total - (cfg.vocab_size - 1) * cfg.hidden_size * per_param
+    assert engines.decode_weight_bytes(model) == total - (cfg.vocab_size - 1) * cfg.hidden_size * per_param
 
 
 # ----------------------------------------------------------------------------------------------- whole run
@@ -270,14 +364,21 @@ def test_tiny_run_without_vllm(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert "decode_ratio_b1" in metrics and "decode_b1_pct_ceiling" in metrics
     payload = json.loads((tmp_path / "r.json").read_text())
     assert payload["vllm"] is None and payload["dtypes"] == {"ours": "float32", "hf": "float32"}
-    assert payload["throughput"][0]["vllm"] is None
+    assert set(payload["throughput"][0]["systems"]) == {"ours", "hf"}
+    assert payload["throughput"][0]["same_tokens"].keys() == {"hf"}
     assert payload["decode_ceiling"]["weight_bytes"] > 0
+    assert payload["model"]["name"] == "tiny" and payload["model"]["parameters"] > 0
+    kv = payload["kv_memory"]
+    assert kv["fork"]["blocks_used"] == kv["fork"]["blocks_expected"] == int(metrics["kv_blocks_fork"])
+    assert (
+        kv["no_fork"]["blocks_used"] == kv["no_fork"]["blocks_expected"] == int(metrics["kv_blocks_nofork"])
+    )
 
 
 def test_tiny_run_with_a_fake_vllm_worker(
     fake_worker: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(et, "WORKER_SCRIPT", fake_worker)
+    monkeypatch.setattr(engines, "WORKER_SCRIPT", fake_worker)
     argv = [
         "--tiny",
         "--dtype",
@@ -296,7 +397,8 @@ def test_tiny_run_with_a_fake_vllm_worker(
     assert payload["dtypes"] == {"ours": "bfloat16", "hf": "bfloat16", "vllm": "bfloat16"}
     assert payload["vllm"]["vllm"] == "fake"
     row = payload["throughput"][0]
-    assert row["vllm"]["decode_tps"]["value"] > 0 and row["vllm_agreement"] is not None
+    assert row["systems"]["vllm"]["decode_tps"]["value"] > 0 and 0 <= row["same_tokens"]["vllm"] <= 1
+    assert payload["vllm"]["llm_kwargs"]["model"] == "tiny"  # the folder's name, not a path of this machine
 
 
 # ----------------------------------------------------------------------------------------------- real vLLM
@@ -307,14 +409,14 @@ def test_real_vllm_generates_exactly_n_tokens_on_the_tiny_weights(
     tiny_engine: LLMEngine, tmp_path: Path
 ) -> None:
     folder = export_hf_folder(tiny_engine, tmp_path / "hf")
-    worker = et.VLLMWorker(
+    worker = engines.VLLMWorker(
         os.environ["VLLM_PYTHON"],
         folder,
         dtype="float32",
         max_model_len=64,
         max_num_seqs=2,
         engine_args={"enforce_eager": True},
-        env=et.vllm_env(tiny_engine.model_config, "float32", 64, 2),
+        env=engines.vllm_env(tiny_engine.model_config, "float32", 64, 2),
         cwd=tmp_path,
     )
     try:
