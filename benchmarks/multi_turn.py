@@ -1,82 +1,53 @@
 """Multi-turn chat over ``POST /v1/chat/completions``: does a conversation's KV survive its turn?
 
-``N`` conversations run side by side, ``T`` turns each. Turn *t* of a conversation sends the whole
-conversation so far — one system prompt per app (the copilot preamble of `benchmarks.workloads.copilot`,
-then ``--system-tokens`` tokens of stdlib docstrings from `benchmarks.workloads.chat.TextPool`), every
-earlier user message and the assistant's answer exactly as the server streamed it, then a new user
-message (`copilot.user_queries`, 20-60 tokens) — greedy, ``max_tokens`` answer tokens, ``"stream": true``.
-The ``N`` conversations' turn *t* are sent at once; the next turn starts when all ``N`` answers are in and
-the engine is idle. Two servers (same weights, same code), one per system, interleaved per repeat
-(alternating which goes first):
+``N`` conversations run side by side, ``T`` turns each. Turn *t* sends the whole conversation so far — one
+system prompt per app (the copilot preamble of `benchmarks.workloads.copilot`, then ``--system-tokens``
+tokens of stdlib text from `benchmarks.workloads.chat.TextPool`), every earlier user message and the
+answer exactly as streamed, then a new user message (20-60 tokens) — greedy, ``--max-tokens`` answer
+tokens, streamed. The ``N`` turn-*t* requests go at once; the next turn starts when all are answered and
+the engine is idle. Two systems (same weights and code, one server each), interleaved per repeat:
 
 * **cached** — ``ManagerConfig(prefix_sharing=True)``: a request forks from the longest token prefix its
-  engine holds, so turn *t* should prefill only what turn *t - 1* did not already compute (Parrot).
+  engine holds, so turn *t* prefills only what turn *t - 1* did not compute (Parrot).
 * **recompute** — ``prefix_sharing=False``: every request prefills its whole prompt.
 
-Per turn: **TTFT**, client-side, from sending the request to the first chunk with content (median over
-conversations and repeats); **prefill** tokens per conversation, exact: ``GET /v1/engines``
-``prefill_tokens_computed`` read before and after the ``N`` concurrent requests of that turn (nothing
-else runs on the server), divided by ``N``; **new** tokens per conversation: ``usage.prompt_tokens`` of
-turn *t* minus ``prompt_tokens + completion_tokens`` of turn *t - 1* (the engine's own counts, streamed
-with ``stream_options.include_usage``; turn 1: its whole prompt). Each repeat is a new app (its system
-prompt is tagged with the repeat's seed), so no repeat forks from an earlier one's cache. Greedy answers
-of the two systems are compared per conversation and turn (``answers_identical``: the fraction equal).
+Per turn: **TTFT** (client-side, to the first chunk with content; median over conversations and repeats),
+**prefill** tokens per conversation (the engine's exact counter over the turn, divided by ``N``), **new**
+tokens per conversation (``usage.prompt_tokens`` of turn *t* minus prompt + completion tokens of turn
+*t - 1*: the engine's own counts). Each repeat is a new app (its system prompt tagged with the repeat's
+seed), so no repeat forks from an earlier one's cache; ``answers_identical`` is the fraction of answers
+equal between the systems. Headline over turns >= 2: ``prefill_ratio`` = cached prefill / new tokens
+(goal <= 1.10), ``prefill_saving`` = recompute / cached prefill, ``ttft_speedup`` = recompute / cached
+median TTFT. No network delay.
 
-Headline over turns >= 2: ``prefill_ratio`` = cached prefill / new tokens (goal <= 1.10),
-``prefill_saving`` = recompute prefill / cached prefill, ``ttft_speedup`` = median recompute TTFT / median
-cached TTFT.
-
-    python -m benchmarks.multi_turn [--quick | --tiny] [--json PATH] [--plot PNG] [--model PATH]
-        [--conversations N] [--turns T] [--repeats R] [--system-tokens N] [--max-tokens N]
-
-The last line is ``RESULT multi_turn prefill_ratio=... prefill_saving=... ttft_speedup=... turns=...
+Last line: ``RESULT multi_turn prefill_ratio=... prefill_saving=... ttft_speedup=... turns=...
 conversations=... answers_identical=... total_s=...``.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import math
 import random
-import sys
 import time
-from contextlib import ExitStack
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-if not __package__:  # run as a file: the repository root first (see benchmarks/shared_prompt.py)
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
-
 import httpx
-import transformers
 
-from benchmarks.common import (
-    Spread,
-    add_engine_flags,
-    add_size_flags,
-    fmt_num,
-    load_average,
-    log,
-    machine_info,
-    markdown_table,
-    result_line,
-    safe_ratio,
-    set_threads,
-    sized,
-    write_json,
-)
+from benchmarks.common import Spread, fmt_num, log, markdown_table, safe_ratio
+from benchmarks.harness import engine_runs, record, systems
+from benchmarks.harness.systems import Served
 from benchmarks.plotting import pyplot, save
 from benchmarks.workloads.chat import TextPool
 from benchmarks.workloads.copilot import PREAMBLE, user_queries
-from server.launcher import LaunchedServer, launch
-from server.serve.manager import ManagerConfig
 
 NAME = "multi_turn"
 CACHED, RECOMPUTE = "cached", "recompute"
 SYSTEMS = (CACHED, RECOMPUTE)
+Turn = dict[str, Any]  # one turn of every conversation: its prefill and each conversation's answer
 
 
 @dataclass(frozen=True)
@@ -94,7 +65,6 @@ class BenchConfig:
 FULL = BenchConfig()
 QUICK = BenchConfig(conversations=3, turns=4, repeats=3)
 TINY = BenchConfig(2, 2, system_tokens=32, min_user_tokens=8, max_user_tokens=12, max_tokens=4, repeats=1)
-OVERRIDES = ("conversations", "turns", "repeats", "system_tokens", "max_tokens")
 
 
 async def ask(client: httpx.AsyncClient, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
@@ -121,39 +91,23 @@ async def ask(client: httpx.AsyncClient, messages: list[dict[str, str]], max_tok
     }
 
 
-async def engine_prefill(client: httpx.AsyncClient, cluster_token: str) -> int:
-    """Prompt tokens the server's engines have computed, once they are idle (``GET /v1/engines``, for the
-    cluster token's holder)."""
-    auth = {"Authorization": f"Bearer {cluster_token}"}
-    while True:
-        answer = await client.get("/v1/engines", headers=auth)
-        answer.raise_for_status()
-        engines = answer.json()
-        if not any(e["stats"]["running"] or e["stats"]["waiting"] for e in engines):
-            return sum(e["stats"]["prefill_tokens_computed"] for e in engines)
-        await asyncio.sleep(0.005)
-
-
-async def chat(
-    server: LaunchedServer, system: str, queries: list[list[str]], max_tokens: int
-) -> list[dict[str, Any]]:
+async def chat(served: Served, system: str, queries: list[list[str]], max_tokens: int) -> list[Turn]:
     """Every conversation (one list of user messages each), turn by turn; per turn what it cost."""
-    url = server.url
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-        convs = [[{"role": "system", "content": system}] for _ in queries]
-        turns, seen = [], [0] * len(queries)  # per conversation: its last prompt + answer, in tokens
-        for t in range(len(queries[0])):
-            for msgs, user in zip(convs, queries, strict=True):
-                msgs.append({"role": "user", "content": user[t]})
-            before = await engine_prefill(client, server.cluster_token)
-            answers = await asyncio.gather(*(ask(client, msgs, max_tokens) for msgs in convs))
-            prefill = await engine_prefill(client, server.cluster_token) - before
-            for c, (msgs, a) in enumerate(zip(convs, answers, strict=True)):
-                msgs.append({"role": "assistant", "content": a["text"]})
-                a["new_tokens"] = a["prompt_tokens"] - seen[c]
-                seen[c] = a["prompt_tokens"] + a["completion_tokens"]
-            turns.append({"prefill": prefill, "answers": answers})
+    convs = [[{"role": "system", "content": system}] for _ in queries]
+    turns, seen = [], [0] * len(queries)  # per conversation: its last prompt + answer, in tokens
+    for t in range(len(queries[0])):
+        for msgs, user in zip(convs, queries, strict=True):
+            msgs.append({"role": "user", "content": user[t]})
+        await engine_runs.idle(served)
+        before = served.counters()["prefill_tokens_computed"]
+        answers = await asyncio.gather(*(ask(served.http, msgs, max_tokens) for msgs in convs))
+        await engine_runs.idle(served)
+        prefill = served.counters()["prefill_tokens_computed"] - before
+        for c, (msgs, a) in enumerate(zip(convs, answers, strict=True)):
+            msgs.append({"role": "assistant", "content": a["text"]})
+            a["new_tokens"] = a["prompt_tokens"] - seen[c]
+            seen[c] = a["prompt_tokens"] + a["completion_tokens"]
+        turns.append({"prefill": prefill, "answers": answers})
     return turns
 
 
@@ -166,7 +120,26 @@ def workload(tokenizer: Any, pool: TextPool, cfg: BenchConfig, seed: int) -> tup
     return system, [users[c * cfg.turns : (c + 1) * cfg.turns] for c in range(cfg.conversations)]
 
 
-def summarise(runs: list[dict[str, list[dict[str, Any]]]], cfg: BenchConfig) -> dict[str, Any]:
+async def repeats(servers: dict[str, Served], cfg: BenchConfig) -> list[dict[str, list[Turn]]]:
+    """An untimed warm-up (one conversation, two turns, its own app), then each repeat's app on both
+    systems, alternating which goes first."""
+    tokenizer = servers[CACHED].tokenizer
+    pool, runs = TextPool(tokenizer), []
+    async with systems.connected(servers, timeout=600):
+        system, queries = workload(tokenizer, pool, cfg, cfg.seed + 10_000)
+        for s in servers.values():
+            await chat(s, system, [queries[0][:2]], cfg.max_tokens)
+        for rep in range(cfg.repeats):
+            system, queries = workload(tokenizer, pool, cfg, cfg.seed + rep)
+            order = SYSTEMS if rep % 2 == 0 else SYSTEMS[::-1]
+            run = {s: await chat(servers[s], system, queries, cfg.max_tokens) for s in order}
+            runs.append({s: run[s] for s in SYSTEMS})
+            prefills = " | ".join(f"{s} {[t['prefill'] for t in run[s]]}" for s in SYSTEMS)
+            log(f"repeat {rep + 1}: prefill per turn {prefills}")
+    return runs
+
+
+def summarise(runs: list[dict[str, list[Turn]]], cfg: BenchConfig) -> dict[str, Any]:
     """Per-turn figures over conversations and repeats, and the headline ratios over turns >= 2."""
     same: list[bool] = []
     for r in runs:
@@ -200,14 +173,8 @@ def summarise(runs: list[dict[str, list[dict[str, Any]]]], cfg: BenchConfig) -> 
     }
 
 
-def report(summary: dict[str, Any], cfg: BenchConfig, model: str, machine: dict[str, Any]) -> None:
-    print(
-        f"## multi_turn — {model}, {machine['cpu_model']}, {machine['usable_cores']} cores, load average "
-        f"{machine['load_average_1m']} at start\n\n{cfg.conversations} conversations at once x {cfg.turns} "
-        f"turns, system prompt ~{cfg.system_tokens} tokens, user messages {cfg.min_user_tokens}-"
-        f"{cfg.max_user_tokens} tokens, {cfg.max_tokens} answer tokens (greedy, streamed); {cfg.repeats} "
-        "repeats, systems interleaved. Tokens per conversation and turn (mean); TTFT median.\n"
-    )
+def table(summary: dict[str, Any]) -> str:
+    """Tokens per conversation and median TTFT per turn, both systems."""
     rows = []
     for row in summary["per_turn"]:
         c, r = row[CACHED], row[RECOMPUTE]
@@ -218,8 +185,7 @@ def report(summary: dict[str, Any], cfg: BenchConfig, model: str, machine: dict[
         rows.append([*cells, fmt_num(c["ttft_ms"], 1), fmt_num(r["ttft_ms"], 1), fmt_num(speedup, 2)])
     heads = ["turn", "prompt", "new", "prefill cached", "prefill recompute", "cached / new"]
     heads += ["recompute / cached", "TTFT cached ms", "TTFT recompute ms", "TTFT recompute / cached"]
-    print(markdown_table(heads, rows, [True] * len(heads)) + "\n")
-    print(f"answers identical between the systems: {summary['answers_identical']:.0%}")
+    return markdown_table(heads, rows, [True] * len(heads))
 
 
 def plot(payload: dict[str, Any], path: Path) -> None:
@@ -241,60 +207,51 @@ def plot(payload: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    add_size_flags(parser, "3 conversations x 4 turns, 3 repeats")
-    parser.add_argument("--plot", metavar="PATH", help="also write the figure (PNG)")
-    add_engine_flags(parser)
-    for key in OVERRIDES:
-        parser.add_argument("--" + key.replace("_", "-"), type=int, help=f"{key} (default: the size's)")
-    args = parser.parse_args(argv)
-    cfg = sized(args, FULL, QUICK, TINY, **{key: getattr(args, key) for key in OVERRIDES})
+    size = "(default: the size's)"
+    args = record.parser(
+        __doc__,
+        "3 conversations x 4 turns, 3 repeats",
+        BenchConfig,
+        conversations=f"conversations at once {size}",
+        turns=f"turns per conversation, at least 2 {size}",
+        repeats=f"repeats, each a new app {size}",
+        system_tokens=f"system prompt tokens after the preamble {size}",
+        max_tokens=f"answer tokens per turn {size}",
+    ).parse_args(argv)
+    cfg = record.configured(args, FULL, QUICK, TINY)
     if cfg.turns < 2:
         raise SystemExit("--turns must be at least 2 (the headline is over turns >= 2)")
-    set_threads(args)
+    rec = record.Recorder(NAME, args)
+    import transformers
+
     transformers.utils.logging.set_verbosity_error()  # the long-text warning of building the workload
-    started, machine = time.perf_counter(), machine_info()
-    runs: list[dict[str, list[dict[str, Any]]]] = []
-    with ExitStack() as stack:
-        configs = {s: ManagerConfig(prefix_sharing=s == CACHED) for s in SYSTEMS}
-        servers = {s: stack.enter_context(launch(args.model, manager_config=configs[s])) for s in SYSTEMS}
-        engine = servers[CACHED].engines[0]
-        pool = TextPool(engine.tokenizer)
+    setup = [systems.parrot(s, prefix_sharing=s == CACHED) for s in SYSTEMS]
+    with systems.serve(args.model, setup, delay=None) as servers:
+        window = servers[CACHED].engines[0].max_model_len
         longest = cfg.system_tokens + 160 + cfg.turns * (cfg.max_user_tokens + cfg.max_tokens + 24)
-        if longest >= engine.max_model_len:
-            raise SystemExit(f"~{longest} tokens of conversation exceed the window ({engine.max_model_len})")
-        system, queries = workload(engine.tokenizer, pool, cfg, cfg.seed + 10_000)
-        for s in SYSTEMS:  # untimed warm-up: one conversation, two turns, its own app
-            asyncio.run(chat(servers[s], system, [queries[0][:2]], cfg.max_tokens))
-        for rep in range(cfg.repeats):
-            system, queries = workload(engine.tokenizer, pool, cfg, cfg.seed + rep)
-            order = SYSTEMS if rep % 2 == 0 else SYSTEMS[::-1]
-            run = {s: asyncio.run(chat(servers[s], system, queries, cfg.max_tokens)) for s in order}
-            runs.append({s: run[s] for s in SYSTEMS})
-            log(
-                f"repeat {rep + 1}: prefill per turn "
-                + " | ".join(f"{s} {[t['prefill'] for t in run[s]]}" for s in SYSTEMS)
-            )
-    total_s = time.perf_counter() - started
+        if longest >= window:
+            raise SystemExit(f"~{longest} tokens of conversation exceed the window ({window})")
+        runs = asyncio.run(repeats(servers, cfg))
     summary = summarise(runs, cfg)
-    report(summary, cfg, args.model, machine)
-    payload = {"benchmark": NAME, "config": asdict(cfg), "model": args.model, "machine": machine}
-    payload |= {
-        "load_average_1m_at_end": load_average(),
-        "total_s": total_s,
-        "summary": summary,
-        "runs": runs,
-    }
-    if args.json:
-        write_json(args.json, payload)
-    if args.plot:
-        plot(payload, Path(args.plot))
+    print(rec.header(args.model))
+    print(
+        f"{cfg.conversations} conversations at once x {cfg.turns} turns, system prompt ~{cfg.system_tokens} "
+        f"tokens, user messages {cfg.min_user_tokens}-{cfg.max_user_tokens} tokens, {cfg.max_tokens} answer "
+        f"tokens (greedy, streamed); {cfg.repeats} repeats, systems interleaved. Tokens per conversation "
+        "and turn (mean); TTFT median.\n"
+    )
+    print(table(summary) + "\n")
+    print(f"answers identical between the systems: {summary['answers_identical']:.0%}")
     metrics = {k: summary[k] for k in ("prefill_ratio", "prefill_saving", "ttft_speedup")}
     metrics |= {"turns": cfg.turns, "conversations": cfg.conversations}
-    print(
-        result_line(NAME, {**metrics, "answers_identical": summary["answers_identical"], "total_s": total_s})
+    metrics["answers_identical"] = summary["answers_identical"]
+    rec.finish(
+        metrics,
+        config=cfg,
+        model=args.model,
+        systems={s.name: s.describe() for s in setup},
+        summary=summary,
+        runs=runs,
     )
 
 

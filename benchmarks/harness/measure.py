@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,14 +39,14 @@ class Run:
 
 async def timed(served: Served, job: Job, clock: Callable[[], float] = time.perf_counter) -> Run:
     """Run ``job`` on ``served`` once. ``clock``: the simulator's virtual clock where it runs there.
-    Requests count every method but ``DELETE`` (a session's close, after the answer)."""
+    Requests count every method but ``DELETE`` up to the answer (`done`, else the job's return)."""
     requests_before = served.requests()
     engine_before = served.counters()
-    done: list[float] = []
+    done: list[tuple[float, Counter[tuple[str, str]]]] = []
     start = clock()
-    output = await job(lambda: done.append(clock()))
-    end = done[0] if done else clock()
-    made = served.requests() - requests_before
+    output = await job(lambda: done.append((clock(), served.requests())))
+    end, requests_then = done[0] if done else (clock(), served.requests())
+    made = requests_then - requests_before  # up to the answer: fetches after it are not the job's
     after = served.counters()
     return Run(
         seconds=end - start,

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 from benchmarks.common import (
     add_engine_flags,
     add_size_flags,
+    int_list,
     load_average,
     machine_info,
     markdown_table,
@@ -49,11 +50,13 @@ def parser(
         types = {f.name: f.type for f in dataclasses.fields(config)}
         for name, help_text in flags.items():
             declared = types[name]  # a string under `from __future__ import annotations`
-            kind = (
-                declared if isinstance(declared, type) else {"int": int, "float": float, "str": str}[declared]
-            )
+            kind = declared if isinstance(declared, type) else _FLAG_TYPES[str(declared)]
             p.add_argument("--" + name.replace("_", "-"), type=kind, help=help_text)
     return p
+
+
+# Field types a flag can set; ``tuple[int, ...]`` takes ``"16,32,64"``.
+_FLAG_TYPES: dict[str, Any] = {"int": int, "float": float, "str": str, "tuple[int, ...]": int_list}
 
 
 def configured(args: argparse.Namespace, full: Config, quick: Config, tiny: Config) -> Config:

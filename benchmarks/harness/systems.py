@@ -66,14 +66,20 @@ def parrot(
 
 
 def baseline(
-    name: str = "baseline", engine: EngineConfig | None = None, *, cap: int | None = None, engines: int = 1
+    name: str = "baseline",
+    engine: EngineConfig | None = None,
+    *,
+    cap: int | None = None,
+    engines: int = 1,
+    **manager: Any,
 ) -> System:
     """The request-centric baseline: the same engine, admitting FIFO under ``cap`` running tokens (the
-    paper's latency-centric setting; None: its KV cache), and no prefix cache on the OpenAI routes."""
+    paper's latency-centric setting; None: its KV cache), no prefix cache on the OpenAI routes, and any
+    other ``manager`` options on `ManagerConfig`."""
     engine = engine or EngineConfig()
     if cap is not None:
         engine = replace(engine, max_running_tokens=cap)
-    return System(name, engine, ManagerConfig(openai_prefix_cache=False), engines)
+    return System(name, engine, ManagerConfig(**{"openai_prefix_cache": False, **manager}), engines)
 
 
 @dataclass
@@ -86,6 +92,8 @@ class Served:
     delay: NetworkDelayMiddleware | None = None
     server: LaunchedServer | None = None  # None on the simulator
     client: httpx.AsyncClient | None = None
+    # The app's live count of answered requests by (method, route), real or simulated.
+    request_counts: Counter[tuple[str, str]] = field(default_factory=Counter)
 
     @property
     def http(self) -> httpx.AsyncClient:
@@ -107,9 +115,8 @@ class Served:
         return {name: sum(int(getattr(e.stats(), name)) for e in self.engines) for name in ENGINE_COUNTERS}
 
     def requests(self) -> Counter[tuple[str, str]]:
-        """A copy of the requests answered so far by ``(method, route)`` (real servers; empty on the
-        simulator)."""
-        return Counter(self.server.request_counts) if self.server is not None else Counter()
+        """A copy of the requests answered so far by ``(method, route)``."""
+        return Counter(self.request_counts)
 
     def set_delay(self, enabled: bool) -> None:
         if self.delay is None:
@@ -140,7 +147,14 @@ def serve(
                     network_delay_seed=seed,
                 )
             )
-            served = Served(system, launched.url, launched.engines, launched.network_delay, launched)
+            served = Served(
+                system,
+                launched.url,
+                launched.engines,
+                launched.network_delay,
+                launched,
+                request_counts=launched.request_counts,
+            )
             if served.delay is not None:
                 served.set_delay(False)
             out[system.name] = served
@@ -163,7 +177,14 @@ async def simulate(
         network_delay=delay,
         network_delay_seed=seed,
     ) as cluster:
-        yield Served(system, cluster.url, cluster.engines, cluster.network_delay, client=cluster.client)
+        yield Served(
+            system,
+            cluster.url,
+            cluster.engines,
+            cluster.network_delay,
+            client=cluster.client,
+            request_counts=cluster.app.state.request_counts,
+        )
 
 
 @contextlib.asynccontextmanager

@@ -146,11 +146,6 @@ class Workflow:
         exactly what the Parrot server renders): its template with the input ``values`` in."""
         return render_template(self.call(output).template, values)
 
-    @staticmethod
-    def sampling(call: Call) -> dict[str, Any]:
-        """Greedy, EOS ignored: the call writes exactly ``max_tokens`` tokens (both clients)."""
-        return {"max_tokens": call.max_tokens, "temperature": 0.0, "ignore_eos": True}
-
     def check_window(self, tokenizer: Any, values: Mapping[str, str], max_model_len: int) -> int:
         """The longest request (prompt tokens + ``max_tokens``) given every call's output ``values``;
         ValueError when it exceeds ``max_model_len``."""

@@ -88,9 +88,10 @@ def test_tiny_run_checks_outputs_ends_with_the_result_line_and_plots(
     payload = json.loads(out.read_text())
     assert payload["benchmark"] == "multi_agent" and payload["outputs_identical"] is True
     [sim_row] = payload["simulator"]["by_files"]
-    assert sim_row["files"] == 2 and set(sim_row["clients"]) == set(multi_agent.CLIENTS)
-    assert sim_row["clients"]["parrot"]["requests"] == 2
-    assert sim_row["clients"]["baseline"]["requests"] == sim_row["calls"] == 1 + 1 * (3 * 2 + 2)
+    assert sim_row["files"] == 2 and set(sim_row["first_jobs"]) == set(multi_agent.CLIENTS)
+    # Requests until the answer: Parrot's session create + one batch; the baseline's one per call.
+    assert sim_row["first_jobs"]["parrot"]["requests"] == 2
+    assert sim_row["first_jobs"]["baseline"]["requests"] == sim_row["calls"] == 1 + 1 * (3 * 2 + 2)
     assert payload["simulator"]["profile"]["name"] == payload["config"]["sim"]["profile"]
     [row] = payload["by_files"]
     assert row["files"] == 2 and row["calls"] == 1 + 1 * (3 * 2 + 2)
@@ -99,12 +100,12 @@ def test_tiny_run_checks_outputs_ends_with_the_result_line_and_plots(
     assert set(clients) == set(multi_agent.CLIENTS)
     for name in multi_agent.CLIENTS:
         assert all(math.isfinite(s) and s > 0 for s in clients[name]["seconds"])
-        assert row["memory"][name]["peak_blocks"] > 0
+        assert row["first_jobs"][name]["peak_blocks"] > 0
     # Parrot: session create + one batch; the baseline: one completion per call.
-    assert clients["parrot"]["requests"] == [2]
-    assert clients["baseline"]["requests"] == [row["calls"]]
+    assert clients["parrot"]["requests"] == 2
+    assert clients["baseline"]["requests"] == row["calls"]
     # Sharing: Parrot prefills less than the no-sharing ablation, which prefills what the baseline does.
-    cold = {name: row["memory"][name]["cold_engine"] for name in multi_agent.CLIENTS}
+    cold = {name: row["first_jobs"][name]["engine"] for name in multi_agent.CLIENTS}
     assert cold["parrot"]["prefill_tokens_computed"] < cold["parrot, no sharing"]["prefill_tokens_computed"]
     assert (
         cold["parrot, no sharing"]["prefill_tokens_computed"] == cold["baseline"]["prefill_tokens_computed"]
