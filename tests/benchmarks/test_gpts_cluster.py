@@ -11,20 +11,22 @@ from pathlib import Path
 import pytest
 
 from benchmarks import gpts_cluster as g
+from benchmarks.harness.rates import RatePoint, Work
+from benchmarks.workloads.gpts import Workload
 from server.sim import tiny_tokenizer
 
-SMALL = g.BenchConfig(duration_s=5.0, warmup_s=0.0, max_rate=16.0)
+SMALL = g.BenchConfig(duration=5.0, warmup=0.0, max_rate=16.0)
 
 
 @pytest.fixture(scope="module")
-def workload() -> g.Workload:
-    return g.make_workload(SMALL)
+def workload() -> Workload:
+    return g.workload_of(SMALL)
 
 
-def fake_point(policy: str, rate: float, capacity: float) -> g.Point:
+def fake_point(policy: str, rate: float, capacity: float) -> RatePoint:
     """A run whose latency is under the bound exactly below ``capacity``."""
     latency = 0.01 if rate <= capacity else 1.0
-    return g.Point(policy, rate, [latency], requests=1, last_arrival_s=0.0, virtual_s=1.0, wall_s=0.0)
+    return RatePoint(policy, rate, [latency], requests=1, last_arrival_s=0.0, work=Work(1.0, 0.0))
 
 
 @pytest.mark.parametrize("capacity", [0.3, 3.0, 37.0, 100.0])
@@ -37,10 +39,10 @@ def test_the_search_brackets_the_highest_sustained_rate(capacity: float) -> None
 
 
 def test_a_fixed_rate_is_measured_once() -> None:
-    cfg = g.BenchConfig(fixed_rate=5.0)
+    cfg = g.BenchConfig(rate=5.0)
     calls: list[float] = []
 
-    def measure(policy: str, rate: float, w: g.Workload, c: g.BenchConfig) -> g.Point:
+    def measure(policy: str, rate: float, w: Workload, c: g.BenchConfig) -> RatePoint:
         calls.append(rate)
         return fake_point(policy, rate, 10.0)
 
@@ -48,8 +50,8 @@ def test_a_fixed_rate_is_measured_once() -> None:
     assert calls == [5.0] and search.best == 5.0 and math.isinf(search.first_failed)
 
 
-def test_the_workload_is_deterministic_and_scales_with_the_rate(workload: g.Workload) -> None:
-    again = g.make_workload(SMALL)
+def test_the_workload_is_deterministic_and_scales_with_the_rate(workload: Workload) -> None:
+    again = g.workload_of(SMALL)
     assert again == workload
     tokenizer = tiny_tokenizer()
     sizes = [a.system_tokens for a in workload.apps]
@@ -69,12 +71,12 @@ def test_the_workload_is_deterministic_and_scales_with_the_rate(workload: g.Work
         assert tokenizer.encode(workload.prompt(job))[: app.system_tokens] == tokenizer.encode(system)
 
 
-def test_sharing_prefills_each_system_prompt_at_most_once_per_engine(workload: g.Workload) -> None:
+def test_sharing_prefills_each_system_prompt_at_most_once_per_engine(workload: Workload) -> None:
     """Exact prefill-token accounting: the baseline computes every prompt in full; Parrot computes each
     app's system prompt at most once per engine, plus each request's own suffix."""
     rate = 8.0
     tokenizer = tiny_tokenizer()
-    arrivals = workload.arrivals(rate, SMALL.duration_s)
+    arrivals = workload.arrivals(rate, SMALL.duration)
     prompts = [len(tokenizer.encode(workload.prompt(job))) for job, _ in arrivals]
     per_app = [sum(job.app == a for job, _ in arrivals) for a in range(len(workload.apps))]
     assert min(per_app) > SMALL.engines  # more requests per app than engines: sharing must show
@@ -83,12 +85,12 @@ def test_sharing_prefills_each_system_prompt_at_most_once_per_engine(workload: g
     parrot = g.run_point(g.PARROT, rate, workload, SMALL)
     for point in (base, parrot):
         assert point.failures == 0 and len(point.norm_latency) == len(arrivals)
-        assert all(s["preemptions"] == 0 for s in point.engine_stats)
+        assert all(s["preemptions"] == 0 for s in point.work.engines)
 
-    base_prefill = sum(s["prefill_tokens_computed"] for s in base.engine_stats)
+    base_prefill = sum(s["prefill_tokens_computed"] for s in base.work.engines)
     assert base_prefill == sum(prompts)
 
-    parrot_prefill = sum(s["prefill_tokens_computed"] for s in parrot.engine_stats)
+    parrot_prefill = sum(s["prefill_tokens_computed"] for s in parrot.work.engines)
     suffixes = sum(
         n - workload.apps[job.app].system_tokens for (job, _), n in zip(arrivals, prompts, strict=True)
     )
@@ -97,7 +99,9 @@ def test_sharing_prefills_each_system_prompt_at_most_once_per_engine(workload: g
     )
     assert parrot_prefill <= suffixes + systems
     assert parrot_prefill < base_prefill / 2
-    assert sum(n for key, n in parrot.placed.items() if key.endswith("/context")) > 0  # affinity placed some
+    assert (
+        sum(n for key, n in parrot.work.placements.items() if key.endswith("/context")) > 0
+    )  # affinity placed some
 
 
 def test_tiny_run_ends_with_the_result_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -132,3 +136,11 @@ def test_an_empty_table_renders_its_header() -> None:
 
     table = markdown_table(["policy", "rate"], [], [False, True])
     assert table.splitlines()[0] == "| policy | rate |"
+
+
+def test_apps_cycle_through_the_paper_sizes_and_policies_are_checked() -> None:
+    assert g.app_sizes(6) == (1000, 3000, 5000, 7000, 1000, 3000)
+    with pytest.raises(SystemExit, match="at least 1"):
+        g.app_sizes(0)
+    with pytest.raises(SystemExit, match="unknown policies"):
+        g.main(["--tiny", "--policies", "parrot,vllm"])

@@ -16,13 +16,13 @@ TINY = ["--window", "4", "--apps", "2", "--chunks", "2", "3", "--chunk-tokens", 
 
 
 def test_the_workload_is_a_function_of_the_seed() -> None:
-    cfg = mixed.BenchConfig(window_s=10.0, apps=3, chunks_min=2, chunks_max=4, chunk_tokens=32)
+    cfg = mixed.BenchConfig(window=10.0, apps=3, chunks=(2, 4), chunk_tokens=32)
     a, b, other = mixed.make_workload(cfg, 7), mixed.make_workload(cfg, 7), mixed.make_workload(cfg, 8)
     assert a == b
     assert a != other
-    assert len(a.apps) == 3 and all(2 <= len(app.doc.chunks) <= 4 for app in a.apps)
-    assert all(0 <= app.arrival < cfg.window_s for app in a.apps)
-    assert all(0 < c.arrival < cfg.window_s for c in a.chats)
+    assert len(a.apps) == 3 and all(2 <= len(doc.chunks) <= 4 for _, doc in a.apps)
+    assert all(0 <= arrival < cfg.window for arrival, _ in a.apps)
+    assert all(0 < c.arrival < cfg.window for c in a.chats)
     reply = cfg.chat_lengths.reply
     assert all(reply.lo <= c.max_tokens <= reply.hi for c in a.chats)
     assert all(c.prompt_tokens > 0 for c in a.chats)
