@@ -179,6 +179,7 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         metrics=(
             Metric("speedup_vs_baseline", "vs baseline", paper="12x"),
             Metric("speedup_vs_no_affinity", "vs no affinity", paper="3x"),
+            Metric("speedup_vs_no_affinity_many_apps", "vs no affinity, 16 apps", paper="3x"),
             Metric("speedup_vs_no_kernel", "vs no kernel", paper="2.4x"),
         ),
         backend="simulator",

@@ -106,7 +106,7 @@ def test_sharing_prefills_each_system_prompt_at_most_once_per_engine(workload: W
 
 def test_tiny_run_ends_with_the_result_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     out = tmp_path / "gpts.json"
-    g.main(["--rate", "4", "--duration", "2.5", "--warmup", "0", "--json", str(out)])
+    g.main(["--rate", "4", "--duration", "2.5", "--warmup", "0", "--many-apps", "8", "--json", str(out)])
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[-1].startswith("RESULT gpts_cluster ")
     metrics = dict(item.split("=", 1) for item in lines[-1].split()[2:])
@@ -116,16 +116,20 @@ def test_tiny_run_ends_with_the_result_line(capsys: pytest.CaptureFixture[str], 
         "no_affinity_rate",
         "no_kernel_rate",
         "capped_baseline_rate",
+        "parrot_rate_many_apps",
+        "no_affinity_rate_many_apps",
         "speedup_vs_baseline",
         "speedup_vs_no_affinity",
         "speedup_vs_no_kernel",
         "speedup_vs_capped_baseline",
+        "speedup_vs_no_affinity_many_apps",
         "total_s",
     ]
     assert float(metrics["parrot_rate"]) == 4.0  # far below what Parrot sustains
     payload = json.loads(out.read_text())
     assert set(payload["policies"]) == set(g.POLICIES)
-    for policy in payload["policies"].values():
+    assert set(payload["many_apps"]) == {g.PARROT, g.NO_AFFINITY}  # the affinity ablation at scale
+    for policy in [*payload["policies"].values(), *payload["many_apps"].values()]:
         (only,) = policy["runs"]
         assert only["rate"] == 4.0 and only["failures"] == 0 and only["measured"] == only["requests"] > 0
 
