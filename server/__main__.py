@@ -21,6 +21,7 @@ from server.app import create_app
 from server.engine import EngineConfig
 from server.engine.draining import serve_draining
 from server.engine.model_names import DEFAULT_MODEL, MODEL_HELP
+from server.engine.ordering import add_scheduling_args
 from server.launcher import build_engines
 from server.netdelay import NetworkDelayMiddleware
 from server.security import SecurityConfig, api_keys_from, load_cluster_token
@@ -53,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="each engine's FIFO token cap on its running batch (the latency-capped baseline; default: none)",
     )
+    add_scheduling_args(p)
     p.add_argument(
         "--network-delay",
         type=float,
@@ -93,7 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     if settings.api_keys:
         log.info("the OpenAI routes require an API key (%d configured)", len(settings.api_keys))
     config = EngineConfig(
-        num_kv_blocks=args.num_kv_blocks, max_running_tokens=args.max_running_tokens, dtype=args.dtype
+        num_kv_blocks=args.num_kv_blocks,
+        max_running_tokens=args.max_running_tokens,
+        dtype=args.dtype,
+        scheduling=args.scheduling,
+        sjf_aging_s=args.sjf_aging_s,
     )
     engines = build_engines(args.model, args.engines, config)
     try:

@@ -61,6 +61,8 @@ class EngineFillRequest(_Strict):
     # Fork from the parent's first this many tokens (full blocks shared, a partial one copied on write);
     # None: the whole parent.
     parent_len: int | None = Field(default=None, ge=0)
+    # Its place in the engine's waiting queue under scheduling "sjf", as `EngineGenerateRequest.priority`.
+    priority: float | None = Field(default=None, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _one_input(self) -> EngineFillRequest:
@@ -87,6 +89,9 @@ class EngineGenerateRequest(_Strict):
     # While this generate runs, the engine's running requests reserve at most this many tokens (prompt
     # tokens of their own + tokens still to generate), its own included; None: no latency cap.
     latency_cap: int | None = Field(default=None, ge=1)
+    # Lower starts sooner when the engine runs scheduling "sjf" (the manager sends the predicted output
+    # length); it orders only the waiting queue, with aging. None: ranked as an average request.
+    priority: float | None = Field(default=None, allow_inf_nan=False)
 
 
 class EngineGenerateResponse(BaseModel):

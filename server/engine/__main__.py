@@ -20,6 +20,7 @@ from server.engine.config import EngineConfig
 from server.engine.engine import LLMEngine
 from server.engine.manager_link import ManagerLink
 from server.engine.model_names import DEFAULT_MODEL, MODEL_HELP
+from server.engine.ordering import add_scheduling_args
 from server.engine.sampling import SamplingParams
 from server.security import load_cluster_token
 
@@ -43,6 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--shared-prefix-decode", default="auto", choices=["auto", "always", "never"])
+    add_scheduling_args(p)
     join = p.add_argument_group("joining a manager")
     join.add_argument("--manager", default=None, help="register with the manager at this URL and heartbeat")
     join.add_argument("--name", default=None, help="the engine's name at the manager (default: host:port)")
@@ -84,6 +86,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len,
         dtype=args.dtype,
         shared_prefix_decode=args.shared_prefix_decode,
+        scheduling=args.scheduling,
+        sjf_aging_s=args.sjf_aging_s,
         **extra,
     )
 

@@ -125,7 +125,9 @@ def create_engine_app(
         ids = req.token_ids
         if ids is None:
             ids = engine.tokenizer.encode(req.text, add_special_tokens=False)
-        n = await engine.fill(req.context_id, ids, req.parent_context_id, parent_len=req.parent_len)
+        n = await engine.fill(
+            req.context_id, ids, req.parent_context_id, parent_len=req.parent_len, priority=req.priority
+        )
         return EngineFillResponse(context_id=req.context_id, num_tokens=n)
 
     @api.post("/generate", response_model=None)
@@ -138,6 +140,7 @@ def create_engine_app(
                 req.parent_context_id,
                 latency_cap=req.latency_cap,
                 parent_len=req.parent_len,
+                priority=req.priority,
             )
             return _response(req.context_id, result)
         handle = engine.submit_generate(
@@ -146,6 +149,7 @@ def create_engine_app(
             req.parent_context_id,
             latency_cap=req.latency_cap,
             parent_len=req.parent_len,
+            priority=req.priority,
         )
         first = await _first_event(handle)  # validation errors answer with a status code, not a stream
         return StreamingResponse(

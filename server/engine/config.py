@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 import torch
 
+from server.engine.ordering import DEFAULT_SJF_AGING_S, SchedulingPolicy, check_policy
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 
 
@@ -173,6 +175,14 @@ class EngineConfig:
     # Keep the features and wall time of the last this-many steps (`LLMEngine.step_trace`; 0: off), the
     # data the simulator's latency model is fitted to.
     trace_steps: int = 0
+    # The order of the waiting queue (`server.engine.ordering`): "fcfs" (arrival) or "sjf" (lowest
+    # `generate(priority=)` first, within objective classes, never preempting). Under "sjf", a request
+    # queued for `sjf_aging_s` seconds is overtaken by nothing queued after it (the aging bound).
+    scheduling: SchedulingPolicy = "fcfs"
+    sjf_aging_s: float = DEFAULT_SJF_AGING_S
+
+    def __post_init__(self) -> None:
+        check_policy(self.scheduling, self.sjf_aging_s)
 
     def kv_cache_bytes(self) -> int:
         """The memory the KV cache may take (called after the weights are loaded)."""

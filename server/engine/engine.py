@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import queue
 import threading
 import time
@@ -104,6 +105,7 @@ class _Submit:
     sampling: SamplingParams | None = None  # None: a fill
     latency_cap: int | None = None  # a generate's latency cap (`Scheduler`); None: none
     parent_len: int | None = None  # fork from the parent's first this many tokens; None: all of them
+    priority: float | None = None  # its place in the waiting queue under "sjf" (lower: sooner)
 
 
 @dataclass
@@ -201,9 +203,11 @@ class LLMEngine:
         model_name: str,
         num_blocks: int,
         copy_block: Callable[[int, int], None],
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """Everything but the model and the loop: contexts, blocks, queues, counters (shared with the
-        simulated engine, `server.sim.SimEngine`, which runs the same bookkeeping over a latency model)."""
+        simulated engine, `server.sim.SimEngine`, which runs the same bookkeeping over a latency model).
+        ``clock`` (seconds) times the waiting queue's aging under ``scheduling="sjf"``."""
         self.model_name = model_name
         self.model_config = model_config
         self.config = config
@@ -222,6 +226,9 @@ class LLMEngine:
             config.max_num_batched_tokens,
             config.max_num_seqs,
             max_running_tokens=config.max_running_tokens,
+            scheduling=config.scheduling,
+            sjf_aging_s=config.sjf_aging_s,
+            clock=clock,
         )
         self._runner = runner
         self._requests: dict[_Sink, Request] = {}
@@ -267,6 +274,7 @@ class LLMEngine:
         parent_context_id: int | None = None,
         *,
         parent_len: int | None = None,
+        priority: float | None = None,
     ) -> int:
         """Append ``token_ids`` to a context (created, or forked from the parent, if new); compute their KV.
 
@@ -274,12 +282,18 @@ class LLMEngine:
         its length when the fork happens; None: all of them). The fork shares the parent's full blocks and
         copies a partial last block when it first writes into it. Only with ``parent_context_id``, and only
         when the context is new. A fork from a busy parent waits for the parent's request to finish.
+        ``priority``: as `generate`'s (a call's fill may carry its generate's, so the whole call is ordered).
 
         Returns the context's length in tokens.
         """
         sink = self._post_submit(
             _Submit(
-                self._new_sink(False), context_id, parent_context_id, list(token_ids), parent_len=parent_len
+                self._new_sink(False),
+                context_id,
+                parent_context_id,
+                list(token_ids),
+                parent_len=parent_len,
+                priority=priority,
             )
         )
         return await self._wait(sink)
@@ -292,6 +306,7 @@ class LLMEngine:
         *,
         latency_cap: int | None = None,
         parent_len: int | None = None,
+        priority: float | None = None,
     ) -> GenerateResult:
         """Generate from the end of a context (forked from the parent first if the context is new).
 
@@ -299,6 +314,9 @@ class LLMEngine:
         tokens in all, its own included (it waits until they do; alone, it runs whatever its size).
         ``parent_len``: fork from the parent's first ``parent_len`` tokens only, as in `fill`; the last of
         them is then recomputed (one token of prefill) to sample from.
+        ``priority``: a finite number, lower starts sooner, when the engine runs ``scheduling="sjf"`` (the
+        manager sends the predicted output length; None: ranked as an average request). It orders only the
+        waiting queue, with aging (`server.engine.ordering`), and never preempts; ignored under ``fcfs``.
         """
         stream = self.submit_generate(
             context_id,
@@ -307,6 +325,7 @@ class LLMEngine:
             stream=False,
             latency_cap=latency_cap,
             parent_len=parent_len,
+            priority=priority,
         )
         return await stream.result()
 
@@ -318,11 +337,17 @@ class LLMEngine:
         *,
         latency_cap: int | None = None,
         parent_len: int | None = None,
+        priority: float | None = None,
     ) -> AsyncIterator[int]:
         """Yield token ids as they are sampled; leaving the loop early aborts the request. The arguments are
         `generate`'s."""
         stream = self.submit_generate(
-            context_id, sampling, parent_context_id, latency_cap=latency_cap, parent_len=parent_len
+            context_id,
+            sampling,
+            parent_context_id,
+            latency_cap=latency_cap,
+            parent_len=parent_len,
+            priority=priority,
         )
         try:
             async for token_id in stream:
@@ -339,6 +364,7 @@ class LLMEngine:
         *,
         latency_cap: int | None = None,
         parent_len: int | None = None,
+        priority: float | None = None,
     ) -> GenerationStream:
         """Start a generate; the returned stream yields token ids and then its `result()`. The arguments
         are `generate`'s."""
@@ -352,6 +378,7 @@ class LLMEngine:
                 sampling,
                 latency_cap,
                 parent_len,
+                priority,
             )
         )
         return GenerationStream(self, sink)
@@ -494,6 +521,10 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"{kind}: latency_cap must be a positive token count, not {cmd.latency_cap}"
             )
+        if cmd.priority is not None and not _finite_number(cmd.priority):
+            raise InvalidRequestError(
+                f"{kind}: priority must be a finite number (lower starts sooner), not {cmd.priority!r}"
+            )
         if cmd.parent_len is not None:
             if cmd.parent_id is None:
                 raise InvalidRequestError(
@@ -592,6 +623,7 @@ class LLMEngine:
             on_token=cmd.sink.token,
             handle=cmd.sink,
             latency_cap=cmd.latency_cap,
+            priority=None if cmd.priority is None else float(cmd.priority),
         )
         if cmd.sampling is not None:
             req.generator = make_generator(cmd.sampling)
@@ -741,3 +773,7 @@ class LLMEngine:
             sink = getattr(cmd, "sink", None)
             if sink is not None:
                 sink.finish(None, error)
+
+
+def _finite_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

@@ -45,6 +45,9 @@ class Request:
     # While this generate runs, the engine's running requests reserve at most this many tokens in all
     # (`server.engine.scheduler`); None: no latency cap.
     latency_cap: int | None = None
+    # Lower starts sooner when the engine orders its waiting queue shortest-first (``scheduling="sjf"``,
+    # `server.engine.ordering`); the manager sends the predicted output length. None: an average request.
+    priority: float | None = None
 
     @property
     def is_generate(self) -> bool:

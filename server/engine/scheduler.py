@@ -1,7 +1,9 @@
 """Forms each engine step: which requests run and how many of their pending tokens, under the budgets.
 
 Order of service: running decodes first (one token each, latency), then running fills chunked to the token
-budget, then waiting requests admitted FIFO while the running-sequence cap and the token caps allow. When
+budget, then waiting requests admitted from the head of the waiting queue while the running-sequence cap and
+the token caps allow. The queue's order is the engine's ``scheduling`` (`server.engine.ordering`): arrival
+order (``fcfs``), or shortest priority first with aging (``sjf``). When
 KV blocks run short, room is made by evicting idle contexts' private KV (least recently used first), then —
 for running work only — by preempting the newest running request (its KV is dropped and recomputed later;
 its tokens are kept, so nothing is lost). New work never preempts running work: it waits.
@@ -10,16 +12,30 @@ Token caps (the rule of the manager's `EngineState.cap_for`, enforced here too, 
 manager's placement is capped as well): each request reserves `reserved_tokens`. The head of the waiting
 queue is admitted only if the running reservations plus its own stay within ``max_running_tokens`` (if
 set), within the smallest ``latency_cap`` of the running requests (while any runs latency work), and within
-its own ``latency_cap`` (if it has one). A head that does not fit blocks the queue (FIFO: nothing smaller
-overtakes it). When nothing runs, the head is admitted whatever its size: alone it cannot wait for room.
+its own ``latency_cap`` (if it has one). A head that does not fit blocks the queue (nothing behind it
+overtakes it: what bounds an aged request's wait under ``sjf``). When nothing runs, the head is admitted
+whatever its size: alone it cannot wait for room.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from server.engine.context import ContextTable
+from server.engine.ordering import (
+    DEFAULT_SJF_AGING_S,
+    Queued,
+    SchedulingPolicy,
+    check_policy,
+    default_priority,
+    next_reorder_at,
+    order_waiting,
+)
 from server.engine.request import Request
 
 
@@ -44,30 +60,59 @@ def reserved_tokens(req: Request) -> int:
 
 
 class Scheduler:
+    """Forms each step's batch (see the module doc). ``scheduling`` orders the waiting queue
+    (`server.engine.ordering`); ``clock`` (seconds, monotonic) times its aging."""
+
     def __init__(
         self,
         table: ContextTable,
         max_num_batched_tokens: int,
         max_num_seqs: int,
         max_running_tokens: int | None = None,
+        *,
+        scheduling: SchedulingPolicy = "fcfs",
+        sjf_aging_s: float = DEFAULT_SJF_AGING_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        check_policy(scheduling, sjf_aging_s)
         self.table = table
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_running_tokens = max_running_tokens  # FIFO token cap on the running batch (None: none)
-        self.waiting: deque[Request] = deque()
+        self.scheduling: SchedulingPolicy = scheduling
+        self.sjf_aging_s = sjf_aging_s
+        self.clock = clock
+        self.waiting: deque[Request] = deque()  # in admission order (under sjf, as of the last step)
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.num_evictions = 0
+        self._queued: dict[Request, Queued[Request]] = {}  # what orders each waiting request
+        self._arrivals = itertools.count()
+        self._priority_sum = 0.0  # of the priorities given so far: a missing one is their mean
+        self._priority_count = 0
+        self._reorder_at = math.inf  # under sjf: re-sort the queue at this clock time, or once it changes
+        self._reorder = False
 
     def add(self, req: Request) -> None:
+        """Queue ``req`` (its ``priority`` orders it under ``sjf``)."""
+        if req.priority is None:
+            priority = default_priority(self._priority_sum, self._priority_count)
+        else:
+            priority = req.priority
+            self._priority_sum += priority
+            self._priority_count += 1
+        self._queued[req] = Queued(
+            req, next(self._arrivals), self.clock(), priority, latency_critical=req.latency_cap is not None
+        )
         self.waiting.append(req)
+        self._reorder = True
 
     def remove(self, req: Request) -> None:
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
-            self.waiting.remove(req)
+            self.waiting.remove(req)  # the order of the others stands: no re-sort
+            del self._queued[req]
 
     @property
     def has_work(self) -> bool:
@@ -93,6 +138,8 @@ class Scheduler:
             scheduled.add(req.request_id)
             batch.append(ScheduledChunk(req, n))
         running_tokens = self.running_tokens
+        if self.scheduling == "sjf":
+            self._order_waiting()
         while self.waiting and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             reserved = reserved_tokens(req)
@@ -102,12 +149,24 @@ class Scheduler:
             if n is None:
                 break
             self.waiting.popleft()
+            del self._queued[req]
             self.running.append(req)
             running_tokens += reserved
             budget -= n
             scheduled.add(req.request_id)
             batch.append(ScheduledChunk(req, n))
         return batch
+
+    def _order_waiting(self) -> None:
+        """Sort the waiting queue into SJF order when it may have changed: something was queued or
+        requeued, or a request reached the aging time."""
+        now = self.clock()
+        if not self._reorder and now < self._reorder_at:
+            return
+        queue = [self._queued[r] for r in self.waiting]
+        self.waiting = deque(e.item for e in order_waiting(queue, now, "sjf", self.sjf_aging_s))
+        self._reorder_at = next_reorder_at(queue, now, self.sjf_aging_s)
+        self._reorder = False
 
     def _within_caps(self, total: int, head: Request) -> bool:
         """Whether the running reservations would stay within every token cap with ``head`` admitted
@@ -178,5 +237,7 @@ class Scheduler:
         victim.decoding = False
         self.running.remove(victim)
         self.waiting.appendleft(victim)
+        self._queued[victim] = Queued(victim, next(self._arrivals), self.clock(), 0.0, resumed=True)
+        self._reorder = True
         self.num_preemptions += 1
         return True

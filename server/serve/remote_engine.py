@@ -135,13 +135,16 @@ class RemoteEngine:
         parent_context_id: int | None = None,
         *,
         parent_len: int | None = None,
+        priority: float | None = None,
     ) -> int:
-        """As `LLMEngine.fill`: ``parent_len`` forks from the parent's first ``parent_len`` tokens."""
+        """As `LLMEngine.fill`: ``parent_len`` forks from the parent's first ``parent_len`` tokens;
+        ``priority`` orders it in the engine's waiting queue."""
         body = EngineFillRequest(
             context_id=context_id,
             token_ids=token_ids,
             parent_context_id=parent_context_id,
             parent_len=parent_len,
+            priority=priority,
         )
         data = await _call(self._client, self.url, "POST", "/fill", body.model_dump(exclude_none=True))
         return EngineFillResponse.model_validate(data).num_tokens
@@ -154,10 +157,16 @@ class RemoteEngine:
         *,
         latency_cap: int | None = None,
         parent_len: int | None = None,
+        priority: float | None = None,
     ) -> GenerateResult:
         """As `LLMEngine.generate`."""
         stream = self.submit_generate(
-            context_id, sampling, parent_context_id, latency_cap=latency_cap, parent_len=parent_len
+            context_id,
+            sampling,
+            parent_context_id,
+            latency_cap=latency_cap,
+            parent_len=parent_len,
+            priority=priority,
         )
         return await stream.result()
 
@@ -170,9 +179,10 @@ class RemoteEngine:
         *,
         latency_cap: int | None = None,
         parent_len: int | None = None,
+        priority: float | None = None,
     ) -> RemoteGenerationStream:
         """Start a generate; iterate the answer for token ids (``stream=True``), then await `result()`.
-        ``latency_cap``, ``parent_len``: as `LLMEngine.submit_generate`'s."""
+        ``latency_cap``, ``parent_len``, ``priority``: as `LLMEngine.submit_generate`'s."""
         body = EngineGenerateRequest(
             context_id=context_id,
             parent_context_id=parent_context_id,
@@ -180,6 +190,7 @@ class RemoteEngine:
             sampling=SamplingConfig(**_sampling_fields(sampling)),
             stream=True,
             latency_cap=latency_cap,
+            priority=priority,
         )
         return RemoteGenerationStream(self, body.model_dump(exclude_none=True), stream)
 

@@ -83,6 +83,10 @@ class _HeldSink(_Sink):
             self.loop.call_soon(fn, *args)
 
 
+def _virtual_now() -> float:
+    return asyncio.get_running_loop().time()
+
+
 class SimEngine(LLMEngine):
     """A simulated engine (see the module docstring). ``config.num_kv_blocks`` defaults to the latency
     model's KV capacity; the model shape (vocabulary, special tokens) comes from ``model_config``."""
@@ -104,7 +108,10 @@ class SimEngine(LLMEngine):
         ]
         runner = SimRunner(latency, config.block_size, model_config.vocab_size, filler)
         self._sim_runner = runner
-        self._init_state(runner, tokenizer, model_config, config, model_name, num_blocks, _no_copy)
+        # SJF aging waits in simulated seconds: the loop's virtual clock, read when the scheduler runs.
+        self._init_state(
+            runner, tokenizer, model_config, config, model_name, num_blocks, _no_copy, _virtual_now
+        )
         self._held: list[tuple[Any, tuple[Any, ...]]] | None = None
         self._task: asyncio.Task[None] | None = None
         self._closed = False

@@ -1,0 +1,132 @@
+"""The order in which the scheduler admits waiting requests: FCFS, or shortest-job-first with aging (SSJF).
+
+Pure functions over `Queued` entries with the clock passed in, so the rule is tested without an engine.
+
+``fcfs`` (the default): arrival order, with a preempted request back at the head (as it always was).
+
+``sjf``: lower ``priority`` first (the manager sends a generate's predicted output length). The order, first
+to last:
+
+1. preempted requests, resumed before anything else in the order they were requeued: priority never takes
+   a started request's place, and never preempts one (new work waits; only KV pressure preempts);
+2. *aged* requests — queued for at least ``aging_s`` — in arrival order;
+3. the rest: latency-critical work (a generate with a ``latency_cap``: the manager sets one exactly for
+   latency-bound calls) before throughput work, then by priority, then by arrival. SJF orders *within*
+   Parrot's objective classes, never across them.
+
+A request without a priority is ranked as an average one: the mean of the priorities given before it
+(0.0 before any was), fixed when it is queued. So traffic that sends no priority at all keeps its arrival
+order within each class, and a mix is not starved in either direction.
+
+**The aging bound.** Once a request has been queued for ``aging_s`` seconds (by the engine's clock; a
+fork waiting for its busy parent is queued when the parent's request ends), no request queued after it
+starts before it: the scheduler admits from the head, and nothing overtakes a head that does not fit. So it
+waits at most ``aging_s`` plus the time that the requests queued before it, requests preempted meanwhile and
+those already running take to make room — however many shorter requests keep arriving.
+
+The engine has no notion of a task group: a group's members are separate requests. Equal priorities keep
+arrival order, so a manager that gives a group's members one priority (and submits them together) keeps
+them adjacent in the queue.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Generic, Literal, TypeVar
+
+SchedulingPolicy = Literal["fcfs", "sjf"]
+SCHEDULING_POLICIES: tuple[SchedulingPolicy, ...] = ("fcfs", "sjf")
+# Long enough that aging only acts under sustained overload, short enough to bound a long request's wait
+# on a busy engine to well under a client's usual timeout.
+DEFAULT_SJF_AGING_S = 30.0
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Queued(Generic[T]):
+    """A waiting ``item`` and what its place in the order depends on."""
+
+    item: T
+    seq: int  # arrival order in the queue (ties, and the order of aged requests)
+    queued_at: float  # clock time it was queued
+    priority: float  # lower runs sooner; a missing priority is already replaced (`default_priority`)
+    latency_critical: bool = False  # carries a latency objective: ranked before throughput work
+    resumed: bool = False  # preempted after it started: back before everything else
+
+
+def check_policy(policy: str, aging_s: float) -> None:
+    """Raise `ValueError` for an unknown policy or an aging time that is not a finite positive number."""
+    if policy not in SCHEDULING_POLICIES:
+        raise ValueError(f"unknown scheduling {policy!r}; use one of {', '.join(SCHEDULING_POLICIES)}")
+    if isinstance(aging_s, bool) or not isinstance(aging_s, int | float) or not (0 < aging_s < math.inf):
+        raise ValueError(
+            f"sjf_aging_s must be a finite number of seconds > 0, not {aging_s!r}: without aging a long "
+            "request could wait forever behind shorter ones"
+        )
+
+
+def default_priority(given_sum: float, given_count: int) -> float:
+    """The priority of a request queued without one: the mean of those given so far (0.0 before any)."""
+    return given_sum / given_count if given_count else 0.0
+
+
+def is_aged(entry: Queued[T], now: float, aging_s: float) -> bool:
+    return now - entry.queued_at >= aging_s
+
+
+def order_waiting(
+    queue: Sequence[Queued[T]], now: float, policy: SchedulingPolicy, aging_s: float
+) -> list[Queued[T]]:
+    """``queue`` (in its current order) in the order to admit it at time ``now`` (see the module doc)."""
+    if policy == "fcfs":
+        return list(queue)
+
+    def key(indexed: tuple[int, Queued[T]]) -> tuple[float, ...]:
+        position, e = indexed
+        if e.resumed:
+            return (0, position)
+        if is_aged(e, now, aging_s):
+            return (1, e.seq)
+        return (2, 0 if e.latency_critical else 1, e.priority, e.seq)
+
+    return [e for _, e in sorted(enumerate(queue), key=key)]
+
+
+def next_reorder_at(queue: Sequence[Queued[T]], now: float, aging_s: float) -> float:
+    """When the SJF order of an unchanged ``queue`` next changes: the moment its oldest not-yet-aged
+    request ages (``math.inf``: never)."""
+    pending = [e.queued_at + aging_s for e in queue if not e.resumed and not is_aged(e, now, aging_s)]
+    return min(pending, default=math.inf)
+
+
+def add_scheduling_args(parser: argparse.ArgumentParser) -> None:
+    """``--scheduling`` and ``--sjf-aging-s`` (both CLIs; read into ``EngineConfig.scheduling`` and
+    ``EngineConfig.sjf_aging_s``)."""
+    parser.add_argument(
+        "--scheduling",
+        default="fcfs",
+        choices=SCHEDULING_POLICIES,
+        help="order of each engine's waiting queue: fcfs (arrival) or sjf (shortest predicted output "
+        "first, with aging; default: fcfs)",
+    )
+    parser.add_argument(
+        "--sjf-aging-s",
+        type=_aging_seconds,
+        default=DEFAULT_SJF_AGING_S,
+        metavar="SECONDS",
+        help="under sjf: a request queued this long is overtaken by nothing queued after it "
+        f"(default: {DEFAULT_SJF_AGING_S:g})",
+    )
+
+
+def _aging_seconds(text: str) -> float:
+    try:
+        value = float(text)
+        check_policy("sjf", value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: a finite number of seconds > 0") from e
+    return value
