@@ -1,19 +1,23 @@
-"""The chain-summary benchmark (paper Fig. 11-13): its sweeps, its background client, its figures, and a tiny
-run end to end (harness correctness, not speed)."""
+"""The chain-summary benchmark (paper Fig. 11-13): its sweeps, its background load and concurrent apps
+(`benchmarks.harness.chains`), its figures, and a tiny run end to end (harness correctness, not speed)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
-import threading
-import time
+import statistics
+from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
-import httpx
 import pytest
 
-from benchmarks import chain_dependent as cd
 from benchmarks import chain_summary as cs
 from benchmarks import common
+from benchmarks.harness import chains, systems
+from benchmarks.harness.measure import Job, Run, Samples
+
+ZERO_WORK = dict.fromkeys(systems.ENGINE_COUNTERS, 0)
 
 
 def test_sweeps_of_the_quick_and_full_configurations() -> None:
@@ -23,100 +27,115 @@ def test_sweeps_of_the_quick_and_full_configurations() -> None:
     assert cs.FULL.chain_points() == [(16, 128), (32, 128), (64, 128), (32, 64), (32, 256)]
     assert cs.QUICK.chain_points() == [(8, 32), (16, 32), (8, 64)]
     assert (cs.QUICK.steps, cs.QUICK.repeats, cs.QUICK.background, cs.QUICK.apps) == (5, 2, (4,), (2, 4))
+    assert (cs.QUICK.background_prompt_tokens, cs.QUICK.background_max_tokens) == (128, 32)
+    assert (cs.QUICK.max_running_tokens, cs.QUICK.num_kv_blocks) == (512, 2048)
     assert cs.TINY.chain_points() == [(8, 32)]
-    point = cs.QUICK.point(16, 64)
-    assert (point.steps, point.max_tokens, point.chunk_tokens, point.repeats) == (5, 16, 64, 2)
-    assert (point.delay_low_s, point.delay_high_s) == (0.2, 0.3)
-    engine = cs.QUICK.engine_config()
-    assert (engine.max_running_tokens, engine.num_kv_blocks) == (512, 2048)
+    assert (cs.TINY.steps, cs.TINY.repeats, cs.TINY.background_max_tokens) == (2, 1, 8)
 
 
 def test_flags_override_the_chosen_size() -> None:
-    cfg = cs.build_config(cs.parse_args(["--quick", "--outs", "4,12", "--apps", "", "--repeats", "5"]))
+    _, cfg = cs.configure(["--quick", "--outs", "4,12", "--apps", "", "--repeats", "5"])
     assert (cfg.outs, cfg.apps, cfg.repeats, cfg.chunks) == ((4, 12), (), 5, cs.QUICK.chunks)
-    assert cs.build_config(cs.parse_args([])) == cs.FULL
+    assert cs.configure([])[1] == cs.FULL
+    assert cs.configure(["--max-running-tokens", "300"])[1].max_running_tokens == 300
     assert common.int_list(" 8, 16 ,") == (8, 16)
 
 
-def _counting_transport(delay_s: float, status: int = 200) -> tuple[httpx.MockTransport, dict[str, int]]:
-    """A fake server answering after ``delay_s``; ``seen`` counts requests at once and the most ever."""
+async def test_background_load_keeps_exactly_k_requests_in_flight() -> None:
     seen = {"now": 0, "max": 0, "total": 0}
-    lock = threading.Lock()
+    slots: list[int] = []
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        with lock:
-            seen["now"] += 1
-            seen["total"] += 1
-            seen["max"] = max(seen["max"], seen["now"])
-        time.sleep(delay_s)
-        with lock:
-            seen["now"] -= 1
-        return httpx.Response(status, json={"choices": [{"text": "x"}]})
+    async def send(slot: int) -> None:
+        seen["now"] += 1
+        seen["total"] += 1
+        seen["max"] = max(seen["max"], seen["now"])
+        slots.append(slot)
+        await asyncio.sleep(0.01)
+        seen["now"] -= 1
 
-    return httpx.MockTransport(handler), seen
-
-
-def test_background_load_keeps_exactly_k_requests_in_flight() -> None:
-    transport, seen = _counting_transport(0.02)
-    bodies = cs.background_bodies("m", ["a", "b"], max_tokens=3)
-    load = cs.BackgroundLoad(lambda: httpx.Client(transport=transport, base_url="http://x"), bodies, 3)
-    with load:
-        deadline = time.monotonic() + 5
-        while load.completed < 12 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert load.outstanding <= 3
+    async with chains.BackgroundLoad(send, 3) as load:
+        while load.completed < 12:
+            await asyncio.sleep(0.01)
+        assert load.outstanding == 3  # each slot sends its next request at once
     assert seen["max"] == load.max_in_flight == 3
-    assert load.outstanding == 0 and seen["now"] == 0
+    assert load.outstanding == 0 and seen["now"] == 0  # leaving waits for the requests in flight
     assert load.completed == seen["total"] >= 12
-    assert bodies[1] == {
-        "model": "m",
-        "prompt": cs.BACKGROUND_INSTRUCTION + "b",
-        "max_tokens": 3,
-        "temperature": 0,
-        "ignore_eos": True,
-    }
+    assert set(slots) == {0, 1, 2}
 
 
-def test_background_load_reports_a_failed_request() -> None:
-    transport, _ = _counting_transport(0.0, status=500)
-    body = cs.background_bodies("m", ["a"], 1)
-    with (
-        pytest.raises(RuntimeError, match="background request failed"),
-        cs.BackgroundLoad(lambda: httpx.Client(transport=transport, base_url="http://x"), body, 2),
-    ):
-        time.sleep(0.05)
+async def test_background_load_reports_a_failed_request() -> None:
+    sent = 0
+
+    async def send(slot: int) -> None:
+        nonlocal sent
+        sent += 1
+        await asyncio.sleep(0)
+        raise ValueError("HTTP 500")
+
+    with pytest.raises(RuntimeError, match=r"background request failed.*HTTP 500"):
+        async with chains.BackgroundLoad(send, 2):
+            await asyncio.sleep(0.05)
+    assert sent <= 2  # one failure stops every slot: none sends again
+    with pytest.raises(ValueError, match="at least one slot"):
+        chains.BackgroundLoad(send, 0)
 
 
-def _setting(parrot: list[float], baseline: list[float]) -> cd.SettingResult:
-    return cd.SettingResult(
-        delay=True,
-        clients={cs.PARROT: cd.ChainClientResult(parrot), cs.BASELINE: cd.ChainClientResult(baseline)},
-        repeats=len(parrot),
-    )
+async def test_together_starts_every_job_at_once_and_times_each_to_its_answer() -> None:
+    engine = SimpleNamespace(stats=lambda: SimpleNamespace(**ZERO_WORK))
+    served = systems.Served(systems.parrot(), "http://x", [engine])
+    started: list[float] = []
+    loop = asyncio.get_running_loop()
+
+    def job(answer_s: float, return_s: float, output: str) -> Job:
+        async def run(done: Callable[[], None]) -> str:
+            started.append(loop.time())
+            await asyncio.sleep(answer_s)
+            done()
+            await asyncio.sleep(return_s)  # after the answer: not timed
+            return output
+
+        return run
+
+    run = await chains.together(served, [job(0.05, 0.0, "a"), job(0.01, 0.1, "b")], clock=loop.time)
+    assert run.output == ("a", "b")
+    assert max(started) - min(started) < 0.01
+    assert run.each[0] == pytest.approx(0.05, abs=0.02) and run.each[1] == pytest.approx(0.01, abs=0.02)
+    assert run.seconds == pytest.approx(statistics.fmean(run.each))
+    assert run.requests == 0 and run.engine == ZERO_WORK
+
+
+def _chain(parrot: list[float], baseline: list[float]) -> dict[str, Samples]:
+    def samples(seconds: list[float]) -> Samples:
+        return Samples([Run(s, "summary", 2, ZERO_WORK) for s in seconds])
+
+    return {cs.PARROT: samples(parrot), cs.BASELINE: samples(baseline)}
+
+
+def _apps(runs: list[list[float]]) -> Samples:
+    return Samples([chains.Together(statistics.fmean(r), ("a", "b"), 4, ZERO_WORK, tuple(r)) for r in runs])
 
 
 def test_apps_statistics_and_the_result_line() -> None:
-    apps = cs.AppsPoint(
+    apps = cs.Point(
+        "apps",
         2,
-        {
-            cs.PARROT: cs.AppsClient([[1.0, 2.0], [1.0, 4.0]]),
-            cs.BASELINE: cs.AppsClient([[3.0, 3.0], [3.0, 5.0]]),
-        },
+        {cs.PARROT: _apps([[1.0, 2.0], [1.0, 4.0]]), cs.BASELINE: _apps([[3.0, 3.0], [3.0, 5.0]])},
     )
-    assert apps.clients[cs.PARROT].mean.median == 2.0  # run means 1.5 and 2.5
-    assert apps.clients[cs.PARROT].p90.median == pytest.approx((1.9 + 3.7) / 2)
-    assert apps.speedup == pytest.approx(3.5 / 2.0)
+    assert apps.samples[cs.PARROT].spread.median == 2.0  # run means 1.5 and 2.5
+    assert apps.p90(cs.PARROT).median == pytest.approx((1.9 + 3.7) / 2)
+    assert apps.ratio.median == pytest.approx(3.5 / 2.0)
     assert apps.per_app_difference() == [2.0, 1.0]  # per-app medians: parrot 1, 3; baseline 3, 4
     assert apps.as_dict()["apps_faster_in_parrot"] == 2
+    assert apps.as_dict()["clients"][cs.PARROT]["per_app_median"] == [1.0, 3.0]
 
-    cfg = cs.TINY
-    res = cs.Results(
-        chain={(8, 32): _setting([1.0], [2.0])},
-        background=[cs.ChainPoint(8, 32, _setting([2.0], [3.0]), background=2)],
-        apps=[apps],
-        verified_steps=2,
-    )
-    metrics = cs.result_metrics(cfg, res, total_s=9.0)
+    load = {"background_completed": 7, "background_max_in_flight": 2}
+    points = [
+        cs.Point("out", 8, _chain([1.0], [2.0])),
+        cs.Point("chunk", 32, _chain([1.0], [2.0])),
+        cs.Point("bg", 2, _chain([2.0], [3.0]), load),
+        apps,
+    ]
+    metrics = cs.result_metrics(points)
     assert list(metrics) == [
         "speedup_min",
         "speedup_max",
@@ -125,14 +144,17 @@ def test_apps_statistics_and_the_result_line() -> None:
         "speedup_bg2",
         "speedup_apps2",
         "speedup_apps2_p90",
-        "total_s",
     ]
     assert metrics["speedup_out8"] == metrics["speedup_chunk32"] == 2.0
     assert metrics["speedup_bg2"] == 1.5
     assert metrics["speedup_apps2_p90"] == pytest.approx(3.9 / 2.8)  # baseline p90s 3.0, 4.8
     assert metrics["speedup_min"] == metrics["speedup_apps2_p90"] and metrics["speedup_max"] == 2.0
-    # With a background load the delay counter also counts the load's requests: not reported per chain.
-    assert "requests_per_chain" not in res.background[0].as_dict()["clients"][cs.PARROT]
+    # With a background load the request counter also counts the load's requests: not reported per chain.
+    bg = points[2].as_dict()
+    assert "requests" not in bg["clients"][cs.PARROT] and bg["background_completed"] == 7
+    assert points[0].as_dict()["clients"][cs.PARROT]["requests"] == 2
+    p90_row = cs.table(points).splitlines()[-1]
+    assert p90_row.split("|")[1:3] == [" 12b/13 apps (p90)  ", " 2 apps      "] and "1.39x" in p90_row
 
 
 def test_tiny_run_writes_every_sweep_and_the_plot(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -155,18 +177,23 @@ def test_tiny_run_writes_every_sweep_and_the_plot(capsys: pytest.CaptureFixture[
 
     payload = json.loads(out.read_text())
     assert payload["benchmark"] == "chain_summary" and payload["outputs_identical"] is True
-    assert payload["engine_config"]["max_running_tokens"] == "512"
+    assert payload["verified_steps"] == 2
+    assert payload["systems"][cs.SERVER]["engine_config"]["max_running_tokens"] == "512"
     sweeps = payload["sweeps"]
-    assert set(sweeps) == {"output_length", "chunk_size", "background", "apps"}
+    assert set(sweeps) == {"out", "chunk", "bg", "apps"}
     assert all(len(s["points"]) == 1 for s in sweeps.values())
-    point = sweeps["output_length"]["points"][0]
+    point = sweeps["out"]["points"][0]
     assert set(point["clients"]) == {"parrot", "baseline"}
     assert point["clients"]["parrot"]["latency"]["n"] == 1
-    # One chain of 2 steps with the delay on: the baseline makes one request per step.
-    assert point["clients"]["baseline"]["requests_per_chain"] == [2]
-    bg = sweeps["background"]["points"][0]
+    # One chain of 2 steps: the baseline makes one request per step, Parrot a session and one batch.
+    assert point["clients"]["baseline"]["requests"] == 2
+    assert point["clients"]["parrot"]["requests"] == 2
+    bg = sweeps["bg"]["points"][0]
     assert bg["background_max_in_flight"] == 2 and bg["background_completed"] > 0
-    assert len(sweeps["apps"]["points"][0]["per_app_difference_s"]) == 2
+    apps = sweeps["apps"]["points"][0]
+    assert len(apps["per_app_difference_s"]) == 2
+    # Two apps of 2 steps each, started together: twice a lone chain's requests.
+    assert apps["clients"]["baseline"]["requests"] == 4 and apps["clients"]["parrot"]["requests"] == 4
 
     png = tmp_path / "chain_summary.png"
     cs.plot(payload, png)
