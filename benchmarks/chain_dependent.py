@@ -161,11 +161,9 @@ async def measure_settings(
     async with systems.connected({SERVER: served}):
         log(f"verifying outputs and warming up ({cfg.steps} steps) ...")
         outputs = await verify(served, chunks, cfg.max_tokens)
-        for delay in (False, True):
-            with systems.delayed([served], delay):
-                samples = await measure.interleave(jobs, cfg.repeats, outputs[-1], "delay " if delay else "")
+        for delay, samples in (await measure.per_delay([served], jobs, cfg.repeats, outputs[-1])).items():
             ratios = {n: measure.ratio(samples[BASELINE], samples[n]) for n in (PARROT, PARROT_SUBMIT)}
-            settings.append(("250 ms (0.2-0.3 s)" if delay else "none", samples, ratios))
+            settings.append((systems.delay_label(delay), samples, ratios))
     return outputs, settings
 
 

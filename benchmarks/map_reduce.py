@@ -185,11 +185,9 @@ async def measure_real(
     async with systems.connected(servers):
         log(f"verifying outputs and warming up ({cfg.chunks} map calls) ...")
         expected = await measure.agree(jobs)
-        for delay in delays:
-            with systems.delayed(servers, delay):
-                samples = await measure.interleave(jobs, cfg.repeats, expected, "delay " if delay else "")
-            label = "250 ms (0.2-0.3 s)" if delay else "none"
-            settings.append((label, samples, {PARROT: measure.ratio(samples[BASELINE], samples[PARROT])}))
+        for delay, samples in (await measure.per_delay(servers, jobs, cfg.repeats, expected, delays)).items():
+            ratios = {PARROT: measure.ratio(samples[BASELINE], samples[PARROT])}
+            settings.append((systems.delay_label(delay), samples, ratios))
     return settings
 
 

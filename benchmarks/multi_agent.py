@@ -264,10 +264,8 @@ async def measure_files(
         )
         expected = {workflow.final: point.final}
         jobs = {name: (lambda s=s: measure.timed(s, job(s, workflow))) for name, s in servers.items()}
-        for delay in delays:
-            with systems.delayed(servers, delay):
-                label = f"{files} files, {'delay ' if delay else ''}"
-                point.settings[delay] = await measure.interleave(jobs, cfg.repeats, expected, label)
+        label = f"{files} files, "
+        point.settings.update(await measure.per_delay(servers, jobs, cfg.repeats, expected, delays, label))
     return point
 
 
@@ -330,8 +328,11 @@ def print_report(
         f"Latency: median of {cfg.repeats} jobs per system after the first, ± half the range; speedup: that "
         "system's latency over Parrot's. Engine columns: medians per job.\n"
     )
-    delay = {False: "none", True: "250 ms (0.2-0.3 s)"}
-    settings = [(f"{p.files}, {delay[d]}", s, p.speedups(d)) for p in points for d, s in p.settings.items()]
+    settings = [
+        (f"{p.files}, {systems.delay_label(d)}", samples, p.speedups(d))
+        for p in points
+        for d, samples in p.settings.items()
+    ]
     print(record.latency_table(settings, "files, network delay") + "\n")
     print(describe(f"Simulator ({cfg.sim.profile}, network delay, one job per system)", cfg.sim, sims))
     print("Each system's first job on a fresh server (16-token KV blocks, exact peak):\n")

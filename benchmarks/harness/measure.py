@@ -12,14 +12,14 @@ from __future__ import annotations
 import statistics
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from benchmarks.common import Spread, log, safe_ratio
-from benchmarks.harness.systems import ENGINE_COUNTERS, Served
+from benchmarks.harness.systems import ENGINE_COUNTERS, Served, delayed
 
-__all__ = ["Job", "Ratio", "Run", "Samples", "agree", "as_dicts", "interleave", "ratio", "timed"]
+__all__ = ["Job", "Ratio", "Run", "Samples", "agree", "as_dicts", "interleave", "per_delay", "ratio", "timed"]
 
 # A client's job: called with ``done``, which it calls the moment the answer is in hand (work after that,
 # such as closing a session, is not timed); returns the output. A job that never calls ``done`` is timed
@@ -145,4 +145,20 @@ async def interleave(
             out[name].runs.append(run)
         times = " | ".join(f"{n} {s.runs[-1].seconds:.3f}s" for n, s in out.items())
         log(f"  {label}repeat {rep + 1}: {times}")
+    return out
+
+
+async def per_delay(
+    servers: Mapping[str, Served] | Sequence[Served],
+    jobs: Mapping[str, Callable[[], Awaitable[Run]]],
+    repeats: int,
+    expected: Any,
+    delays: Sequence[bool] = (False, True),
+    label: str = "",
+) -> dict[bool, dict[str, Samples]]:
+    """`interleave` once per setting of ``delays``, the network delay switched to it on every server."""
+    out: dict[bool, dict[str, Samples]] = {}
+    for delay in delays:
+        with delayed(servers, delay):
+            out[delay] = await interleave(jobs, repeats, expected, label + ("delay " if delay else ""))
     return out

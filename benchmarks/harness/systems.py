@@ -30,6 +30,7 @@ __all__ = [
     "System",
     "baseline",
     "connected",
+    "delay_label",
     "delayed",
     "parrot",
     "serve",
@@ -37,6 +38,13 @@ __all__ = [
 ]
 
 DELAY_S = (0.2, 0.3)  # the paper's client network delay, U(0.2, 0.3) s per request
+
+
+def delay_label(delay: bool) -> str:
+    """A setting's network delay as the tables show it."""
+    return f"{sum(DELAY_S) / 2 * 1000:.0f} ms ({DELAY_S[0]}-{DELAY_S[1]} s)" if delay else "none"
+
+
 ENGINE_COUNTERS = ("steps", "prefill_tokens_computed", "decode_tokens_computed", "preemptions")
 
 
