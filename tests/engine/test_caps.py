@@ -12,18 +12,15 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-import httpx
 import pytest
-from parrot.protocol import EngineInfo
 
 from server.engine import EngineConfig, InvalidRequestError, LLMEngine, SamplingParams
-from server.engine.api import create_engine_app
 from server.engine.block_manager import BlockAllocator
 from server.engine.context import Context, ContextTable
 from server.engine.request import Request
 from server.engine.scheduler import ScheduledChunk, Scheduler, reserved_tokens
-from server.serve.remote_engine import RemoteEngine
 from tests.engine.conftest import prompts
+from tests.engine.remote_asgi import recorded_remote
 
 
 # ------------------------------------------------------------------------------------ the bare scheduler
@@ -282,18 +279,7 @@ async def test_a_forked_prefix_is_not_counted_per_fork(gqa_model: Path) -> None:
 
 async def test_latency_cap_travels_from_a_remote_engine_over_http_to_the_request(gqa_model: Path) -> None:
     with LLMEngine.from_pretrained(gqa_model, _config()) as engine:
-        caps: list[int | None] = []
-        add = engine._scheduler.add
-
-        def record(req: Request) -> None:
-            caps.append(req.latency_cap)
-            add(req)
-
-        engine._scheduler.add = record  # type: ignore[method-assign]
-        app = create_engine_app(engine, cluster_token=None)  # in-process: no network reaches it
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://e") as client:
-            info = EngineInfo.model_validate((await client.get("/info")).json())
-            remote = RemoteEngine("http://e", "e", info, engine.tokenizer, client)
+        async with recorded_remote(engine) as (remote, client, added):
             await remote.fill(1, prompts(1, seed=10, low=8, high=9)[0])
             sampling = SamplingParams(max_tokens=3, ignore_eos=True)
             assert len((await remote.generate(1, sampling, latency_cap=64)).token_ids) == 3
@@ -302,4 +288,4 @@ async def test_latency_cap_travels_from_a_remote_engine_over_http_to_the_request
             assert bad.status_code == 422
         with pytest.raises(InvalidRequestError, match="latency_cap"):
             await engine.generate(1, sampling, latency_cap=0)
-    assert caps == [None, 64, None]  # the fill, then each generate
+    assert [r.latency_cap for r in added] == [None, 64, None]  # the fill, then each generate

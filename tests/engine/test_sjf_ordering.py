@@ -10,20 +10,17 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import httpx
 import pytest
-from parrot.protocol import EngineInfo
 
 from server.engine import EngineConfig, InvalidRequestError, LLMEngine, SamplingParams
 from server.engine.__main__ import engine_config, parse_args
-from server.engine.api import create_engine_app
 from server.engine.block_manager import BlockAllocator
 from server.engine.context import ContextTable
 from server.engine.ordering import Queued, SchedulingPolicy, next_reorder_at, order_waiting
 from server.engine.request import Request
 from server.engine.scheduler import Scheduler
-from server.serve.remote_engine import RemoteEngine
 from tests.engine.conftest import prompts
+from tests.engine.remote_asgi import recorded_remote
 from tests.engine.test_caps import _computed, _fill_all, _generate, _running, _table, _Watch
 
 AGING_S = 5.0
@@ -275,18 +272,7 @@ async def test_greedy_outputs_are_the_same_under_fcfs_and_sjf(gqa_model: Path) -
 
 async def test_priority_travels_from_a_remote_engine_over_http_to_the_request(gqa_model: Path) -> None:
     with LLMEngine.from_pretrained(gqa_model, _engine_config("sjf", seqs=4)) as engine:
-        seen: list[float | None] = []
-        add = engine._scheduler.add
-
-        def record(req: Request) -> None:
-            seen.append(req.priority)
-            add(req)
-
-        engine._scheduler.add = record  # type: ignore[method-assign]
-        app = create_engine_app(engine, cluster_token=None)  # in-process: no network reaches it
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://e") as client:
-            info = EngineInfo.model_validate((await client.get("/info")).json())
-            remote = RemoteEngine("http://e", "e", info, engine.tokenizer, client)
+        async with recorded_remote(engine) as (remote, client, added):
             await remote.fill(1, prompts(1, seed=13, low=8, high=9)[0], priority=2.5)
             sampling = SamplingParams(max_tokens=3, ignore_eos=True)
             assert len((await remote.generate(1, sampling, priority=17.0)).token_ids) == 3
@@ -297,4 +283,4 @@ async def test_priority_travels_from_a_remote_engine_over_http_to_the_request(gq
             assert bad.status_code == 422 and bad.json()["error"]["type"] == "invalid_schema"
         with pytest.raises(InvalidRequestError, match="priority must be a finite number"):
             await engine.generate(1, sampling, priority=math.nan)
-    assert seen == [2.5, 17.0, 4.0, None]
+    assert [r.priority for r in added] == [2.5, 17.0, 4.0, None]
