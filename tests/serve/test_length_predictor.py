@@ -1,0 +1,117 @@
+"""The output-length predictor (SSJF): learns a synthetic relation, uses per-template priors, survives a
+restart through its file, and never fails on odd prompts."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from server.serve.length_predictor import (
+    TAIL_WORDS,
+    LengthPredictor,
+    LengthPredictorStateError,
+    bucket,
+    bucket_accuracy,
+    features,
+    mae,
+)
+
+# The instruction at the end of the prompt decides the answer's length (as in a real chat workload).
+KINDS = {"answer in one word": 2, "list ten examples of": 40, "write a detailed explanation of": 300}
+TOPICS = [
+    "rivers",
+    "tides",
+    "volcanoes",
+    "bridges",
+    "compilers",
+    "gardens",
+    "orbits",
+    "bees",
+    "glaciers",
+    "printing",
+]
+
+
+def _requests(n: int, seed: int) -> list[tuple[str, int]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        kind, length = rng.choice(list(KINDS.items()))
+        filler = " ".join(rng.choice(TOPICS) for _ in range(rng.randint(0, 30)))
+        prompt = f"Context: {filler}\n\nUser: {kind} {rng.choice(TOPICS)}.\nAssistant:"
+        out.append((prompt, max(1, round(length * rng.uniform(0.8, 1.2)))))
+    return out
+
+
+def _f(prompt: str, template: str | None = None, max_tokens: int = 512, **kw: bool):  # type: ignore[no-untyped-def]
+    return features(template, prompt, len(prompt.split()), max_tokens, **kw)
+
+
+def test_it_learns_the_length_an_instruction_asks_for() -> None:
+    p = LengthPredictor()
+    for prompt, length in _requests(600, seed=1):
+        p.observe(_f(prompt), length)
+    test = _requests(200, seed=2)
+    pairs = [(p.predict(_f(prompt)), length) for prompt, length in test]
+    constant = sorted(t for _, t in test)[len(test) // 2]  # the best constant under L1: the median
+    baseline = mae((constant, t) for _, t in test)
+    assert bucket_accuracy(pairs) >= 0.9
+    assert mae(pairs) < 0.35 * baseline, (mae(pairs), baseline)  # 30 vs 104 tokens here
+    assert bucket_accuracy((constant, t) for _, t in test) < 0.5  # the thresholds fail a constant
+
+
+def test_a_templates_prior_predicts_it_after_a_few_calls() -> None:
+    p = LengthPredictor()
+    rng = random.Random(3)
+    for _ in range(5):  # a function whose answers are ~50 tokens, prompts unlike anything seen
+        p.observe(_f(f"Summarize: {rng.random()}", template="summarize"), rng.randint(45, 55))
+    guess = p.predict(_f("Summarize: something new", template="summarize"))
+    assert 40 <= guess <= 60, guess
+    assert p.predict(_f("Summarize: something new", template="other")) != guess or guess == 1
+
+
+def test_exact_requests_and_bounds() -> None:
+    p = LengthPredictor()
+    assert p.predict(_f("anything", max_tokens=77, ignore_eos=True)) == 77  # writes exactly max_tokens
+    for prompt, length in _requests(100, seed=4):
+        p.observe(_f(prompt), length)
+    for prompt in ("", " ", "x" * 1_000_000, "word " * 200_000, "\u00e9\u4e2d" * 1000):
+        f = _f(prompt, max_tokens=20)
+        assert 1 <= p.predict(f) <= 20
+        assert len(f.active) <= 2 * TAIL_WORDS + 6  # bounded whatever the prompt's size
+    assert p.predict(_f("write a detailed explanation of bees", max_tokens=1)) == 1
+
+
+def test_state_round_trips_through_its_file(tmp_path: Path) -> None:
+    p = LengthPredictor()
+    for prompt, length in _requests(200, seed=5):
+        p.observe(_f(prompt, template="chat"), length)
+    path = tmp_path / "lengths.json"
+    p.save(path)
+    q = LengthPredictor.load(path)
+    probes = [prompt for prompt, _ in _requests(50, seed=6)]
+    assert [q.predict(_f(x, template="chat")) for x in probes] == [
+        p.predict(_f(x, template="chat")) for x in probes
+    ]
+    assert q.observed == p.observed == 200
+
+
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [("{not json", "not a length-predictor state"), ('{"version": 99}', "another predictor version")],
+)
+def test_a_bad_state_file_is_a_clear_error(tmp_path: Path, content: str, why: str) -> None:
+    path = tmp_path / "lengths.json"
+    path.write_text(content)
+    with pytest.raises(LengthPredictorStateError, match=why):
+        LengthPredictor.load(path)
+    with pytest.raises(LengthPredictorStateError, match="not a length-predictor state"):
+        LengthPredictor.load(tmp_path / "missing.json")
+
+
+def test_buckets_and_metrics() -> None:
+    assert [bucket(n) for n in (1, 16, 17, 64, 65, 128, 129, 256, 257)] == [0, 0, 1, 1, 2, 2, 3, 3, 4]
+    assert mae([(10, 12), (5, 1)]) == 3.0
+    assert bucket_accuracy([(10, 12), (10, 100)]) == 0.5
