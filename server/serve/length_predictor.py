@@ -166,11 +166,10 @@ class LengthPredictor:
     def observe(self, f: LengthFeatures, length: int) -> None:
         """Learn from a finished request that wrote ``length`` tokens."""
         target = math.log(max(1, length))
+        model = self._regression(f)  # before learning: what the prediction would have been
         if f.template_key is not None:
-            self._templates[f.template_key] = _updated(
-                self._templates.get(f.template_key), target, self._regression(f)
-            )
-        error = self._regression(f) - target
+            self._templates[f.template_key] = _updated(self._templates.get(f.template_key), target, model)
+        error = model - target
         sign = 0.0 if error == 0 else math.copysign(1.0, error)  # the L1 loss's subgradient
         for i, v in f.active:
             g = sign * v
