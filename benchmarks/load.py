@@ -11,7 +11,9 @@ each, with its own HTTP connections, as separate users have). Reported:
   message each; **lost variables**: chain values never obtained; **inconsistent** chains: greedy chains of
   the same input that did not all produce the same text (a wrong answer somewhere);
 * server RSS (``/proc/<pid>/status``) before the load (after a warm-up wave), its peak during, and after
-  the sessions ended, and the growth ``after / before - 1`` in percent;
+  the sessions ended, and the growth ``after / before - 1`` in percent; "before" and "after" are read once
+  the server has been idle for ``settle_s`` (an idle server returns freed memory to the OS:
+  `server.malloc_tuning.release_free_memory`);
 * KV blocks in use on every engine after everything ended (``GET /v1/engines``, with the cluster token)
   and, for a server this tool started, after the manager dropped its prefix cache too — the blocks
   nothing should hold any more: ``kv_blocks_leaked``.
@@ -92,6 +94,7 @@ class Config:
     warmup: int = 20  # sessions run (unmeasured) before the "before" RSS: lazy imports, caches, pools
     kill_engine_every: float | None = None
     timeout_s: float = 600.0  # per session: a chain not done by then counts as lost
+    settle_s: float = 6.0  # idle seconds before an RSS reading: > 2 ticks of server.app.IDLE_CHECK_S
 
 
 FULL = Config()
@@ -437,6 +440,7 @@ def run(cfg: Config, url: str | None, server_pid: int | None, token: str) -> Rep
             wait_for_engines(base, token, cfg.engines)
         log(f"warm-up: {cfg.warmup} sessions")
         asyncio.run(run_wave(base, cfg, cfg.warmup))
+        time.sleep(cfg.settle_s)
         before = rss_bytes(pid) if pid else None
         log(f"load: {cfg.sessions} concurrent sessions of 3-call chains")
         with RssSampler(pid) as sampler, engine_killer(remote, cfg.kill_engine_every):
@@ -448,6 +452,7 @@ def run(cfg: Config, url: str | None, server_pid: int | None, token: str) -> Rep
         if hosted is not None:
             log(f"dropped {hosted.drop_cache()} cached contexts")
             leaked = settled_blocks(base, token)
+        time.sleep(cfg.settle_s)
         after = rss_bytes(pid) if pid else None
     finally:
         if remote is not None:

@@ -25,6 +25,7 @@ from server.engine.ordering import add_scheduling_args
 from server.launcher import build_engines
 from server.netdelay import NetworkDelayMiddleware
 from server.security import SecurityConfig, api_keys_from, load_cluster_token
+from server.serve.length_predictor import LengthPredictorStateError
 from server.serve.manager import Manager, ManagerConfig
 
 
@@ -55,6 +56,18 @@ def main(argv: list[str] | None = None) -> int:
         help="each engine's FIFO token cap on its running batch (the latency-capped baseline; default: none)",
     )
     add_scheduling_args(p)
+    p.add_argument(
+        "--length-predictor",
+        metavar="PATH",
+        default=None,
+        help="file the output-length predictor (SSJF priorities) is loaded from and saved to at shutdown "
+        "(default: it learns afresh each start)",
+    )
+    p.add_argument(
+        "--no-length-prediction",
+        action="store_true",
+        help="send engines no predicted-length priorities (their SJF queue then falls back to arrival order)",
+    )
     p.add_argument(
         "--network-delay",
         type=float,
@@ -103,7 +116,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     engines = build_engines(args.model, args.engines, config)
     try:
-        manager = Manager(engines, ManagerConfig(session_ttl=args.session_ttl))
+        manager_config = ManagerConfig(
+            session_ttl=args.session_ttl,
+            length_prediction=not args.no_length_prediction,
+            length_predictor_path=args.length_predictor,
+        )
+        try:
+            manager = Manager(engines, manager_config)
+        except LengthPredictorStateError as e:
+            p.error(str(e))
         app: ASGIApp = create_app(manager, security=settings)
         if args.network_delay is not None:
             app = NetworkDelayMiddleware(app, *args.network_delay)

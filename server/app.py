@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import math
 from collections import Counter
@@ -47,6 +48,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from server.body_limit import BodyLimitMiddleware
 from server.engine import EngineError
 from server.engine.api import error_response
+from server.malloc_tuning import release_free_memory
 from server.openai_api import OpenAIAPIError, create_openai_router
 from server.registration import EngineLimitError, HeartbeatError, heartbeat_problem, registration_refusal
 from server.security import (
@@ -73,6 +75,10 @@ from server.serve.variables import VariableError
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
+# How often the server checks whether it went idle (then returns freed memory to the OS), and the routes
+# whose answers count as work besides open sessions (heartbeats and health probes do not).
+IDLE_CHECK_S = 2.0
+_COMPLETION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
 _BATCH_ANSWER = (
     "NDJSON: a BatchApplied line once every operation is applied, then (with a get) a BatchGetAnswer line"
 )
@@ -192,7 +198,25 @@ def create_app(
                 await asyncio.sleep(manager.config.heartbeat_interval)
                 await manager.check_engines()
 
-        background = [asyncio.create_task(reap()), asyncio.create_task(watch_engines())]
+        async def release_memory_when_idle() -> None:
+            # Work frees memory that the tuned allocator keeps (`server.malloc_tuning`); once the server is
+            # idle again (no session open, no completion answered for a while) it goes back to the OS.
+            busy, answered = False, 0
+            while True:
+                await asyncio.sleep(IDLE_CHECK_S)
+                now = sum(n for (_, path), n in requests.items() if path in _COMPLETION_ROUTES)
+                if len(manager.sessions) or now != answered:
+                    busy, answered = True, now
+                elif busy:
+                    busy = False
+                    gc.collect()  # cycles (tasks, tracebacks) of the finished work, before the trim
+                    await asyncio.to_thread(release_free_memory)
+
+        background = [
+            asyncio.create_task(reap()),
+            asyncio.create_task(watch_engines()),
+            asyncio.create_task(release_memory_when_idle()),
+        ]
         try:
             yield
         finally:

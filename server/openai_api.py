@@ -53,6 +53,7 @@ from server.engine.errors import EngineError
 from server.engine.request import GenerateResult
 from server.engine.sampling import SamplingParams
 from server.serve.errors import ModelNotFoundError
+from server.serve.output_lengths import LengthEstimate
 
 # OpenAI's own default; a client that wants greedy output passes ``temperature=0``.
 DEFAULT_TEMPERATURE = 1.0
@@ -93,9 +94,26 @@ class OpenAIBackend(Protocol):
         ...
 
     async def fill_prompt(
-        self, engine: LLMEngine, context_id: int, token_ids: list[int], cache_salt: str | None
+        self,
+        engine: LLMEngine,
+        context_id: int,
+        token_ids: list[int],
+        cache_salt: str | None,
+        priority: float | None = None,
     ) -> None:
-        """Create ``context_id`` holding ``token_ids`` (from a cached prefix where the backend has one)."""
+        """Create ``context_id`` holding ``token_ids`` (from a cached prefix where the backend has one);
+        ``priority`` orders it in an SJF engine's queue."""
+        ...
+
+    def estimate_length(
+        self, engine: LLMEngine, token_ids: list[int], sampling: SamplingParams
+    ) -> LengthEstimate | None:
+        """The request's predicted output length (its engine priority), or None where the backend predicts
+        none."""
+        ...
+
+    def observe_length(self, estimate: LengthEstimate, length: int) -> None:
+        """A request `estimate_length` predicted wrote ``length`` tokens (the backend learns from it)."""
         ...
 
     async def finish_context(
@@ -140,9 +158,22 @@ class StaticBackend:
         return next(self._ids)
 
     async def fill_prompt(
-        self, engine: LLMEngine, context_id: int, token_ids: list[int], cache_salt: str | None
+        self,
+        engine: LLMEngine,
+        context_id: int,
+        token_ids: list[int],
+        cache_salt: str | None,
+        priority: float | None = None,
     ) -> None:
-        await engine.fill(context_id, token_ids)
+        await engine.fill(context_id, token_ids, priority=priority)
+
+    def estimate_length(
+        self, engine: LLMEngine, token_ids: list[int], sampling: SamplingParams
+    ) -> LengthEstimate | None:
+        return None  # fixed engines keep no history to predict from
+
+    def observe_length(self, estimate: LengthEstimate, length: int) -> None:
+        pass
 
     async def finish_context(
         self, engine: LLMEngine, context_id: int, token_ids: list[int] | None, cache_salt: str | None
@@ -338,6 +369,7 @@ class _Job:
 
     context_id: int
     prompt: list[int]
+    length: LengthEstimate | None  # its predicted output length, if the backend predicts
     stream: GenerationStream | None = None
     output: list[int] | None = None  # its generated tokens, once it completed
 
@@ -380,13 +412,20 @@ async def _serve_on(
     chat: bool,
 ) -> JSONResponse | StreamingResponse:
     """`_serve` on one engine."""
-    jobs = [_Job(backend.new_context_id(), p) for p in prompts]
+    jobs = [_Job(backend.new_context_id(), p, backend.estimate_length(engine, p, sampling)) for p in prompts]
     release = _Release(backend, engine, jobs, req.cache_salt)
     handed_off = False
     try:
-        await _gather_all([backend.fill_prompt(engine, j.context_id, j.prompt, req.cache_salt) for j in jobs])
+        await _gather_all(
+            [
+                backend.fill_prompt(engine, j.context_id, j.prompt, req.cache_salt, _priority(req, j))
+                for j in jobs
+            ]
+        )
         for j in jobs:
-            j.stream = engine.submit_generate(j.context_id, sampling, stream=bool(req.stream))
+            j.stream = engine.submit_generate(
+                j.context_id, sampling, stream=bool(req.stream), priority=_priority(req, j)
+            )
         meta = _Meta(
             id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
             created=int(time.time()),
@@ -412,6 +451,14 @@ async def _serve_on(
     finally:
         if not handed_off:
             await release()
+
+
+def _priority(req: OpenAICompletionRequest | OpenAIChatCompletionRequest, job: _Job) -> float | None:
+    """The engine priority of a job: the request's own ``priority`` (vLLM's extension) when it sends one,
+    else its predicted output length."""
+    if req.priority is not None:
+        return req.priority
+    return None if job.length is None else job.length.priority
 
 
 async def _gather_all(aws: Sequence[Any]) -> list[Any]:
@@ -443,6 +490,8 @@ class _Release:
         for j in jobs:
             if j.stream is not None and j.output is None:
                 j.stream.cancel()
+            elif j.output is not None and j.length is not None:
+                self.backend.observe_length(j.length, len(j.output))
         backs = [
             self.backend.finish_context(
                 self.engine,

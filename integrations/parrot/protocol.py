@@ -778,6 +778,10 @@ class _OpenAISamplingRequest(_OpenAIRequest):
     # Extension (as vLLM's): the prompt's KV is reused only by requests carrying the same salt, so another
     # tenant cannot learn from a faster answer that this prompt was seen before.
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
+    # Extension (as vLLM's): the request's place in the queue of an engine that schedules by priority
+    # (lower starts sooner: the server's engines with scheduling="sjf"; aging bounds every wait). Without
+    # it the server predicts the output length and uses that.
+    priority: float | None = Field(default=None, allow_inf_nan=False)
 
 
 class OpenAICompletionRequest(_OpenAISamplingRequest):

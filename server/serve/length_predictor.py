@@ -30,6 +30,7 @@ import os
 import re
 import tempfile
 import zlib
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +51,9 @@ NEAR_WORDS = 12  # the very end, weighed again on its own
 HASH_BUCKETS = 1 << 18
 BUCKET_EDGES = (16, 64, 128, 256)  # five length buckets, as SSJF's classification variant
 _STATE_VERSION = 1
+# Templates whose statistics are kept (least recently seen go first): function names come from clients,
+# so the table is bounded whatever they send; the hashed weights are bounded by `HASH_BUCKETS`.
+MAX_TEMPLATES = 1 << 16
 _WORD = re.compile(r"\w+")
 
 
@@ -136,7 +140,7 @@ class LengthPredictor:
         self._weights: dict[int, float] = {}
         self._squares: dict[int, float] = {}  # AdaGrad: summed squared subgradients per coordinate
         # key -> (count, mean log length, mean |error| of that mean, mean |error| of the regression)
-        self._templates: dict[str, _TemplateStats] = {}
+        self._templates: OrderedDict[str, _TemplateStats] = OrderedDict()
         self.observed = 0
 
     def _regression(self, f: LengthFeatures) -> float:
@@ -169,6 +173,9 @@ class LengthPredictor:
         model = self._regression(f)  # before learning: what the prediction would have been
         if f.template_key is not None:
             self._templates[f.template_key] = _updated(self._templates.get(f.template_key), target, model)
+            self._templates.move_to_end(f.template_key)
+            if len(self._templates) > MAX_TEMPLATES:
+                self._templates.popitem(last=False)
         error = model - target
         sign = 0.0 if error == 0 else math.copysign(1.0, error)  # the L1 loss's subgradient
         for i, v in f.active:
@@ -215,10 +222,10 @@ class LengthPredictor:
             p.observed = int(state["observed"])
             p._weights = {int(i): float(w) for i, w in state["weights"].items()}
             p._squares = {int(i): float(s) for i, s in state["squares"].items()}
-            p._templates = {
-                str(k): (int(c), float(m), float(e), float(r))
+            p._templates = OrderedDict(
+                (str(k), (int(c), float(m), float(e), float(r)))
                 for k, (c, m, e, r) in state["templates"].items()
-            }
+            )
             return p
         except LengthPredictorStateError:
             raise

@@ -65,6 +65,8 @@ from server.serve.ir import (
     render_prompt,
     text_before,
 )
+from server.serve.length_predictor import LengthPredictor
+from server.serve.output_lengths import PROMPT_TAIL_TOKENS, LengthEstimate, OutputLengths, template_key
 from server.serve.placement import (
     NoServingEngineError,
     PinnedEngineGoneError,
@@ -172,6 +174,11 @@ class ManagerConfig:
     # How many times a step (or an OpenAI request that has streamed nothing) whose engine failed runs again
     # on another engine before it fails naming the engines.
     max_step_retries: int = 2
+    # SSJF: predict each step's and OpenAI request's output length (`server.serve.output_lengths`) and send it
+    # as the engine priority (used by engines running scheduling="sjf"); off: no priorities are sent. The
+    # predictor's state is loaded from and saved (at shutdown) to `length_predictor_path` when given.
+    length_prediction: bool = True
+    length_predictor_path: str | None = None
 
 
 Engine = LLMEngine | RemoteEngine
@@ -241,6 +248,9 @@ class Manager:
         # engine that registers again is a new id and serves as new.
         self._failed: set[int] = set()
         self._cleanups: set[asyncio.Task[None]] = set()  # a retired engine's best-effort frees
+        self.lengths = (
+            OutputLengths(self.config.length_predictor_path) if self.config.length_prediction else None
+        )
 
     # ------------------------------------------------------------------------------------------ engines
     async def register_engine(
@@ -762,15 +772,25 @@ class Manager:
         namespace = prep.namespace
         await self._share_prefix(engine_index, namespace, shared)
         context_id = next(self._context_ids)
+        sampling = _sampling(step.gen.sampling)
+        estimate = None
+        if self.lengths is not None:
+            template = template_key(call.func_name, step.index)
+            estimate = self.lengths.estimate(
+                template, prep.prompt, len(token_ids), sampling, group=request.task_group
+            )
+        priority = None if estimate is None else estimate.priority
         try:
-            await self._fill_from_cache(engine_index, namespace, context_id, token_ids)
+            await self._fill_from_cache(engine_index, namespace, context_id, token_ids, priority)
             # A latency-bound step carries the engine's latency cap, so the engine keeps its batch under
             # it against traffic the placement does not see (the OpenAI endpoints).
             latency_cap = self._caps(engine)[1] if request.latency_bound else None
-            result = await engine.generate(context_id, _sampling(step.gen.sampling), latency_cap=latency_cap)
+            result = await engine.generate(context_id, sampling, latency_cap=latency_cap, priority=priority)
         except BaseException:  # failed or cancelled (session deleted): the step's context goes too
             await self._free(engine_index, context_id)
             raise
+        if estimate is not None and self.lengths is not None:
+            self.lengths.observe(estimate, len(result.token_ids))
         held = token_ids + result.token_ids
         last = step.index + 1 == len(call.steps)
         if not last:  # the next step continues this context with the raw output
@@ -890,14 +910,20 @@ class Manager:
         return match
 
     async def _fill_from_cache(
-        self, engine_index: int, namespace: str, context_id: int, token_ids: list[int]
+        self,
+        engine_index: int,
+        namespace: str,
+        context_id: int,
+        token_ids: list[int],
+        priority: float | None = None,
     ) -> None:
         """Make ``context_id`` hold ``token_ids``: a fork of the leading tokens they share with a kept
-        context (held against eviction while the fork is made), filled with the rest."""
+        context (held against eviction while the fork is made), filled with the rest. ``priority``: the
+        request's place in an SJF engine's queue (its prefill is ordered as its generation is)."""
         match = self._cached_match(engine_index, namespace, token_ids)
         engine = self.engines[engine_index]
         if match is None:
-            await engine.fill(context_id, token_ids)
+            await engine.fill(context_id, token_ids, priority=priority)
             return
         self._prefixes.acquire(match.entry)
         try:
@@ -906,6 +932,7 @@ class Manager:
                 token_ids[match.length :],
                 match.entry.context_id,
                 parent_len=None if match.whole else match.length,
+                priority=priority,
             )
         finally:
             self._prefixes.release(match.entry)
@@ -971,13 +998,40 @@ class Manager:
         return next(self._context_ids)
 
     async def fill_prompt(
-        self, engine: Engine, context_id: int, token_ids: list[int], cache_salt: str | None
+        self,
+        engine: Engine,
+        context_id: int,
+        token_ids: list[int],
+        cache_salt: str | None,
+        priority: float | None = None,
     ) -> None:
         """An OpenAI request's prompt: forked from the longest cached token prefix, the rest filled."""
         if not self.config.openai_prefix_cache:
-            await engine.fill(context_id, token_ids)
+            await engine.fill(context_id, token_ids, priority=priority)
             return
-        await self._fill_from_cache(self._index_of(engine), _namespace(cache_salt), context_id, token_ids)
+        index = self._index_of(engine)
+        await self._fill_from_cache(index, _namespace(cache_salt), context_id, token_ids, priority)
+
+    def estimate_length(
+        self, engine: Engine, token_ids: list[int], sampling: SamplingParams
+    ) -> LengthEstimate | None:
+        """An OpenAI request's predicted output length (no template: it comes as a whole prompt)."""
+        if self.lengths is None:
+            return None
+        try:
+            tail = engine.tokenizer.decode(token_ids[-PROMPT_TAIL_TOKENS:])
+        except (OverflowError, ValueError, TypeError):  # ids outside the vocabulary: the engine refuses
+            tail = ""  # them with a clear error when the fill is validated, which is not this step's job
+        return self.lengths.estimate(None, tail, len(token_ids), sampling)
+
+    def observe_length(self, estimate: LengthEstimate, length: int) -> None:
+        if self.lengths is not None:
+            self.lengths.observe(estimate, length)
+
+    @property
+    def length_predictor(self) -> LengthPredictor | None:
+        """The live output-length predictor (None with ``length_prediction`` off)."""
+        return None if self.lengths is None else self.lengths.predictor
 
     async def finish_context(
         self, engine: Engine, context_id: int, token_ids: list[int] | None, cache_salt: str | None
@@ -1075,6 +1129,11 @@ class Manager:
             )
 
     async def shutdown(self) -> None:
+        if self.lengths is not None:
+            try:
+                self.lengths.save()
+            except OSError as e:  # the state is an optimization: losing it must not stop the shutdown
+                log.warning("could not save the length predictor's state: %s", e)
         for session in list(self.sessions):
             await self.delete_session(session)
         for engine_id, link in self._remote.items():

@@ -83,6 +83,7 @@ class ScriptedEngine:
         parent_context_id: int | None = None,
         *,
         parent_len: int | None = None,
+        priority: float | None = None,
     ) -> int:
         base = self.contexts.get(parent_context_id, []) if parent_context_id is not None else []
         base = base[:parent_len] if parent_len is not None else base
@@ -90,7 +91,12 @@ class ScriptedEngine:
         return len(self.contexts[context_id])
 
     def submit_generate(
-        self, context_id: int, sampling: Any = None, parent_context_id: int | None = None, stream: bool = True
+        self,
+        context_id: int,
+        sampling: Any = None,
+        parent_context_id: int | None = None,
+        stream: bool = True,
+        priority: float | None = None,
     ) -> _Answer:
         """What the OpenAI endpoints call (the baseline path): the answer, streamable."""
         tokens = self.contexts.setdefault(context_id, list(self.contexts.get(parent_context_id, [])))
@@ -110,6 +116,7 @@ class ScriptedEngine:
         parent_context_id: int | None = None,
         *,
         latency_cap: int | None = None,
+        priority: float | None = None,
     ) -> GenerateResult:
         """What the manager calls (the semantic-call path)."""
         return await self.submit_generate(context_id, sampling, parent_context_id).result()

@@ -507,16 +507,18 @@ def test_runner_gives_what_apply_gives(
         ([{"type": "json"}], "not json", TransformError),
         ([{"type": "regex", "pattern": CATASTROPHIC}], "x" * 24, TransformError),
         ([{"type": "regex", "pattern": r"(a)\1"}], "aa", TransformPatternError),
-        ([{"type": "regex", "pattern": "x?", "findall": True}], "a" * 400_000, TransformLimitError),
+        # Over the output limit (made small, so that a loaded machine cannot hit the time limit first).
+        ([{"type": "regex", "pattern": "x?", "findall": True}], "a" * 4_000, TransformLimitError),
     ],
 )
 def test_runner_raises_what_apply_raises(
     runner: TransformRunner, specs: list[dict[str, Any]], text: str, error: type[Exception]
 ) -> None:
+    limits = TransformLimits(max_output_chars=1_000)
     with pytest.raises(error) as expected:
-        apply_transforms(specs, text)
+        apply_transforms(specs, text, limits)
     with pytest.raises(error) as got:
-        runner.run(specs, text)
+        runner.run(specs, text, limits)
     assert type(got.value) is type(expected.value) and str(got.value) == str(expected.value)
 
 
