@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import itertools
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -179,6 +181,17 @@ class ManagerConfig:
     # predictor's state is loaded from and saved (at shutdown) to `length_predictor_path` when given.
     length_prediction: bool = True
     length_predictor_path: str | None = None
+    # Admission by predicted length (SSJF §6): a step counts against an engine's capacity with its predicted
+    # output times this margin (at most max_tokens) instead of max_tokens; None: max_tokens, as before.
+    admit_by_predicted_length: float | None = None
+
+    def __post_init__(self) -> None:
+        margin = self.admit_by_predicted_length
+        if margin is not None and not (math.isfinite(margin) and margin >= 1.0):
+            raise ValueError(
+                f"admit_by_predicted_length is the margin over the predicted output length (a number >= 1, "
+                f"e.g. 1.5), or None to count max_tokens; got {margin!r}"
+            )
 
 
 Engine = LLMEngine | RemoteEngine
@@ -591,11 +604,10 @@ class Manager:
             if node.status != "dispatched":
                 continue  # not queued yet: it is dispatched with its new objective
             goal = objective(node)
-            group = goal.task_group
             self.placement.reprioritise(
                 _request_key(session, node),
                 criteria=goal.criteria,
-                task_group=None if group is None else f"{group.call_id}/{group.index}",
+                task_group=_task_group_key(goal),
             )
 
     def _prepare(self, session: Session, node: StepNode) -> _Prepared:
@@ -685,12 +697,15 @@ class Manager:
         shared, shared_key = [], None
         if self.config.prefix_sharing and pinned is None:
             shared, shared_key = self._shared_prefix(tokenizer, node, prep, token_ids)
+        estimate = self._estimate(node, prep, len(token_ids))
         request = self._queued(
             session, node, objective(node), token_ids, shared, shared_key, serving, prep, pinned is not None
         )
+        if estimate is not None and self.config.admit_by_predicted_length is not None:
+            request = self._admitted_by_prediction(request, node, estimate)
         engine_index = await self.placement.acquire(request)
         try:
-            return await self._run_on(engine_index, session, node, prep, token_ids, shared, request)
+            return await self._run_on(engine_index, session, node, prep, token_ids, shared, request, estimate)
         except EngineError as e:
             if not engine_unavailable(e):
                 raise
@@ -741,20 +756,43 @@ class Manager:
             if match is not None:
                 cached[i] = match.length
         affinity = self.config.prefix_affinity
-        group = goal.task_group
         return QueuedRequest(
             key=_request_key(session, node),
             app=session.session_id,
             seq=self.placement.next_seq(),
             tokens=len(token_ids) - len(shared) + node.step.gen.sampling.max_tokens,
             criteria=goal.criteria,
-            task_group=None if group is None else f"{group.call_id}/{group.index}",
+            task_group=_task_group_key(goal),
             depth=goal.depth,
             shared_prefix=shared_key if affinity else None,
             cached=cached if affinity else {},
             pinned=serving[0] if pinned else None,
             model=None if pinned else node.call.model,
         )
+
+    def _estimate(self, node: StepNode, prep: _Prepared, prompt_tokens: int) -> LengthEstimate | None:
+        """The step's predicted output length and engine priority (None with prediction off)."""
+        if self.lengths is None:
+            return None
+        step = node.step
+        return self.lengths.estimate(
+            template_key(node.call.func_name, step.index),
+            prep.prompt,
+            prompt_tokens,
+            _sampling(step.gen.sampling),
+            group=_task_group_key(objective(node)),
+        )
+
+    def _admitted_by_prediction(
+        self, request: QueuedRequest, node: StepNode, estimate: LengthEstimate
+    ) -> QueuedRequest:
+        """``request`` counted with its predicted output (times the configured margin) instead of
+        ``max_tokens`` (SSJF §6): more requests fit an engine's capacity; when one writes more than that,
+        the engine's preemption makes room, as for any request that outgrows the KV cache."""
+        margin = self.config.admit_by_predicted_length or 1.0
+        max_tokens = node.step.gen.sampling.max_tokens
+        reserved = min(max_tokens, math.ceil(estimate.predicted * margin))
+        return dataclasses.replace(request, tokens=request.tokens - max_tokens + reserved)
 
     async def _run_on(
         self,
@@ -765,6 +803,7 @@ class Manager:
         token_ids: list[int],
         shared: list[int],
         request: QueuedRequest,
+        estimate: LengthEstimate | None,
     ) -> tuple[str, str]:
         call, step = node.call, node.step
         key = (session.session_id, call.call_id)
@@ -773,12 +812,6 @@ class Manager:
         await self._share_prefix(engine_index, namespace, shared)
         context_id = next(self._context_ids)
         sampling = _sampling(step.gen.sampling)
-        estimate = None
-        if self.lengths is not None:
-            template = template_key(call.func_name, step.index)
-            estimate = self.lengths.estimate(
-                template, prep.prompt, len(token_ids), sampling, group=request.task_group
-            )
         priority = None if estimate is None else estimate.priority
         try:
             await self._fill_from_cache(engine_index, namespace, context_id, token_ids, priority)
@@ -1149,6 +1182,11 @@ def _namespace(cache_salt: str | None) -> str:
     if cache_salt is None:
         return ""
     return "#" + hashlib.sha256(cache_salt.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+def _task_group_key(goal: StepObjective) -> str | None:
+    group = goal.task_group
+    return None if group is None else f"{group.call_id}/{group.index}"
 
 
 def _request_key(session: Session, node: StepNode) -> str:

@@ -199,3 +199,47 @@ def test_the_server_refuses_to_start_on_a_corrupt_predictor_file(tmp_path: Path)
     )
     assert run.returncode == 2
     assert "not a length-predictor state" in run.stderr and "--length-predictor" in run.stderr
+
+
+def _peak_running_steps(capacity: int, margin: float | None) -> int:
+    """How many of 4 concurrent steps (prompt ~20 tokens, max_tokens 30, predicted 6) one engine with room for
+    ``capacity`` tokens ran at once."""
+    config = ManagerConfig(engine_capacity_tokens=capacity, admit_by_predicted_length=margin)
+    with launch("tiny", engine_config=EngineConfig(num_kv_blocks=256), manager_config=config) as s:
+        lengths = s.manager.lengths
+        assert lengths is not None
+        sampling = SamplingParams(max_tokens=30)
+        for i in range(6):  # the function is known to write 6 tokens
+            lengths.observe(lengths.estimate(template_key("brief", 0), f"note {i}", 20, sampling), 6)
+        peak = 0
+        fill = s.engines[0].fill
+
+        async def counted(*args: Any, **kw: Any) -> int:
+            nonlocal peak
+            peak = max(peak, s.manager.placement.running_steps(0))
+            return await fill(*args, **kw)
+
+        s.engines[0].fill = counted  # type: ignore[method-assign]
+        fn = P.SemanticFunction.from_template(
+            "Write a brief note about item number {{input:x}}: {{output:y}}",
+            name="brief",
+            sampling=P.SamplingConfig(max_tokens=30),
+            criteria=P.THROUGHPUT,
+        )
+        with P.Session(s.url):
+            outs = [fn(x=str(i)) for i in range(4)]
+            assert all(isinstance(o.get(), str) for o in outs)  # every step completes either way
+        return peak
+
+
+def test_admission_by_predicted_length_fits_more_steps_in_the_same_capacity() -> None:
+    # ~20 prompt tokens + 30 max_tokens = ~50 per step: one fits in 70 tokens of capacity; counted with
+    # their predicted 6 tokens (margin 1.5 -> 9 reserved) three of them do.
+    assert _peak_running_steps(70, None) == 1
+    assert _peak_running_steps(70, 1.5) >= 2
+
+
+@pytest.mark.parametrize("margin", [0.5, float("nan"), float("inf")])
+def test_a_bad_admission_margin_is_refused(margin: float) -> None:
+    with pytest.raises(ValueError, match="admit_by_predicted_length"):
+        ManagerConfig(admit_by_predicted_length=margin)
