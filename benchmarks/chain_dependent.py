@@ -27,9 +27,8 @@ speedup_nodelay_submit_criteria=... total_s=...`` (speedup: baseline over Parrot
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,8 +39,7 @@ from benchmarks.common import document_chunks, log, render_template
 from benchmarks.harness import measure, record, systems
 from benchmarks.harness.clients import complete, greedy
 from benchmarks.harness.measure import Ratio, Samples
-from server.engine import EngineConfig, LLMEngine
-from server.netdelay import NetworkDelayMiddleware
+from server.engine import EngineConfig
 
 NAME = "chain_dependent"
 SERVER = "server"  # one server for every client: the baseline's configuration (no OpenAI-route cache)
@@ -229,30 +227,6 @@ def main(argv: list[str] | None = None) -> None:
         ],
         paper_anchor=list(PAPER_ANCHOR),
     )
-
-
-# ----------------------------------------------------------------------------------------------- legacy
-# `benchmarks.llamaindex_synth` (not on the harness yet) starts its server through these two: drop them
-# when it moves to `systems.serve`.
-@dataclass
-class Served:
-    """The running server: its base URL, the delay middleware (switched per setting) and the engine."""
-
-    url: str
-    delay: NetworkDelayMiddleware
-    engine: LLMEngine
-    model_name: str
-
-
-@contextlib.contextmanager
-def serve(model: str, engine_config: EngineConfig, cfg: Any) -> Iterator[Served]:
-    """One server (the baseline's configuration) behind the delay ``U(cfg.delay_low_s, cfg.delay_high_s)``,
-    switched off."""
-    delay = (cfg.delay_low_s, cfg.delay_high_s)
-    with systems.serve(model, [systems.baseline(SERVER, engine_config)], delay=delay, seed=cfg.seed) as up:
-        s = up[SERVER]
-        assert s.delay is not None
-        yield Served(s.url, s.delay, s.engines[0], s.model_name)
 
 
 if __name__ == "__main__":

@@ -1,88 +1,76 @@
-"""LangChain apps: the two recipes through `compile_chain` vs the same chains on `ChatParrot`, one server.
+"""LangChain apps: LCEL chains compiled to one submission vs the same chains on `ChatParrot` call by call.
 
-Two applications, written once as LCEL chains in ``recipes/`` and run two ways on the same server and
-engine:
+Two applications, written once as LCEL chains (those of ``recipes/map_reduce_summary.py`` and
+``recipes/chain_summary.py``) over chunks of stdlib docstrings, run two ways on one server and engine:
 
-* **map_reduce** (`recipes.map_reduce_summary.build_chain`): ``summarize.map() | "\\n\\n".join | combine``
-  over ``map_chunks`` chunks of stdlib docstrings;
-* **chain_summary** (`recipes.chain_summary.build_step`): a refine loop over ``chain_steps`` chunks, each
-  step reading the previous summary.
+* **map_reduce**: ``summarize.map() | join | combine`` over ``map_chunks`` chunks;
+* **chain_summary**: a refine loop over ``chain_steps`` chunks, each step reading the previous summary.
 
-Clients:
+Clients, with the same `ChatParrot` settings (greedy, EOS ignored: every call writes its token budget):
 
-* **parrot** — `compile_chain`: map_reduce is one ``invoke`` of the compiled chain (one submission, one
-  wait); chain_summary queues every step with ``submit`` in one session (each step's input is the
-  previous step's output variable) and waits for the last summary once;
-* **langchain** — the original chains on `ChatParrot` used request by request, as LangChain runs them
-  against any OpenAI-style service: ``.map()`` sends its calls concurrently (LangChain's default thread
-  pool), the refine loop waits for each answer before the next request.
+* **parrot (compile_chain)** — map_reduce is one ``invoke`` of the compiled chain (one submission, one
+  wait; its session is deleted in the background after the answer); chain_summary queues every step with
+  ``submit`` in one session, each step's input the previous step's output variable, and waits for the last
+  summary once (the session's delete is timed);
+* **langchain (ChatParrot)** — the original chains, as LangChain runs them against any OpenAI-style
+  service: ``.map()`` sends its calls concurrently (its thread pool), the refine loop waits for each answer.
 
-Both use the same `ChatParrot` settings (greedy, EOS ignored so every call writes exactly its token
-budget). Before timing, the outputs of the two clients are checked to be identical for each app (a
-difference stops the run). End-to-end latency of one run is measured from the call to the final summary
-in the client's hands (the compiled ``invoke`` deletes its session after that, in the background; the
-submit loop's ``with P.Session`` block deletes it before returning, inside the timing). Two settings on one
-server: without network delay, and with the simulated client delay of ``U(0.2, 0.3)`` s per HTTP request
-(the paper's 250 ms). Medians over ``--repeats`` runs per client, clients interleaved, after a warm-up;
-the spread (``±``) is half the range.
+The two clients' answers must be identical per app before anything is timed. Latency = the call to the
+final summary in the client's hands; medians over ``--repeats`` interleaved runs after a warm-up, ± half
+the range, without and with the client network delay U(0.2, 0.3) s per request. Paper anchors (Fig. 11,
+14): chain summary 1.38x-1.88x, map-reduce up to 2.37x.
 
     python -m benchmarks.langchain_apps [--quick] [--json PATH] [--repeats N]
-    (or python benchmarks/langchain_apps.py ...)
 
-The last line is ``RESULT langchain_apps map_reduce_speedup=... chain_summary_speedup=...
+Last line: ``RESULT langchain_apps map_reduce_speedup=... chain_summary_speedup=... *_speedup_nodelay=...
 map_reduce_parrot_s=... map_reduce_langchain_s=... chain_summary_parrot_s=... chain_summary_langchain_s=...
-...`` (speedup = langchain / parrot median latency with the delay; ``*_nodelay`` without).
+total_s=...`` (speedup: langchain over parrot median latency, with the delay; ``*_nodelay`` without).
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
-import time
-from collections import Counter
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
-if not __package__:
-    # Run as a file, this script's directory would come first on sys.path (where `benchmarks/kernels.py`
-    # shadows the `kernels` package); put the repository root there instead.
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
+import parrot as P
+from langchain_core.output_parsers import StrOutputParser
+from langchain_core.prompts import ChatPromptTemplate
+from langchain_core.runnables import Runnable, RunnableLambda
+from langchain_parrot import TINY_MODEL_DIR, ChatFormat, ChatParrot, CompiledChain, compile_chain
 
-from langchain_parrot import TINY_MODEL_DIR, ChatFormat, ChatParrot, compile_chain
-
-from benchmarks.common import (
-    ClientResult,
-    Spread,
-    add_engine_flags,
-    add_size_flags,
-    load_average,
-    log,
-    machine_info,
-    markdown_table,
-    result_line,
-    safe_ratio,
-    set_threads,
-    sized,
-    write_json,
-)
-from recipes import chain_summary, map_reduce_summary
+from benchmarks.common import add_engine_flags, log
+from benchmarks.harness import frameworks, record
+from benchmarks.harness.frameworks import Apps
 from server.engine import EngineConfig
-from server.launcher import LaunchedServer, launch
-from server.serve.manager import ManagerConfig
+from workload_text import stdlib_text
 
 NAME = "langchain_apps"
+MODEL = "tiny"  # the clients render chats with its format (`TINY_MODEL_DIR`)
 PARROT = "parrot (compile_chain)"
 LANGCHAIN = "langchain (ChatParrot)"
 CLIENTS = (PARROT, LANGCHAIN)
 APPS = ("map_reduce", "chain_summary")
+PAPER_ANCHOR = {"chain_summary": [1.38, 1.88], "map_reduce": 2.37}
+
+# The recipes' prompts (recipes/ is not part of the wheel: the benchmark keeps its own copy).
+MAP_SYSTEM = "You answer questions about documents briefly and faithfully."
+MAP_HUMAN = "{chunk}\n\nWhat right does this text protect? Answer in one short sentence."
+REDUCE_HUMAN = (
+    "These are summaries of the parts of one document:\n\n{summaries}\n\n"
+    "In one short paragraph, say which rights the whole document protects."
+)
+REFINE_SYSTEM = "You summarize documents."
+REFINE_HUMAN = (
+    "Here is a summary of a document so far:\n{summary}\n\nHere is the next part of the document:\n{chunk}"
+    "\n\nRewrite the summary so that it also covers the new part. Answer with the summary only, in at most "
+    "three sentences."
+)
+FIRST_SUMMARY = "(nothing yet)"
 
 
 @dataclass(frozen=True)
 class BenchConfig:
-    """What one run measures."""
-
     map_chunks: int = 8
     map_words: int = 120
     map_tokens: int = 24
@@ -91,22 +79,14 @@ class BenchConfig:
     chain_words: int = 80
     chain_tokens: int = 24
     repeats: int = 5
-    delay_low_s: float = 0.2
-    delay_high_s: float = 0.3
+    num_kv_blocks: int = 2048
     seed: int = 0
 
 
 FULL = BenchConfig()
-# The recipes' default job shapes (8 chunks mapped, 6 refine steps), with shorter texts and outputs.
+# The recipes' job shapes (8 chunks mapped, 6 refine steps), with shorter texts and outputs.
 QUICK = BenchConfig(
-    map_chunks=8,
-    map_words=60,
-    map_tokens=8,
-    reduce_tokens=8,
-    chain_steps=6,
-    chain_words=40,
-    chain_tokens=8,
-    repeats=3,
+    map_words=60, map_tokens=8, reduce_tokens=8, chain_steps=6, chain_words=40, chain_tokens=8, repeats=3
 )
 TINY = BenchConfig(
     map_chunks=2,
@@ -120,268 +100,130 @@ TINY = BenchConfig(
 )
 
 
-# ----------------------------------------------------------------------------------------------- apps
-@dataclass
-class App:
-    """One application, runnable by either client; ``run(client)`` returns the final summary."""
-
-    name: str
-    description: str
-    runners: dict[str, Callable[[], str]]
+# ----------------------------------------------------------------------------------------------- the apps
+def make_chunks(count: int, words: int) -> list[str]:
+    """``count`` consecutive pieces of ``words`` words of the stdlib docstring text."""
+    text = stdlib_text(count * words * 8).split()
+    return [" ".join(text[i * words : (i + 1) * words]) for i in range(count)]
 
 
-def make_apps(url: str, cfg: BenchConfig) -> list[App]:
+def answer(system: str, human: str, chat: Runnable[Any, Any]) -> Runnable[Any, str]:
+    """``prompt | chat | StrOutputParser()`` for a system message and a human message template."""
+    return ChatPromptTemplate.from_messages([("system", system), ("human", human)]) | chat | StrOutputParser()
+
+
+def map_reduce_chain(map_chat: Runnable[Any, Any], reduce_chat: Runnable[Any, Any]) -> Runnable[Any, str]:
+    """The recipe's whole map-reduce: chunks -> one summary per chunk (``.map()``), joined -> summary."""
+    combine = RunnableLambda("\n".join) | answer(MAP_SYSTEM, REDUCE_HUMAN, reduce_chat)
+    return answer(MAP_SYSTEM, MAP_HUMAN, map_chat).map() | combine
+
+
+def refine_compiled(compiled: CompiledChain, url: str, chunks: Sequence[str]) -> str:
+    """The chain summary through `compile_chain`: every step submitted in one session, each reading the
+    previous step's output variable; the last summary fetched once."""
+    with P.Session(url):
+        summary: str | P.Variable = FIRST_SUMMARY
+        for chunk in chunks:
+            summary = compiled.submit({"summary": summary, "chunk": chunk})["output"]
+        assert isinstance(summary, P.Variable)
+        return str(summary.get(criteria=P.LATENCY))
+
+
+def refine_plain(step: Runnable[Any, str], chunks: Sequence[str]) -> str:
+    """The same chain as plain LangChain: one request per step, each after the previous answer."""
+    summary = FIRST_SUMMARY
+    for chunk in chunks:
+        summary = step.invoke({"summary": summary, "chunk": chunk})
+    return summary
+
+
+def make_apps(url: str, cfg: BenchConfig) -> Apps:
     """Both apps, both clients, on the server at ``url``."""
     chat = ChatParrot(
         base_url=url,
         temperature=0,
-        ignore_eos=True,  # every call writes exactly its token budget, for both clients
+        ignore_eos=True,
         chat_format=ChatFormat.from_pretrained(TINY_MODEL_DIR),
         timeout=300,
     )
-    map_chunks = chain_summary.make_chunks(cfg.map_chunks, cfg.map_words)
-    map_reduce = map_reduce_summary.build_chain(
+    map_chunks = make_chunks(cfg.map_chunks, cfg.map_words)
+    map_reduce = map_reduce_chain(
         chat.bind(max_tokens=cfg.map_tokens), chat.bind(max_tokens=cfg.reduce_tokens)
     )
     map_reduce_compiled = compile_chain(map_reduce)
-    steps = chain_summary.make_chunks(cfg.chain_steps, cfg.chain_words)
-    step = chain_summary.build_step(chat.bind(max_tokens=cfg.chain_tokens))
+    steps = make_chunks(cfg.chain_steps, cfg.chain_words)
+    step = answer(REFINE_SYSTEM, REFINE_HUMAN, chat.bind(max_tokens=cfg.chain_tokens))
     step_compiled = compile_chain(step)
-    return [
-        App(
-            "map_reduce",
-            f"{cfg.map_chunks} chunks of {cfg.map_words} words, {cfg.map_tokens}-token summaries, "
-            f"{cfg.reduce_tokens}-token final summary",
-            {
-                PARROT: lambda: map_reduce_compiled.invoke(map_chunks),
-                LANGCHAIN: lambda: map_reduce.invoke(map_chunks),
-            },
-        ),
-        App(
-            "chain_summary",
-            f"{cfg.chain_steps} dependent steps, chunks of {cfg.chain_words} words, "
-            f"{cfg.chain_tokens} tokens per summary",
-            {
-                PARROT: lambda: chain_summary.run_compiled(step_compiled, url, steps),
-                LANGCHAIN: lambda: chain_summary.run_plain(step, steps),
-            },
-        ),
-    ]
-
-
-# ----------------------------------------------------------------------------------------------- measuring
-@dataclass
-class AppResult:
-    app: str
-    delay: bool
-    clients: dict[str, ClientResult]
-
-    def speedup(self) -> float:
-        return safe_ratio(self.clients[LANGCHAIN].spread.median, self.clients[PARROT].spread.median)
-
-    def speedup_range(self) -> tuple[float, float]:
-        ratios = [
-            safe_ratio(b, p)
-            for b, p in zip(self.clients[LANGCHAIN].seconds, self.clients[PARROT].seconds, strict=True)
-        ]
-        s = Spread.of(ratios)
-        return s.lo, s.hi
-
-
-def timed(served: LaunchedServer, run: Callable[[], str]) -> tuple[float, str, int]:
-    """Latency, output, and the HTTP requests the run made (the session's background delete excluded)."""
-    before = Counter(served.request_counts)
-    start = time.perf_counter()
-    out = run()
-    seconds = time.perf_counter() - start
-    made = Counter(served.request_counts) - before
-    return seconds, out, sum(n for (method, _), n in made.items() if method != "DELETE")
-
-
-def verify(apps: list[App]) -> dict[str, str]:
-    """Each app's output, identical for both clients (greedy); stops the run otherwise. Also the warm-up."""
-    outputs: dict[str, str] = {}
-    for app in apps:
-        got = {client: app.runners[client]() for client in CLIENTS}
-        if got[PARROT] != got[LANGCHAIN]:
-            raise SystemExit(
-                f"{app.name}: outputs differ\n  parrot: {got[PARROT]!r}\n  langchain: {got[LANGCHAIN]!r}"
-            )
-        outputs[app.name] = got[PARROT]
-    return outputs
-
-
-def measure(
-    served: LaunchedServer, apps: list[App], cfg: BenchConfig, delay: bool, expected: dict[str, str]
-) -> list[AppResult]:
-    """``cfg.repeats`` runs per app and client, clients interleaved (alternating which goes first)."""
-    assert served.network_delay is not None
-    served.network_delay.enabled = delay
-    results = []
-    try:
-        for app in apps:
-            clients = {name: ClientResult() for name in CLIENTS}
-            for rep in range(cfg.repeats):
-                for name in CLIENTS if rep % 2 == 0 else CLIENTS[::-1]:
-                    seconds, out, requests = timed(served, app.runners[name])
-                    if out != expected[app.name]:
-                        raise SystemExit(
-                            f"{app.name}/{name}: the output changed between runs (not deterministic?)"
-                        )
-                    clients[name].seconds.append(seconds)
-                    clients[name].requests.append(requests)
-                log(
-                    f"  {app.name} {'delay' if delay else 'no delay'} repeat {rep + 1}: "
-                    + " | ".join(f"{n} {c.seconds[-1]:.3f}s" for n, c in clients.items())
-                )
-            results.append(AppResult(app.name, delay, clients))
-    finally:
-        served.network_delay.enabled = False
-    return results
-
-
-# ----------------------------------------------------------------------------------------------- report
-def results_table(results: list[AppResult]) -> str:
-    rows = []
-    for r in results:
-        lo, hi = r.speedup_range()
-        for name in CLIENTS:
-            c = r.clients[name]
-            s = c.spread
-            rows.append(
-                [
-                    r.app,
-                    "250 ms (0.2-0.3 s)" if r.delay else "none",
-                    name,
-                    f"{s.median:.3f} ±{s.rel_half_range:.0%}",
-                    f"{s.lo:.3f}-{s.hi:.3f}",
-                    str(c.requests[0]) if c.requests else "",
-                    f"{r.speedup():.2f}x ({lo:.2f}-{hi:.2f})" if name == PARROT else "",
-                ]
-            )
-    return markdown_table(
-        [
-            "app",
-            "network delay",
-            "client",
-            "latency s (median)",
-            "range s",
-            "requests/run",
-            "langchain / parrot",
-        ],
-        rows,
-        [False, False, False, True, True, True, True],
-    )
-
-
-def by(results: list[AppResult], app: str, delay: bool) -> AppResult:
-    return next(r for r in results if r.app == app and r.delay == delay)
-
-
-def result_metrics(results: list[AppResult], total_s: float) -> dict[str, float | int]:
-    metrics: dict[str, float | int] = {}
-    for app in APPS:
-        metrics[f"{app}_speedup"] = by(results, app, True).speedup()
-    for app in APPS:
-        metrics[f"{app}_speedup_nodelay"] = by(results, app, False).speedup()
-    for app in APPS:
-        r = by(results, app, True)
-        metrics[f"{app}_parrot_s"] = r.clients[PARROT].spread.median
-        metrics[f"{app}_langchain_s"] = r.clients[LANGCHAIN].spread.median
-    metrics["total_s"] = total_s
-    return metrics
-
-
-def print_report(
-    cfg: BenchConfig, machine: dict[str, Any], apps: list[App], results: list[AppResult], total_s: float
-) -> None:
-    print(
-        f"## langchain_apps — tiny, {machine['cpu_model']}, {machine['usable_cores']} cores, torch "
-        f"{machine['torch']} ({machine['torch_threads']} threads), load average {machine['load_average_1m']} "
-        "at start\n"
-    )
-    for app in apps:
-        print(f"- {app.name}: {app.description}")
-    print(
-        f"\nEnd-to-end latency of one run, median of {cfg.repeats} runs per client after a warm-up, "
-        "± half the range; outputs identical between the clients (checked). Requests/run: HTTP requests "
-        "of one run, its session delete not counted (Parrot map_reduce: `invoke` deletes its session in "
-        "the background, after the result; Parrot chain_summary: the `with P.Session` block of the submit "
-        "loop deletes it at its end, inside the timing).\n"
-    )
-    print(results_table(results) + "\n")
-    print(
-        "paper anchors (Fig. 10/11, LangChain apps on A100s): map-reduce up to 2.4x, chain summary "
-        f"1.38-1.88x. total {total_s:.0f}s"
-    )
-
-
-def json_payload(
-    cfg: BenchConfig, machine: dict[str, Any], apps: list[App], results: list[AppResult], total_s: float
-) -> dict[str, Any]:
     return {
-        "benchmark": NAME,
-        "config": asdict(cfg),
-        "model": "tiny",
-        "apps": {app.name: app.description for app in apps},
-        "machine": machine,
-        "load_average_1m_at_end": load_average(),
-        "outputs_identical": True,
-        "results": [
-            {
-                "app": r.app,
-                "network_delay": r.delay,
-                "delay_s": [cfg.delay_low_s, cfg.delay_high_s] if r.delay else None,
-                "speedup": r.speedup(),
-                "speedup_range": list(r.speedup_range()),
-                "clients": {
-                    name: {**asdict(c), "latency": c.spread.as_dict()} for name, c in r.clients.items()
-                },
-            }
-            for r in results
-        ],
-        "total_s": total_s,
+        "map_reduce": {
+            PARROT: lambda: map_reduce_compiled.invoke(map_chunks),
+            LANGCHAIN: lambda: map_reduce.invoke(map_chunks),
+        },
+        "chain_summary": {
+            PARROT: lambda: refine_compiled(step_compiled, url, steps),
+            LANGCHAIN: lambda: refine_plain(step, steps),
+        },
+    }
+
+
+def describe(cfg: BenchConfig) -> dict[str, str]:
+    return {
+        "map_reduce": f"{cfg.map_chunks} chunks of {cfg.map_words} words, {cfg.map_tokens}-token summaries, "
+        f"{cfg.reduce_tokens}-token final summary",
+        "chain_summary": f"{cfg.chain_steps} dependent steps, chunks of {cfg.chain_words} words, "
+        f"{cfg.chain_tokens} tokens per summary",
     }
 
 
 # ----------------------------------------------------------------------------------------------- main
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    add_engine_flags(parser, model=False)
-    add_size_flags(parser, "fewer, shorter chunks and outputs (~1 min)")
-    parser.add_argument("--repeats", type=int, help="timed runs per client, app and setting (median)")
-    return parser.parse_args(argv)
-
-
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    cfg = sized(args, FULL, QUICK, TINY, repeats=args.repeats)
+    p = record.parser(
+        __doc__,
+        "fewer, shorter chunks and outputs (~1 min)",
+        BenchConfig,
+        engine=False,  # the model is fixed: the LangChain clients render its chat format
+        repeats="timed runs per client, app and setting (median)",
+    )
+    add_engine_flags(p, model=False)
+    args = p.parse_args(argv)
+    cfg = record.configured(args, FULL, QUICK, TINY)
+    rec = record.Recorder(NAME, args)
+    log(f"starting the server ({MODEL}) ...")
+    with frameworks.one_server(MODEL, EngineConfig(num_kv_blocks=cfg.num_kv_blocks), cfg.seed) as served:
+        settings = frameworks.compare(served, make_apps(served.url, cfg), cfg.repeats, PARROT)
 
-    set_threads(args)
-    started = time.perf_counter()
-    machine = machine_info()
-    log("starting the server (tiny) ...")
-    with launch(
-        "tiny",
-        engine_config=EngineConfig(num_kv_blocks=2048),
-        manager_config=ManagerConfig(openai_prefix_cache=False),  # baseline: no OpenAI-route cache
-        startup_timeout=120,
-        network_delay=(cfg.delay_low_s, cfg.delay_high_s),
-        network_delay_seed=cfg.seed,
-    ) as served:
-        assert served.network_delay is not None
-        served.network_delay.enabled = False
-        apps = make_apps(served.url, cfg)
-        log("verifying outputs and warming up ...")
-        expected = verify(apps)
-        results = [r for delay in (False, True) for r in measure(served, apps, cfg, delay, expected)]
-    total_s = time.perf_counter() - started
-    print_report(cfg, machine, apps, results, total_s)
-    if args.json:
-        write_json(args.json, json_payload(cfg, machine, apps, results, total_s))
-    print(result_line(NAME, result_metrics(results, total_s)))
+    print(rec.header(f"{MODEL}, 1 engine"))
+    for app, description in describe(cfg).items():
+        print(f"- {app}: {description}")
+    print(
+        f"\nLatency of one run, median of {cfg.repeats} runs per client after a warm-up, ± half the range; "
+        "answers identical between the clients (checked). Requests/job: HTTP requests of one run up to "
+        "the answer, session deletes not counted. Speedup: the client's latency over Parrot's.\n"
+    )
+    print(frameworks.table(settings) + "\n")
+    print("paper anchors (Fig. 11/14, LangChain apps on A100s): chain summary 1.38-1.88x, map-reduce 2.37x")
+
+    def find(app: str, delay: bool) -> frameworks.AppSetting:
+        return frameworks.find(settings, app, delay)
+
+    rec.finish(
+        {
+            **{f"{app}_speedup": find(app, True).ratios[LANGCHAIN].median for app in APPS},
+            **{f"{app}_speedup_nodelay": find(app, False).ratios[LANGCHAIN].median for app in APPS},
+            **{
+                f"{app}_{client}_s": find(app, True).median(name)
+                for app in APPS
+                for client, name in (("parrot", PARROT), ("langchain", LANGCHAIN))
+            },
+        },
+        config=cfg,
+        model=MODEL,
+        systems={frameworks.SERVER: served.system.describe()},
+        apps=describe(cfg),
+        outputs_identical=True,
+        settings=[s.as_dict() for s in settings],
+        paper_anchor=PAPER_ANCHOR,
+    )
 
 
 if __name__ == "__main__":
