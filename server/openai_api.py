@@ -89,8 +89,9 @@ class OpenAIBackend(Protocol):
         """The names of the models served, for ``GET /v1/models`` and error messages."""
         ...
 
-    def new_context_id(self) -> int:
-        """A context id no other user of any engine holds (the router frees it after the request)."""
+    def open_context(self, engine: LLMEngine) -> int:
+        """A context id no other user of any engine holds, for a request routed to ``engine``: it counts
+        there until `finish_context` (the router always hands it back)."""
         ...
 
     async def fill_prompt(
@@ -154,7 +155,7 @@ class StaticBackend:
     def models(self) -> list[str]:
         return list(self._engines)
 
-    def new_context_id(self) -> int:
+    def open_context(self, engine: LLMEngine) -> int:
         return next(self._ids)
 
     async def fill_prompt(
@@ -412,7 +413,9 @@ async def _serve_on(
     chat: bool,
 ) -> JSONResponse | StreamingResponse:
     """`_serve` on one engine."""
-    jobs = [_Job(backend.new_context_id(), p, backend.estimate_length(engine, p, sampling)) for p in prompts]
+    jobs = [
+        _Job(backend.open_context(engine), p, backend.estimate_length(engine, p, sampling)) for p in prompts
+    ]
     release = _Release(backend, engine, jobs, req.cache_salt)
     handed_off = False
     try:

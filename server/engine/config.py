@@ -167,7 +167,8 @@ class EngineConfig:
     max_running_tokens: int | None = None
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     device: str = field(default_factory=lambda: "cuda" if torch.cuda.is_available() else "cpu")
-    dtype: str | None = None  # "float32" | "float16" | "bfloat16"; default per device (`default_dtype`)
+    # "float32" | "float16" | "bfloat16"; default per device (`default_dtype`), float32 for the "tiny" model
+    dtype: str | None = None
     # Group decodes that share prefix blocks into one pass over the prefix: "auto" where it pays
     # (`kernels.should_share_prefix`), "always" (tests), "never" (ablations).
     shared_prefix_decode: Literal["auto", "always", "never"] = "auto"

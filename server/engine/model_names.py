@@ -78,13 +78,14 @@ def smollm2_path() -> Path:
 
 
 NAMED_MODELS = {"smollm2": smollm2_path}
+TINY_MODEL = "tiny"  # the embedded random-weight model (loaded in float32 unless a dtype is given)
 
 
 def resolve_model(name_or_path: str | Path) -> ModelSource:
     """Resolve a model name or path; `ModelNotFoundError` (a FileNotFoundError) when it is neither."""
     text = str(name_or_path)
-    if text == "tiny":
-        return ModelSource("tiny", "tiny")
+    if text == TINY_MODEL:
+        return ModelSource("tiny", TINY_MODEL)
     if text in NAMED_MODELS and not Path(text).exists():
         return ModelSource("gguf", text, NAMED_MODELS[text]())
     path = Path(name_or_path).expanduser()

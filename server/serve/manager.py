@@ -252,6 +252,9 @@ class Manager:
         self._prefix_fills: dict[tuple[str, tuple[int, ...]], asyncio.Future[None]] = {}
         # Prefix hash -> dispatched steps (not finished) whose prompt has a segment boundary there.
         self._inflight: Counter[str] = Counter()
+        # Engine index -> OpenAI requests' contexts routed there and not finished: an engine's stats lag
+        # behind a burst (a request counts there only once its fill reaches the engine).
+        self._openai_routed: Counter[int] = Counter()
         self._dispatch_pending: set[str] = set()
         self._tasks: dict[str, set[asyncio.Task[None]]] = {}
         self.draining = False  # `drain` began: new work is refused, running steps finish
@@ -1027,7 +1030,10 @@ class Manager:
             raise ModelNotFoundError(model, self.models())
         return serving
 
-    def new_context_id(self) -> int:
+    def open_context(self, engine: Engine) -> int:
+        """A new context id for an OpenAI request routed to ``engine``: it counts against the engine's load
+        (`_pick_engine`) until `finish_context`."""
+        self._openai_routed[self._index_of(engine)] += 1
         return next(self._context_ids)
 
     async def fill_prompt(
@@ -1072,6 +1078,10 @@ class Manager:
         """An OpenAI request is over: a completed one's context is kept as a cached prefix (the next turn
         of a chat repeats it), anything else freed."""
         index = self._index_of(engine)
+        if self._openai_routed[index] > 1:
+            self._openai_routed[index] -= 1
+        else:
+            del self._openai_routed[index]
         keep = self.config.prefix_sharing and self.config.openai_prefix_cache
         if token_ids is None or not token_ids or not keep:
             await self._free(index, context_id)
@@ -1122,10 +1132,15 @@ class Manager:
         return capacity, min(self.config.latency_cap_tokens, capacity)
 
     def _pick_engine(self, candidates: list[int]) -> int:
-        # Least loaded engine; scheduling by application (issue 4) replaces this.
-        pool = candidates
-        loads = {i: self.engines[i].stats() for i in pool}
-        return min(pool, key=lambda i: (loads[i].running + loads[i].waiting, i))
+        """The least loaded engine (lowest index on ties). Its load: the requests it reports, or the OpenAI
+        requests routed to it and not finished where more (a burst routed before any fill arrives there
+        would otherwise all land on one engine)."""
+
+        def load(i: int) -> int:
+            stats = self.engines[i].stats()
+            return max(stats.running + stats.waiting, self._openai_routed[i])
+
+        return min(candidates, key=lambda i: (load(i), i))
 
     async def _free(self, engine_index: int, context_id: int) -> None:
         with contextlib.suppress(EngineError):

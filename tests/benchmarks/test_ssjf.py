@@ -11,7 +11,7 @@ import pytest
 
 from benchmarks import ssjf
 from benchmarks.experiments import by_name
-from benchmarks.workloads.natural_lengths import KINDS, split
+from benchmarks.workloads.natural_lengths import CHAT_MIX, EVEN_MIX, KINDS, split
 
 KEYS = [
     "jct_reduction_vs_fcfs",
@@ -28,16 +28,22 @@ KEYS = [
 ]
 
 
-def test_the_workload_is_deterministic_balanced_and_split_on_disjoint_topics() -> None:
-    train, test = split(40, 24, seed=3)
-    assert (train, test) == split(40, 24, seed=3) and split(40, 24, seed=4) != (train, test)
+def test_the_workload_is_deterministic_mixed_as_asked_and_split_on_disjoint_topics() -> None:
+    train, test = split(40, 32, seed=3)
+    assert (train, test) == split(40, 32, seed=3) and split(40, 32, seed=4) != (train, test)
     assert {r.topic for r in train}.isdisjoint({r.topic for r in test})
-    for part in (train, test):  # every kind equally often (up to one)
-        counts = [sum(r.kind == k for r in part) for k in KINDS]
-        assert max(counts) - min(counts) <= 1
+    weight = sum(CHAT_MIX.values())
+    for part in (train, test):  # each kind in proportion to its weight (up to one)
+        for kind in KINDS:
+            count = sum(r.kind == kind for r in part)
+            assert abs(count - len(part) * CHAT_MIX[kind] / weight) < 1
+    assert [sum(r.kind == k for r in split(0, 24, mix=EVEN_MIX)[1]) for k in KINDS] == [3] * len(KINDS)
+    assert {r.kind for r in split(0, 5, mix={"story": 1})[1]} == {"story"}
     assert all(r.topic in r.message and r.messages == [{"role": "user", "content": r.message}] for r in test)
     with pytest.raises(ValueError, match="test >= 1"):
         split(4, 0)
+    with pytest.raises(ValueError, match="weights >= 0"):
+        split(4, 4, mix={"poem": 1})
 
 
 def test_tiny_run_ends_with_the_result_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import parrot as P
 import pytest
 
@@ -84,3 +86,25 @@ def test_a_latency_step_reaches_its_engine_with_the_latency_cap(
             )
             assert isinstance(step(x="a short one").get(), str)
     assert caps == [min(config.latency_cap_tokens, capacity), None]
+
+
+async def test_an_openai_burst_is_spread_over_both_engines(
+    two_engines: LaunchedServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Requests routed in one burst reach no engine's stats before the next is routed: the manager counts
+    the ones it routed, so a burst of 8 lands 4 and 4, not 8 on engine 0."""
+    generates = [0, 0]
+    for i, engine in enumerate(two_engines.engines):
+
+        def counted(*args: Any, _submit: Any = engine.submit_generate, _i: int = i, **kw: Any) -> Any:
+            generates[_i] += 1
+            return _submit(*args, **kw)
+
+        monkeypatch.setattr(engine, "submit_generate", counted)
+    body = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0.0}
+    async with httpx.AsyncClient(base_url=two_engines.url, timeout=120) as http:
+        answers = await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(8)))
+    assert [a.status_code for a in answers] == [200] * 8
+    assert len({a.json()["choices"][0]["text"] for a in answers}) == 1
+    assert generates == [4, 4]
+    assert not two_engines.manager._openai_routed  # every routed request was counted out
