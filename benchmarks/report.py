@@ -155,7 +155,8 @@ def _section(e: Experiment, record: Mapping[str, Any] | None, images: Sequence[s
 def plot_headline(e: Experiment, record: Mapping[str, Any], path: Path) -> bool:
     """Bars of the experiment's headline metrics, with the paper's value (or range) where it states one."""
     metrics = record.get("metrics", {})
-    shown = [m for m in e.metrics if m.key in metrics and math.isfinite(metrics[m.key])]
+    # A metric with no value is stored as null (`write_json`): not plotted.
+    shown = [m for m in e.metrics if metrics.get(m.key) is not None and math.isfinite(metrics[m.key])]
     if not shown:
         return False
     plt = pyplot()
