@@ -1078,10 +1078,7 @@ class Manager:
         """An OpenAI request is over: a completed one's context is kept as a cached prefix (the next turn
         of a chat repeats it), anything else freed."""
         index = self._index_of(engine)
-        if self._openai_routed[index] > 1:
-            self._openai_routed[index] -= 1
-        else:
-            del self._openai_routed[index]
+        self._openai_routed -= Counter([index])  # drops the engine at zero
         keep = self.config.prefix_sharing and self.config.openai_prefix_cache
         if token_ids is None or not token_ids or not keep:
             await self._free(index, context_id)
