@@ -10,13 +10,16 @@ called with its chunking planned by the step's first layer and kept on the `Deco
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 
 import kernels
 from kernels import torch_path
+
+if TYPE_CHECKING:
+    from server.engine.remote_kv import RemoteRows
 
 
 @dataclass
@@ -58,8 +61,10 @@ class DecodeBatch:
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: cache slot (block * block_size + offset) of each new token
-    decode: DecodeBatch | None
+    decode: DecodeBatch | None  # rows [0, decode.num_seqs)
     prefills: list[PrefillChunk]
+    # Rows of contexts that start with KV on another engine (`server.engine.remote_kv`); None: no such row.
+    remote: RemoteRows | None = None
 
 
 class AttentionBackend(Protocol):
@@ -74,6 +79,7 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        layer: int,  # which layer: what a remote KV holder attends over
     ) -> torch.Tensor: ...
 
 
@@ -89,10 +95,13 @@ class PagedAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        layer: int,
     ) -> torch.Tensor:
-        if meta.decode is not None and not meta.prefills:  # a pure decode step: its result is the output
-            return _decode(q, k_cache, v_cache, meta.decode, scale)
+        if meta.decode is not None and not meta.prefills and meta.remote is None:
+            return _decode(q, k_cache, v_cache, meta.decode, scale)  # a pure decode step: the whole output
         out = torch.empty_like(q)
+        if meta.remote is not None:
+            meta.remote.attend(layer, q, k_cache, v_cache, scale, out)
         if meta.decode is not None:
             n = meta.decode.num_seqs
             out[:n] = _decode(q[:n], k_cache, v_cache, meta.decode, scale)
@@ -178,3 +187,10 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int, 
         mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= rows
         o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return o[0].transpose(0, 1)
+
+
+def pad_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
+    """Block tables as one ``[len(tables), widest]`` int32 tensor, padded with block 0 (never read: every
+    reader is bounded by a length)."""
+    width = max(1, max(len(t) for t in tables))
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)

@@ -19,11 +19,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from server.engine.block_manager import BlockAllocator
 from server.engine.errors import ContextExistsError, UnknownContextError
+
+if TYPE_CHECKING:
+    from server.engine.remote_kv import RemotePrefix
 
 
 @dataclass(eq=False)
@@ -38,10 +42,18 @@ class Context:
     busy: bool = False  # a request is extending this context
     last_used: int = 0  # engine step of the last use, for LRU eviction
     num_inherited: int = 0  # tokens it was forked with: the parent's, not its own
+    # Leading tokens whose KV another engine holds (attention parallelism): they come before every token
+    # here, which all sit that many positions further on; None: the context is whole.
+    remote: RemotePrefix | None = None
 
     @property
     def num_pending(self) -> int:
         return len(self.token_ids) - self.num_cached
+
+    @property
+    def position_offset(self) -> int:
+        """The position of ``token_ids[0]``: the remote prefix's length (0 for a whole context)."""
+        return 0 if self.remote is None else self.remote.num_tokens
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:

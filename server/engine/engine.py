@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 from parrot.protocol import EngineStats
@@ -37,10 +37,12 @@ from server.engine.errors import (
     TokenOutOfVocabError,
     UnknownContextError,
 )
+from server.engine.kv_exchange import KVExchange
 from server.engine.loader import build_model, load_checkpoint
 from server.engine.model import LlamaForCausalLM
 from server.engine.model_names import DEFAULT_MODEL, TINY_MODEL
 from server.engine.model_runner import KVCache, ModelRunner
+from server.engine.remote_kv import KVLease, KVSourceLostError, RemotePrefix, RemoteRows
 from server.engine.request import FinishReason, GenerateResult, Request
 from server.engine.sampling import SamplingParams, make_generator, sample
 from server.engine.scheduler import ScheduledChunk, Scheduler
@@ -48,12 +50,14 @@ from server.engine.step_features import StepRecord, step_features
 from server.malloc_tuning import tune_glibc_malloc
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class StepRunner(Protocol):
     """Runs a scheduled step: `ModelRunner` (the model over the paged KV cache) or the simulator's."""
 
     grouped_decode_steps: int
+    remote_rows: RemoteRows | None  # the last step's rows over remote KV, if any
 
     def run(self, batch: list[ScheduledChunk]) -> torch.Tensor:
         """The final hidden state of each chunk's last token."""
@@ -106,6 +110,15 @@ class _Submit:
     latency_cap: int | None = None  # a generate's latency cap (`Scheduler`); None: none
     parent_len: int | None = None  # fork from the parent's first this many tokens; None: all of them
     priority: float | None = None  # its place in the waiting queue under "sjf" (lower: sooner)
+    remote: RemotePrefix | None = None  # a new context's leading KV, held by another engine
+
+
+@dataclass
+class _Call:
+    """Run ``fn`` on the engine thread and answer its result (or its `EngineError`)."""
+
+    sink: _Sink
+    fn: Callable[[], object]
 
 
 @dataclass
@@ -156,7 +169,7 @@ class GenerationStream:
         return await self._engine._wait(self._sink)
 
 
-class LLMEngine:
+class LLMEngine(KVExchange):
     """A LLaMA-family engine with a paged KV cache, context fork and continuous batching."""
 
     def __init__(
@@ -240,6 +253,9 @@ class LLMEngine:
         self._tokens_in_last_step = 0
         self._prefill_tokens = 0
         self._decode_tokens = 0
+        self._leases: dict[int, KVLease] = {}  # KV lent to other engines, by lease id (`kv_exchange`)
+        self._kv_bytes_moved = 0  # KV exported and imported (`kv_exchange`)
+        self._remote_attention_bytes = 0  # queries and partials exchanged with KV holders (`remote_kv`)
         # The last `trace_steps` steps' features and wall time, for fitting the simulator's latency model.
         self.step_trace: deque[StepRecord] | None = (
             deque(maxlen=config.trace_steps) if config.trace_steps else None
@@ -279,6 +295,7 @@ class LLMEngine:
         *,
         parent_len: int | None = None,
         priority: float | None = None,
+        remote: RemotePrefix | None = None,
     ) -> int:
         """Append ``token_ids`` to a context (created, or forked from the parent, if new); compute their KV.
 
@@ -287,8 +304,11 @@ class LLMEngine:
         copies a partial last block when it first writes into it. Only with ``parent_context_id``, and only
         when the context is new. A fork from a busy parent waits for the parent's request to finish.
         ``priority``: as `generate`'s (a call's fill may carry its generate's, so the whole call is ordered).
+        ``remote``: the new context starts with KV another engine holds and attends on this engine's behalf
+        (`server.engine.remote_kv`; Mutel's attention parallelism): ``token_ids`` follow it, and everything
+        this context holds here is what comes after it. Only for a new context without a parent.
 
-        Returns the context's length in tokens.
+        Returns the context's length in tokens (here: without the remote prefix).
         """
         sink = self._post_submit(
             _Submit(
@@ -298,6 +318,7 @@ class LLMEngine:
                 list(token_ids),
                 parent_len=parent_len,
                 priority=priority,
+                remote=remote,
             )
         )
         return await self._wait(sink)
@@ -413,6 +434,9 @@ class LLMEngine:
             evictions=self._scheduler.num_evictions,
             grouped_decode_steps=self._runner.grouped_decode_steps,
             max_model_len=self.max_model_len,
+            kv_leases=len(self._leases),
+            kv_bytes_moved=self._kv_bytes_moved,
+            remote_attention_bytes=self._remote_attention_bytes,
         )
 
     def reset_peak_blocks(self) -> None:
@@ -451,6 +475,12 @@ class LLMEngine:
     def _abort(self, sink: _Sink) -> None:
         if not sink.future.done() and self._thread.is_alive():
             self._commands.put(_Abort(sink))
+
+    async def _run_on_thread(self, fn: Callable[[], T]) -> T:
+        """``fn()`` on the engine thread, which owns all state; its `EngineError` is raised here."""
+        sink = self._new_sink(False)
+        self._post(_Call(sink, fn))
+        return await self._wait(sink)  # type: ignore[no-any-return]
 
     async def _wait(self, sink: _Sink) -> Any:
         try:
@@ -497,6 +527,11 @@ class LLMEngine:
         if isinstance(cmd, _Submit):
             try:
                 self._submit(cmd)
+            except EngineError as e:
+                cmd.sink.finish(None, e)
+        elif isinstance(cmd, _Call):
+            try:
+                cmd.sink.finish(cmd.fn())
             except EngineError as e:
                 cmd.sink.finish(None, e)
         elif isinstance(cmd, _Free):
@@ -558,7 +593,13 @@ class LLMEngine:
                     f"{kind}: context {cmd.context_id} is being extended by another request; "
                     "wait for it, or fork a new context from it"
                 )
-            self._check_length(kind, len(ctx.token_ids) + len(cmd.token_ids), cmd.sampling is not None)
+            if cmd.remote is not None:
+                raise InvalidRequestError(
+                    f"{kind}: context {cmd.context_id} already exists; a remote prefix starts a new context"
+                )
+            self._check_length(
+                kind, len(ctx.token_ids) + len(cmd.token_ids), cmd.sampling is not None, ctx.position_offset
+            )
         else:
             if cmd.sampling is not None and cmd.parent_id is None:
                 raise UnknownContextError(
@@ -572,12 +613,19 @@ class LLMEngine:
                         f"{kind}: parent context {cmd.parent_id} does not exist (never created, or freed)"
                     )
                 parent = self._contexts.get(cmd.parent_id)
+                if cmd.remote is not None or parent.remote is not None:
+                    raise InvalidRequestError(
+                        f"{kind}: a context with a remote prefix is neither forked nor forked from; "
+                        "start it without a parent (the remote prefix is its beginning)"
+                    )
                 if parent.busy:  # fork once the parent's own request is done: its state is in flux
                     self._deferred.append(cmd)
                     return
             inherited = 0 if parent is None else self._inherited(kind, parent, cmd.parent_len)
-            self._check_length(kind, inherited + len(cmd.token_ids), cmd.sampling is not None)
+            offset = 0 if cmd.remote is None else cmd.remote.num_tokens
+            self._check_length(kind, inherited + len(cmd.token_ids), cmd.sampling is not None, offset)
             ctx = self._contexts.create(cmd.context_id, parent, cmd.parent_len)
+            ctx.remote = cmd.remote
         self._start(ctx, cmd)
 
     @staticmethod
@@ -593,13 +641,14 @@ class LLMEngine:
             )
         return parent_len
 
-    def _check_length(self, kind: str, total: int, generate: bool) -> None:
+    def _check_length(self, kind: str, total: int, generate: bool, remote: int = 0) -> None:
+        """``total`` tokens held here, after ``remote`` tokens held by another engine."""
         if generate and total == 0:
             raise InvalidRequestError("generate: the context is empty; fill it with a prompt first")
         limit = self.max_model_len - 1 if generate else self.max_model_len
-        if total > limit:
+        if total + remote > limit:
             raise PromptTooLongError(
-                f"{kind}: the context would hold {total} tokens; this model's context window is "
+                f"{kind}: the context would hold {total + remote} tokens; this model's context window is "
                 f"{self.max_model_len} tokens"
                 + (" and generating needs room for one more" if generate else "")
             )
@@ -673,9 +722,14 @@ class LLMEngine:
                 self._finish(c.request, error=EngineError(f"the engine step failed: {e!r}"))
             return
         self._tokens_in_last_step = sum(c.num_tokens for c in batch)
+        lost = self._remote_exchange_done()
         to_sample: list[int] = []
         for i, c in enumerate(batch):
             req, ctx = c.request, c.request.context
+            if ctx.context_id in lost and ctx.remote is not None:
+                error = KVSourceLostError(f"context {ctx.context_id}: {lost[ctx.context_id]}")
+                self._finish(req, error=error)
+                continue
             if req.decoding:
                 self._decode_tokens += c.num_tokens
             else:
@@ -697,6 +751,14 @@ class LLMEngine:
                     self._finish(batch[i].request, error=EngineError(f"sampling failed: {e!r}"))
         if features is not None and self.step_trace is not None:
             self.step_trace.append(StepRecord(features, time.perf_counter() - started))
+
+    def _remote_exchange_done(self) -> dict[int, BaseException]:
+        """Count the step's exchanges with remote KV holders; the contexts whose holder failed, by id."""
+        rows = self._runner.remote_rows
+        if rows is None:
+            return {}
+        self._remote_attention_bytes += rows.bytes_moved
+        return rows.lost()
 
     def _sample(self, batch: list[ScheduledChunk], hidden: torch.Tensor, rows: list[int]) -> None:
         reqs = [batch[i].request for i in rows]
@@ -733,7 +795,8 @@ class LLMEngine:
             if cut >= 0:
                 return "stop", text[:cut]
         if reason is None and (
-            len(req.output_ids) >= sp.max_tokens or len(req.context.token_ids) >= self.max_model_len
+            len(req.output_ids) >= sp.max_tokens
+            or req.context.position_offset + len(req.context.token_ids) >= self.max_model_len
         ):
             reason = "length"
         if reason is None:

@@ -62,8 +62,9 @@ def _fuse(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
+        self.layer = layer
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
@@ -99,7 +100,7 @@ class Attention(nn.Module):
         # The step's new K/V go into their cache slots first; attention then reads only the cache.
         k_cache.view(-1, kv_heads, d).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, kv_heads, d).index_copy_(0, meta.slot_mapping, v)
-        o = backend(q, k, v, k_cache, v_cache, meta, self.scale)
+        o = backend(q, k, v, k_cache, v_cache, meta, self.scale, self.layer)
         return linear(o.reshape(t, heads * d), self.o_proj.weight, self.o_proj.bias)
 
 
@@ -125,9 +126,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, layer)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -137,7 +138,7 @@ class LlamaBackbone(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 

@@ -15,9 +15,11 @@ from server.engine.attention import (
     PagedAttentionBackend,
     PrefillChunk,
     SharedPrefixGroups,
+    pad_tables,
 )
 from server.engine.context import Context, blocks_for
 from server.engine.model import LlamaForCausalLM
+from server.engine.remote_kv import RemoteRows, build_remote_rows
 from server.engine.scheduler import ScheduledChunk
 
 
@@ -88,6 +90,9 @@ class ModelRunner:
         k = kv.k[0]
         self._kv_bytes_per_token = 2 * k.shape[2] * k.shape[3] * k.element_size()
         self.grouped_decode_steps = 0  # decode steps that took the shared-prefix path
+        # The last step's rows attended over remote KV (None: none), read by the engine after `run` for
+        # the bytes exchanged and the contexts whose KV holder was lost.
+        self.remote_rows: RemoteRows | None = None
 
     def run(self, batch: list[ScheduledChunk]) -> torch.Tensor:
         """Run the step; return the final hidden state of each chunk's last token ([len(batch), hidden]).
@@ -95,21 +100,25 @@ class ModelRunner:
         Chunks of 0 tokens take the context's stored hidden state. Only the rows the caller samples or keeps
         are ever projected to logits (`logits`).
         """
-        decodes = [c for c in batch if c.num_tokens == 1]
-        prefills = [c for c in batch if c.num_tokens > 1]
+        # Rows: local decodes, then every token of remote-prefixed contexts, then local fill chunks.
+        remote = [c for c in batch if c.num_tokens > 0 and c.request.context.remote is not None]
+        local = [c for c in batch if c.request.context.remote is None]
+        decodes = [c for c in local if c.num_tokens == 1]
+        prefills = [c for c in local if c.num_tokens > 1]
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         bs = self.block_size
-        for c in decodes + prefills:
+        for c in decodes + remote + prefills:
             ctx = c.request.context
             start, end = ctx.num_cached, ctx.num_cached + c.num_tokens
             ids.extend(ctx.token_ids[start:end])
-            positions.extend(range(start, end))
+            positions.extend(range(start + ctx.position_offset, end + ctx.position_offset))
             table = ctx.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
         last_row: dict[int, int] = {}
         hidden = None
+        self.remote_rows = None
         if ids:
             meta = AttentionMetadata(
                 slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
@@ -119,6 +128,10 @@ class ModelRunner:
             row = len(decodes)
             for i, c in enumerate(decodes):
                 last_row[id(c)] = i
+            if remote:
+                meta.remote = self.remote_rows = self._remote_rows(remote, row)
+                row += sum(c.num_tokens for c in remote)
+                last_row.update(_last_rows(remote, len(decodes)))
             for c in prefills:
                 ctx = c.request.context
                 n_blocks = blocks_for(ctx.num_cached + c.num_tokens, bs)
@@ -152,6 +165,20 @@ class ModelRunner:
                 read += 1
         return torch.stack(out)
 
+    def _remote_rows(self, chunks: list[ScheduledChunk], first_row: int) -> RemoteRows:
+        """Each token of each chunk is a query row over its local keys up to itself plus the remote prefix."""
+        rows = []
+        row = first_row
+        for c in chunks:
+            ctx = c.request.context
+            assert ctx.remote is not None
+            seen = ctx.num_cached + c.num_tokens
+            table = ctx.block_table[: blocks_for(seen, self.block_size)]
+            for p in range(ctx.num_cached, seen):
+                rows.append((row, p + 1, table, ctx.remote, ctx.context_id))
+                row += 1
+        return build_remote_rows(rows, self.device)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)
 
@@ -162,7 +189,7 @@ class ModelRunner:
             ctx.block_table[: blocks_for(n, self.block_size)] for ctx, n in zip(ctxs, lens, strict=True)
         ]
         batch = DecodeBatch(
-            block_tables=_pad(tables, self.device), context_lens=_int32(lens, self.device), groups=None
+            block_tables=pad_tables(tables, self.device), context_lens=_int32(lens, self.device), groups=None
         )
         if self.shared_prefix_decode != "never" and len(ctxs) > 1:
             batch.groups = self._group(ctxs, tables, lens)
@@ -207,18 +234,21 @@ class ModelRunner:
             suffix_tables.append(t[skip:])
             suffix_lens.append(lens[i] - skip * self.block_size)
         return SharedPrefixGroups(
-            prefix_block_tables=_pad(prefix_tables, self.device),
+            prefix_block_tables=pad_tables(prefix_tables, self.device),
             prefix_lens=_int32(prefix_lens, self.device),
             group_of=_int32(group_of, self.device),
-            suffix_block_tables=_pad(suffix_tables, self.device),
+            suffix_block_tables=pad_tables(suffix_tables, self.device),
             suffix_lens=_int32(suffix_lens, self.device),
         )
 
 
+def _last_rows(chunks: list[ScheduledChunk], first_row: int) -> dict[int, int]:
+    last, row = {}, first_row
+    for c in chunks:
+        row += c.num_tokens
+        last[id(c)] = row - 1
+    return last
+
+
 def _int32(values: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int32, device=device)
-
-
-def _pad(tables: list[list[int]], device: torch.device) -> torch.Tensor:
-    width = max(1, max(len(t) for t in tables))
-    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)

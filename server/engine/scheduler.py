@@ -26,7 +26,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from server.engine.context import ContextTable
+from server.engine.context import Context, ContextTable
 from server.engine.ordering import (
     DEFAULT_SJF_AGING_S,
     Queued,
@@ -208,13 +208,21 @@ class Scheduler:
                 hi = mid - 1
         return lo
 
-    def _evict_idle(self) -> bool:
+    def make_room(self, blocks: int, keep: tuple[Context, ...] = ()) -> bool:
+        """Evict idle contexts' KV (as a step does) until ``blocks`` blocks are free, sparing ``keep``;
+        whether they are."""
+        while self.table.allocator.num_free < blocks:
+            if not self._evict_idle(keep):
+                return False
+        return True
+
+    def _evict_idle(self, keep: tuple[Context, ...] = ()) -> bool:
         """Drop the KV of one context no running request uses (idle, or owned by a waiting request).
 
         Private blocks go first; only when none is left do whole contexts go, shared blocks included (a
         block shared by two idle contexts comes back once both let go of it).
         """
-        running = {id(r.context) for r in self.running}
+        running = {id(r.context) for r in self.running} | {id(c) for c in keep}
         idle = [c for c in self.table if id(c) not in running and c.block_table]
         if not idle:
             return False

@@ -50,6 +50,7 @@ class SimRunner:
         self.vocab_size = vocab_size
         self.filler = filler
         self.grouped_decode_steps = 0
+        self.remote_rows = None  # the simulator models no remote KV
         self.last_seconds = 0.0  # predicted time of the last `run`
 
     def run(self, batch: list[ScheduledChunk]) -> torch.Tensor:

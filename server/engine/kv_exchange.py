@@ -1,0 +1,168 @@
+"""The engine's side of disaggregated serving: lending its KV to other engines, and moving KV in and out.
+
+Mixed into `LLMEngine`; every state change runs on the engine thread (`_call`), like every other command.
+
+* `lease_kv` pins a context's cached tokens for another engine to attend over (`remote_kv.KVLease`) and
+  `kv_source` is what that engine calls to do so — the holder side of Mutel's attention parallelism;
+  `release_kv` lets go. A lease holds a reference on each block, so the blocks count as used (exact
+  accounting) until it is released, whatever happens to the context.
+* `export_kv` / `import_kv` copy KV out of one engine and into another (`kv_transfer.KVBlob`): Splitwise's
+  prompt transfer, or Mutel's one-time move of what a decode instance generated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from server.engine.context import Context, blocks_for
+from server.engine.errors import (
+    ContextBusyError,
+    InvalidRequestError,
+    PromptTooLongError,
+    UnknownContextError,
+)
+from server.engine.kv_transfer import KVBlob, read_kv, write_kv
+from server.engine.remote_kv import KVLease, KVSource, LocalKVSource
+
+if TYPE_CHECKING:
+    from server.engine.engine import LLMEngine
+
+
+class KVExchange:
+    """Lease, export and import of KV (see the module docstring)."""
+
+    _kv_source: LocalKVSource | None = None
+
+    @property
+    def kv_source(self: LLMEngine) -> KVSource:  # type: ignore[misc]
+        """What another engine in this process calls to attend over KV this engine leased to it."""
+        if self._kv_source is None:
+            kv = getattr(self._runner, "kv", None)
+            if kv is None:
+                raise InvalidRequestError(f"engine {self.model_name!r} has no KV cache to lend")
+            alive: Callable[[], bool] = lambda: self._dead is None and self._thread.is_alive()  # noqa: E731
+            self._kv_source = LocalKVSource(self.model_name, kv.k, kv.v, alive)
+        return self._kv_source
+
+    async def lease_kv(self: LLMEngine, context_id: int, num_tokens: int | None = None) -> KVLease:  # type: ignore[misc]
+        """Pin the first ``num_tokens`` (default: all) tokens of a context, all computed, for another engine
+        to attend over; they stay as they are until `release_kv`, even if the context changes or goes."""
+
+        def lease() -> KVLease:
+            ctx = _idle(self, context_id, "lease_kv")
+            n = ctx.num_cached if num_tokens is None else num_tokens
+            if not 0 < n <= ctx.num_cached:
+                raise InvalidRequestError(
+                    f"lease_kv: context {context_id} has {ctx.num_cached} computed tokens; a lease covers "
+                    f"1..{ctx.num_cached} of them, not {n}"
+                )
+            blocks = tuple(ctx.block_table[: blocks_for(n, self.block_size)])
+            self._allocator.share(list(blocks))
+            held = KVLease(context_id, blocks, n)
+            self._leases[held.lease_id] = held
+            return held
+
+        return await self._run_on_thread(lease)
+
+    async def release_kv(self: LLMEngine, lease: KVLease) -> None:  # type: ignore[misc]
+        """Let go of a lease: its blocks return once nothing else holds them. Releasing twice is an error."""
+
+        def release() -> None:
+            held = self._leases.pop(lease.lease_id, None)
+            if held is None:
+                raise InvalidRequestError(f"release_kv: lease {lease.lease_id} is not held here (released?)")
+            self._allocator.release(list(held.blocks))
+
+        await self._run_on_thread(release)
+
+    async def export_kv(  # type: ignore[misc]
+        self: LLMEngine, context_id: int, start: int = 0, end: int | None = None
+    ) -> KVBlob:
+        """A copy of the KV of tokens ``[start, end)`` (default: all) of a context, every one computed (of a
+        context with a remote prefix: of the tokens held here, counted from the first of them)."""
+
+        def export() -> KVBlob:
+            ctx = _idle(self, context_id, "export_kv", allow_remote=True)
+            stop = ctx.num_cached if end is None else end
+            if not 0 <= start <= stop <= ctx.num_cached:
+                raise InvalidRequestError(
+                    f"export_kv: tokens [{start}, {stop}) are not within the {ctx.num_cached} computed "
+                    f"tokens of context {context_id}"
+                )
+            blob = read_kv(self._runner.kv.k, self._runner.kv.v, ctx, start, stop)
+            self._kv_bytes_moved += blob.nbytes
+            return blob
+
+        return await self._run_on_thread(export)
+
+    async def import_kv(  # type: ignore[misc]
+        self: LLMEngine,
+        context_id: int,
+        blob: KVBlob,
+        parent_context_id: int | None = None,
+        *,
+        parent_len: int | None = None,
+    ) -> int:
+        """Append ``blob``'s tokens with their KV to a context (new, forked from the parent as `fill`
+        does, or an existing one whose tokens are all computed), computing nothing. Returns its length."""
+
+        def import_() -> int:
+            kv = self._runner.kv
+            if tuple(blob.k.shape[2:]) != tuple(kv.k[0].shape[2:]) or blob.k.shape[0] != len(kv.k):
+                raise InvalidRequestError(
+                    f"import_kv: the KV has shape {tuple(blob.k.shape)} (layers, tokens, kv heads, head "
+                    "dim); "
+                    f"this engine's model needs ({len(kv.k)}, n, {kv.k[0].shape[2]}, {kv.k[0].shape[3]})"
+                )
+            created = context_id not in self._contexts
+            if created:
+                parent = None
+                if parent_context_id is not None:
+                    parent = _idle(self, parent_context_id, "import_kv")
+                inherited = 0 if parent is None else self._inherited("import_kv", parent, parent_len)
+                self._check_length("import_kv", inherited + len(blob.token_ids), False)
+                ctx = self._contexts.create(context_id, parent, parent_len)
+            else:
+                ctx = _idle(self, context_id, "import_kv")
+                if parent_context_id is not None or parent_len is not None:
+                    raise InvalidRequestError(
+                        f"import_kv: context {context_id} already exists; nothing is forked into it"
+                    )
+                self._check_length("import_kv", len(ctx.token_ids) + len(blob.token_ids), False)
+            try:
+                if ctx.num_pending:
+                    raise InvalidRequestError(
+                        f"import_kv: context {context_id} has {ctx.num_pending} tokens not computed yet; "
+                        "KV is imported only after the last computed token"
+                    )
+                need = self._contexts.blocks_needed(ctx, len(blob.token_ids))
+                if not self._scheduler.make_room(need, keep=(ctx,)):
+                    raise PromptTooLongError(
+                        f"import_kv: {len(blob.token_ids)} tokens need {need} free KV blocks and only "
+                        f"{self._allocator.num_free} can be freed now; retry later or free contexts"
+                    )
+                self._contexts.reserve(ctx, len(blob.token_ids))
+            except Exception:
+                if created:
+                    self._contexts.free(context_id)
+                raise
+            write_kv(kv.k, kv.v, ctx, blob)
+            self._kv_bytes_moved += blob.nbytes
+            return len(ctx.token_ids)
+
+        return await self._run_on_thread(import_)
+
+
+def _idle(engine: Any, context_id: int, op: str, allow_remote: bool = False) -> Context:
+    if context_id not in engine._contexts:
+        raise UnknownContextError(f"{op}: context {context_id} does not exist (never created, or freed)")
+    ctx: Context = engine._contexts.get(context_id)
+    if ctx.busy:
+        raise ContextBusyError(f"{op}: context {context_id} is being extended by a request; wait for it")
+    if ctx.remote is not None and not allow_remote:
+        raise InvalidRequestError(
+            f"{op}: context {context_id} starts with KV held by engine {ctx.remote.source.name!r}; "
+            "only a context whose KV is all here can be leased or extended by import"
+        )
+    return ctx
