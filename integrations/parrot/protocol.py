@@ -140,6 +140,7 @@ class EngineStats(BaseModel):
     grouped_decode_steps: int
     max_model_len: int
     draining: bool = False  # it is shutting down gracefully: place no new work there; what runs finishes
+    role: str = "both"  # "prefill" | "decode" | "both" (colocated): what the manager places there
     kv_leases: int = 0  # contexts' KV lent to other engines (disaggregated serving), held until released
     kv_bytes_moved: int = 0  # KV copied out of or into this engine instead of being recomputed
     remote_attention_bytes: int = 0  # queries and partial outputs exchanged with engines holding remote KV

@@ -16,7 +16,7 @@ import functools
 import logging
 import sys
 
-from server.engine.config import EngineConfig
+from server.engine.config import ENGINE_ROLES, EngineConfig
 from server.engine.engine import LLMEngine
 from server.engine.manager_link import ManagerLink
 from server.engine.model_names import DEFAULT_MODEL, MODEL_HELP
@@ -44,6 +44,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--shared-prefix-decode", default="auto", choices=["auto", "always", "never"])
+    p.add_argument(
+        "--role",
+        default="both",
+        choices=ENGINE_ROLES,
+        help="disaggregated serving: prefill instance, decode instance, or both (colocated, the default)",
+    )
     add_scheduling_args(p)
     join = p.add_argument_group("joining a manager")
     join.add_argument("--manager", default=None, help="register with the manager at this URL and heartbeat")
@@ -88,6 +94,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         shared_prefix_decode=args.shared_prefix_decode,
         scheduling=args.scheduling,
         sjf_aging_s=args.sjf_aging_s,
+        role=args.role,
         **extra,
     )
 

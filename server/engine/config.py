@@ -147,6 +147,10 @@ def _proc_cpuinfo_flags() -> frozenset[str]:
     return frozenset()
 
 
+EngineRole = Literal["prefill", "decode", "both"]
+ENGINE_ROLES: tuple[str, ...] = ("prefill", "decode", "both")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Serving knobs.
@@ -181,9 +185,15 @@ class EngineConfig:
     # queued for `sjf_aging_s` seconds is overtaken by nothing queued after it (the aging bound).
     scheduling: SchedulingPolicy = "fcfs"
     sjf_aging_s: float = DEFAULT_SJF_AGING_S
+    # Disaggregated serving (Mutel, seed 004): what the manager places here. "prefill" instances compute
+    # prompts and keep their KV for the next turn, lending it to decode instances (`kv_exchange`);
+    # "decode" instances run decodes over it (`remote_kv`); "both" is the colocated default.
+    role: EngineRole = "both"
 
     def __post_init__(self) -> None:
         check_policy(self.scheduling, self.sjf_aging_s)
+        if self.role not in ENGINE_ROLES:
+            raise ValueError(f"unknown engine role {self.role!r}; use one of {', '.join(ENGINE_ROLES)}")
 
     def kv_cache_bytes(self) -> int:
         """The memory the KV cache may take (called after the weights are loaded)."""

@@ -434,6 +434,7 @@ class LLMEngine(KVExchange):
             evictions=self._scheduler.num_evictions,
             grouped_decode_steps=self._runner.grouped_decode_steps,
             max_model_len=self.max_model_len,
+            role=self.config.role,
             kv_leases=len(self._leases),
             kv_bytes_moved=self._kv_bytes_moved,
             remote_attention_bytes=self._remote_attention_bytes,

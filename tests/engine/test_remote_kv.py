@@ -4,6 +4,8 @@ engine, exact KV accounting, typed errors, and a lost KV holder failing only its
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +16,7 @@ from server.engine import EngineConfig, LLMEngine, SamplingParams
 from server.engine.errors import ContextBusyError, InvalidRequestError
 from server.engine.kv_transfer import KVBlob
 from server.engine.remote_kv import KVSourceLostError, RemotePrefix, exchange_bytes
+from tests.engine import dist_workers
 from tests.engine.conftest import prompts
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -229,3 +232,58 @@ async def test_a_lost_kv_holder_fails_only_its_requests(gqa_model: Path) -> None
 def test_exchange_bytes_counts_queries_out_and_partials_back() -> None:
     # 2 rows, 4 heads of 16 in float32, 3-block tables: (2*4*16*4 + 2*4*4) out, 2*4*17*4 back.
     assert exchange_bytes(2, 4, 16, torch.float32, 3) == 512 + 32 + 544
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_attention_parallelism_across_two_processes_over_gloo(gqa_model: Path) -> None:
+    """The holder and the decoder are ranks of one gloo process group: same tokens as one engine."""
+    (prompt,) = prompts(1, seed=16, low=30, high=50)
+    reference = LLMEngine.from_pretrained(gqa_model, dist_workers.CONFIG)
+    try:
+
+        async def colocated() -> list[int]:
+            await reference.fill(1, prompt)
+            return (await reference.generate(1, GREEDY)).token_ids
+
+        expected = asyncio.run(colocated())
+    finally:
+        reference.shutdown()
+    ctx = multiprocessing.get_context("spawn")
+    handoff, done, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=dist_workers.holder, args=(port, str(gqa_model), prompt, handoff, done)),
+        ctx.Process(target=dist_workers.decoder, args=(port, str(gqa_model), 12, handoff, results)),
+    ]
+    for p in procs:
+        p.start()
+    try:
+        tokens, exchanged = results.get(timeout=300)
+        done.put(True)
+        calls = handoff.get(timeout=60)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    assert tokens == expected
+    # One exchange per layer (the test model has 2) per decoder step that runs the model: the first
+    # token's KV, then 10 decodes (the second token is sampled from the first step's hidden state).
+    assert calls == 11 * 2
+    assert exchanged > 0
+
+
+def test_engine_roles_are_configured_checked_and_reported(gqa_model: Path) -> None:
+    from server.engine.__main__ import engine_config, parse_args
+
+    assert engine_config(parse_args(["--role", "prefill"])).role == "prefill"
+    assert engine_config(parse_args([])).role == "both"
+    with pytest.raises(ValueError, match="unknown engine role 'prefil'"):
+        EngineConfig(role="prefil")  # type: ignore[arg-type]
+    with LLMEngine.from_pretrained(gqa_model, EngineConfig(dtype="float32", role="decode")) as engine:
+        assert engine.stats().role == "decode"
