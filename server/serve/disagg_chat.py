@@ -36,9 +36,10 @@ class TurnResult:
     tokens: list[int]
     ttft_s: float
     total_s: float
-    prefill_tokens: int  # tokens computed as prefill this turn, on every engine
-    kv_bytes_moved: int  # KV copied between engines this turn
-    exchange_bytes: int  # attention-parallel queries and partials this turn
+    kv_bytes_moved: int  # KV this turn copied between engines
+    # The engines' counters over the turn (every engine): exact when nothing else runs meanwhile.
+    prefill_tokens: int  # tokens computed as prefill
+    exchange_bytes: int  # attention-parallel queries and partials
 
 
 @dataclass
@@ -92,8 +93,8 @@ class DisaggregatedChat:
             tokens,
             first_at - start,
             end - start,
-            sum(a[0] - b[0] for a, b in zip(after, before, strict=True)),
             moved,
+            sum(a[0] - b[0] for a, b in zip(after, before, strict=True)),
             sum(a[1] - b[1] for a, b in zip(after, before, strict=True)),
         )
 

@@ -1,0 +1,128 @@
+"""Multi-turn chat on real engines under the three disaggregation policies (`server.serve.disagg_chat`).
+
+Two in-process engines on the same weights: ``colocated`` uses both as full engines (a conversation stays
+on one); ``splitwise`` and ``mutel`` use one as the prefill instance and one as the decode instance.
+``conversations`` run side by side, ``turns`` each: a system prompt of reference text, then user messages
+of ``user_tokens`` tokens, greedy answers of up to ``max_tokens``. Per policy and turn: TTFT (median over
+conversations), KV bytes moved between engines and attention-exchange bytes per turn, prefill tokens; and
+whether every policy gave the same answers. On CPU these are small-scale mechanics, not GPU timings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+from benchmarks.common import log
+from benchmarks.workloads.chat import TextPool
+from benchmarks.workloads.copilot import user_queries
+from server.engine import EngineConfig, LLMEngine, SamplingParams
+from server.serve.disagg_chat import POLICIES, DisaggregatedChat, TurnResult
+
+
+@dataclass(frozen=True)
+class RealConfig:
+    conversations: int = 4
+    turns: int = 4
+    system_tokens: int = 192
+    user_tokens: tuple[int, int] = (20, 50)
+    max_tokens: int = 32
+    seed: int = 0
+
+
+def chatml_turn(tokenizer: Any, message: str, system: str | None, after_answer: list[int]) -> list[int]:
+    """The tokens a turn adds in ChatML (SmolLM2's format): the close of the last answer unless it ended on
+    the end-of-turn token, the user message, and the assistant header."""
+    end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    head = "" if system is None else f"<|im_start|>system\n{system}<|im_end|>\n"
+    close = "" if not after_answer else ("\n" if after_answer[-1] == end_id else "<|im_end|>\n")
+    text = f"{close}{head}<|im_start|>user\n{message}<|im_end|>\n<|im_start|>assistant\n"
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+async def _policy(
+    policy: str,
+    engines: list[LLMEngine],
+    tokenizer: Any,
+    system: str,
+    queries: list[list[str]],
+    cfg: RealConfig,
+) -> list[dict[str, Any]]:
+    """Every conversation's turn t at once, turn after turn; per turn the conversations' results and the
+    engines' counters over the round, per conversation."""
+    if policy == "colocated":
+        chat = DisaggregatedChat("colocated", engines)
+    else:
+        chat = DisaggregatedChat(policy, engines[:1], engines[1:])  # type: ignore[arg-type]
+    answers: list[list[int]] = [[] for _ in queries]
+    rounds = []
+    for t in range(cfg.turns):
+        head = system if t == 0 else None
+        news = [chatml_turn(tokenizer, q[t], head, a) for q, a in zip(queries, answers, strict=True)]
+        sampling = SamplingParams(max_tokens=cfg.max_tokens)
+        before = _counters(engines)
+        results = await asyncio.gather(*(chat.turn(f"c{c}", new, sampling) for c, new in enumerate(news)))
+        after = _counters(engines)
+        answers = [r.tokens for r in results]
+        n = len(queries)
+        rounds.append(
+            {
+                "results": results,
+                "prefill_tokens": (after[0] - before[0]) / n,
+                "exchange_bytes": (after[1] - before[1]) / n,
+            }
+        )
+    for c in range(len(queries)):
+        await chat.end(f"c{c}")
+    return rounds
+
+
+def _counters(engines: list[LLMEngine]) -> tuple[int, int]:
+    stats = [e.stats() for e in engines]
+    return sum(s.prefill_tokens_computed for s in stats), sum(s.remote_attention_bytes for s in stats)
+
+
+def run_policies(model: str, cfg: RealConfig) -> dict[str, Any]:
+    """Every policy on two fresh engines of ``model``; per-turn figures and the answers' agreement."""
+    engine_cfg = EngineConfig(dtype="float32", num_kv_blocks=1024)
+    engines = [LLMEngine.from_pretrained(model, engine_cfg) for _ in range(2)]
+    try:
+        tokenizer = engines[0].tokenizer
+        system = TextPool(tokenizer).text(random.Random(f"pd-{cfg.seed}"), cfg.system_tokens)
+        lo, hi = cfg.user_tokens
+        users = user_queries(tokenizer, cfg.conversations * cfg.turns, cfg.seed, lo, hi)
+        queries = [users[c * cfg.turns : (c + 1) * cfg.turns] for c in range(cfg.conversations)]
+        runs: dict[str, list[dict[str, Any]]] = {}
+        for policy in POLICIES:
+            runs[policy] = asyncio.run(_policy(policy, engines, tokenizer, system, queries, cfg))
+            log(f"real engines: {policy} done")
+        kv_per_token = _kv_bytes_per_token(engines[0])
+    finally:
+        for e in engines:
+            e.shutdown()
+    answers = {p: [[r.tokens for r in rnd["results"]] for rnd in runs[p]] for p in POLICIES}
+    return {
+        "per_turn": {p: [_turn_row(t, rnd) for t, rnd in enumerate(runs[p])] for p in POLICIES},
+        "answers_identical": all(answers[p] == answers["colocated"] for p in POLICIES),
+        "kv_bytes_per_token": kv_per_token,
+    }
+
+
+def _turn_row(t: int, rnd: dict[str, Any]) -> dict[str, float]:
+    results: list[TurnResult] = rnd["results"]
+    return {
+        "turn": t + 1,
+        "ttft_s": statistics.median(r.ttft_s for r in results),
+        "kv_bytes_moved": statistics.mean(r.kv_bytes_moved for r in results),
+        "exchange_bytes": rnd["exchange_bytes"],
+        "prefill_tokens": rnd["prefill_tokens"],
+        "answer_tokens": statistics.mean(len(r.tokens) for r in results),
+    }
+
+
+def _kv_bytes_per_token(engine: LLMEngine) -> int:
+    cfg = engine.model_config
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4  # float32 K and V
