@@ -440,6 +440,18 @@ class LLMEngine(KVExchange):
             remote_attention_bytes=self._remote_attention_bytes,
         )
 
+    async def set_token_budget(self, tokens: int) -> None:
+        """Tokens one step may compute from now on (``max_num_batched_tokens``): fills are chunked to it.
+        Mutel's coordination shrinks a prefill instance's chunks while decode instances wait on it for
+        attention over the KV it holds (`server.serve.mutel.chunk_size`)."""
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+            raise InvalidRequestError(f"set_token_budget: a positive token count, not {tokens!r}")
+
+        def apply() -> None:
+            self._scheduler.max_num_batched_tokens = tokens
+
+        await self._run_on_thread(apply)
+
     def reset_peak_blocks(self) -> None:
         """Restart `EngineStats.blocks_peak` from the blocks in use now (a benchmark measuring one phase)."""
         self._allocator.reset_peak()

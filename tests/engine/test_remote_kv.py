@@ -287,3 +287,15 @@ def test_engine_roles_are_configured_checked_and_reported(gqa_model: Path) -> No
         EngineConfig(role="prefil")  # type: ignore[arg-type]
     with LLMEngine.from_pretrained(gqa_model, EngineConfig(dtype="float32", role="decode")) as engine:
         assert engine.stats().role == "decode"
+
+
+async def test_the_step_token_budget_can_change_while_serving(gqa_model: Path) -> None:
+    with LLMEngine.from_pretrained(gqa_model, EngineConfig(dtype="float32", num_kv_blocks=64)) as engine:
+        await engine.set_token_budget(16)
+        await engine.fill(1, list(range(7, 107)))  # 100 tokens in chunks of 16: 7 steps
+        assert engine.stats().steps == 7
+        await engine.set_token_budget(64)
+        await engine.fill(1, list(range(7, 107)))  # 2 more steps
+        assert engine.stats().steps == 9
+        with pytest.raises(InvalidRequestError, match="positive token count"):
+            await engine.set_token_budget(0)

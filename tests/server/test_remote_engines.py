@@ -134,7 +134,10 @@ def test_registration_of_an_unreachable_engine_names_its_url(manager_only: Launc
 
 def _stats() -> dict:
     fields = EngineStats.model_fields
-    return {name: "tiny" if name == "model" else 0 for name in fields}
+    return {
+        name: "tiny" if name == "model" else 0 if field.is_required() else field.default
+        for name, field in fields.items()
+    }
 
 
 def _draining_manager(answers: list[int]) -> tuple[httpx.AsyncClient, list[dict]]:
