@@ -10,16 +10,13 @@ called with its chunking planned by the step's first layer and kept on the `Deco
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 import kernels
 from kernels import torch_path
-
-if TYPE_CHECKING:
-    from server.engine.remote_kv import RemoteRows
 
 
 @dataclass
@@ -58,13 +55,29 @@ class DecodeBatch:
         return int(self.context_lens.shape[0])
 
 
+class RemoteAttention(Protocol):
+    """Rows of a step whose context starts with KV on another engine (`remote_kv.RemoteRows`)."""
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        """Write these rows' attention, over their local and their remote keys, into ``out``."""
+        ...
+
+
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: cache slot (block * block_size + offset) of each new token
     decode: DecodeBatch | None  # rows [0, decode.num_seqs)
     prefills: list[PrefillChunk]
     # Rows of contexts that start with KV on another engine (`server.engine.remote_kv`); None: no such row.
-    remote: RemoteRows | None = None
+    remote: RemoteAttention | None = None
 
 
 class AttentionBackend(Protocol):

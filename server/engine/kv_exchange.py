@@ -1,6 +1,7 @@
 """The engine's side of disaggregated serving: lending its KV to other engines, and moving KV in and out.
 
-Mixed into `LLMEngine`; every state change runs on the engine thread (`_call`), like every other command.
+A base of `LLMEngine`; every state change runs on the engine thread (`_run_on_thread`), like every other
+command.
 
 * `lease_kv` pins a context's cached tokens for another engine to attend over (`remote_kv.KVLease`) and
   `kv_source` is what that engine calls to do so — the holder side of Mutel's attention parallelism;
@@ -12,10 +13,12 @@ Mixed into `LLMEngine`; every state change runs on the engine thread (`_call`), 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
-from server.engine.context import Context, blocks_for
+from server.engine.block_manager import BlockAllocator
+from server.engine.context import Context, ContextTable, blocks_for
 from server.engine.errors import (
     ContextBusyError,
     InvalidRequestError,
@@ -23,29 +26,54 @@ from server.engine.errors import (
     UnknownContextError,
 )
 from server.engine.kv_transfer import KVBlob, read_kv, write_kv
+from server.engine.model_runner import KVCache
 from server.engine.remote_kv import KVLease, KVSource, LocalKVSource
+from server.engine.scheduler import Scheduler
 
-if TYPE_CHECKING:
-    from server.engine.engine import LLMEngine
+T = TypeVar("T")
 
 
 class KVExchange:
-    """Lease, export and import of KV (see the module docstring)."""
+    """Lease, export and import of KV (see the module docstring), over the engine state declared here."""
 
+    # The engine's state and helpers this relies on (`LLMEngine` sets and defines them).
+    model_name: str
+    block_size: int
+    _runner: Any  # a `ModelRunner` (its `kv`); the simulator's runner has no KV to lend
+    _contexts: ContextTable
+    _allocator: BlockAllocator
+    _scheduler: Scheduler
+    _leases: dict[int, KVLease]
+    _kv_bytes_moved: int
+    _dead: BaseException | None
+    _thread: threading.Thread
     _kv_source: LocalKVSource | None = None
 
+    async def _run_on_thread(self, fn: Callable[[], T]) -> T:
+        raise NotImplementedError
+
+    def _check_length(self, kind: str, total: int, generate: bool, remote: int = 0) -> None:
+        raise NotImplementedError
+
+    def _inherited(self, kind: str, parent: Context, parent_len: int | None) -> int:
+        raise NotImplementedError
+
+    def _kv(self) -> KVCache:
+        kv = getattr(self._runner, "kv", None)
+        if not isinstance(kv, KVCache):
+            raise InvalidRequestError(f"engine {self.model_name!r} has no KV cache to lend or move")
+        return kv
+
     @property
-    def kv_source(self: LLMEngine) -> KVSource:  # type: ignore[misc]
+    def kv_source(self) -> KVSource:
         """What another engine in this process calls to attend over KV this engine leased to it."""
         if self._kv_source is None:
-            kv = getattr(self._runner, "kv", None)
-            if kv is None:
-                raise InvalidRequestError(f"engine {self.model_name!r} has no KV cache to lend")
+            kv = self._kv()
             alive: Callable[[], bool] = lambda: self._dead is None and self._thread.is_alive()  # noqa: E731
             self._kv_source = LocalKVSource(self.model_name, kv.k, kv.v, alive)
         return self._kv_source
 
-    async def lease_kv(self: LLMEngine, context_id: int, num_tokens: int | None = None) -> KVLease:  # type: ignore[misc]
+    async def lease_kv(self, context_id: int, num_tokens: int | None = None) -> KVLease:
         """Pin the first ``num_tokens`` (default: all) tokens of a context, all computed, for another engine
         to attend over; they stay as they are until `release_kv`, even if the context changes or goes."""
 
@@ -65,7 +93,7 @@ class KVExchange:
 
         return await self._run_on_thread(lease)
 
-    async def release_kv(self: LLMEngine, lease: KVLease) -> None:  # type: ignore[misc]
+    async def release_kv(self, lease: KVLease) -> None:
         """Let go of a lease: its blocks return once nothing else holds them. Releasing twice is an error."""
 
         def release() -> None:
@@ -76,9 +104,7 @@ class KVExchange:
 
         await self._run_on_thread(release)
 
-    async def export_kv(  # type: ignore[misc]
-        self: LLMEngine, context_id: int, start: int = 0, end: int | None = None
-    ) -> KVBlob:
+    async def export_kv(self, context_id: int, start: int = 0, end: int | None = None) -> KVBlob:
         """A copy of the KV of tokens ``[start, end)`` (default: all) of a context, every one computed (of a
         context with a remote prefix: of the tokens held here, counted from the first of them)."""
 
@@ -90,14 +116,14 @@ class KVExchange:
                     f"export_kv: tokens [{start}, {stop}) are not within the {ctx.num_cached} computed "
                     f"tokens of context {context_id}"
                 )
-            blob = read_kv(self._runner.kv.k, self._runner.kv.v, ctx, start, stop)
+            blob = read_kv(self._kv().k, self._kv().v, ctx, start, stop)
             self._kv_bytes_moved += blob.nbytes
             return blob
 
         return await self._run_on_thread(export)
 
-    async def import_kv(  # type: ignore[misc]
-        self: LLMEngine,
+    async def import_kv(
+        self,
         context_id: int,
         blob: KVBlob,
         parent_context_id: int | None = None,
@@ -108,7 +134,7 @@ class KVExchange:
         does, or an existing one whose tokens are all computed), computing nothing. Returns its length."""
 
         def import_() -> int:
-            kv = self._runner.kv
+            kv = self._kv()
             if tuple(blob.k.shape[2:]) != tuple(kv.k[0].shape[2:]) or blob.k.shape[0] != len(kv.k):
                 raise InvalidRequestError(
                     f"import_kv: the KV has shape {tuple(blob.k.shape)} (layers, tokens, kv heads, head "
@@ -154,7 +180,7 @@ class KVExchange:
         return await self._run_on_thread(import_)
 
 
-def _idle(engine: Any, context_id: int, op: str, allow_remote: bool = False) -> Context:
+def _idle(engine: KVExchange, context_id: int, op: str, allow_remote: bool = False) -> Context:
     if context_id not in engine._contexts:
         raise UnknownContextError(f"{op}: context {context_id} does not exist (never created, or freed)")
     ctx: Context = engine._contexts.get(context_id)
