@@ -68,11 +68,13 @@ async def _policy(
         after = _counters(engines)
         answers = [r.tokens for r in results]
         n = len(queries)
+        new_tokens = statistics.fmean(len(m) + len(r.tokens) for m, r in zip(news, results, strict=True))
         rounds.append(
             {
                 "results": results,
                 "prefill_tokens": (after[0] - before[0]) / n,
                 "exchange_bytes": (after[1] - before[1]) / n,
+                "new_tokens": new_tokens,
             }
         )
     for c in range(len(queries)):
@@ -120,6 +122,7 @@ def _turn_row(t: int, rnd: dict[str, Any]) -> dict[str, float]:
         "exchange_bytes": rnd["exchange_bytes"],
         "prefill_tokens": rnd["prefill_tokens"],
         "answer_tokens": statistics.mean(len(r.tokens) for r in results),
+        "new_tokens": rnd["new_tokens"],  # the turn's message (templated) and answer
     }
 
 

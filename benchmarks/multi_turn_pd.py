@@ -1,0 +1,258 @@
+"""Multi-turn chat with prefill/decode disaggregation (Mutel, seed 004): the highest request rate each
+policy sustains under P90 TTFT and TPOT SLOs on the simulator, and the same three policies on real engines.
+
+The paper's setting, simulated (`server.sim.disagg`): Llama-13B fp16, four A100-80GB, one instance per GPU
+(profile ``a100-llama13b``: derived from the datasheet roofline, not measured), a ShareGPT-like multi-turn
+workload (`server.sim.disagg_workload`: 1-8 turns, mean 3.6; prompts median 100 tokens, answers median
+250; think time 10 s), P90 TTFT <= ``ttft_slo`` and P90 TPOT <= each of ``tpot_slos`` (Fig. 2's axis), over
+a PCIe 4.0 x16 link (the paper's) and NVLink. Per setting and policy, bisection over the conversation rate
+(`max_sustained_rate`; rejected and unfinished turns count as SLO misses); reported as turns per second.
+
+Policies, all deciding with `server.serve.mutel`:
+
+* **colocated** — four instances doing both (vLLM-like) with KV kept across turns, routing by locality
+  and load, and prompt chunks sized to the TPOT budget: the strongest colocated baseline the same code
+  makes (the headline's). **colocated v0** — no KV kept across turns (every turn recomputes its history)
+  and whole prompts beside the decodes: vLLM's defaults when the paper was written, for reference;
+* **splitwise** — prefill instances load the history from host memory, compute the prompt, send the whole
+  context's KV to a decode instance and drop it; every split (1P+3D, 2P+2D, 3P+1D) is run, the best counts;
+* **mutel** — prompt KV stays on its prefill instance, decode attention over it runs there (exchange per
+  layer), chunks sized so it waits little, KV balanced to decode memory when prefill memory is full, early
+  rejection; every split is run, the best counts.
+
+Headline (PCIe, mean over the TPOT SLOs of per-SLO ratios): ``speedup_vs_splitwise`` = Mutel's best split
+over Splitwise's best split, ``speedup_vs_colocated`` = Mutel's best over colocated. Beside them, the
+paper's own comparison: both at 2P+2D (``speedup_vs_splitwise_2p2d``) and against colocated v0
+(``speedup_vs_colocated_v0``); the paper reports +42.3% on average over Splitwise (up to +54.6% at a TPOT
+SLO of 0.06 s). Goal: >= 1.42x Splitwise and >= 1.5x colocated.
+
+Real engines (`benchmarks.harness.disagg_runs`, ``--model``, default SmolLM2-135M-Instruct in float32 on
+CPU): two in-process engines — colocated as two full engines, Splitwise-like and Mutel-style as one prefill
+and one decode engine (`server.serve.disagg_chat`) — serve the same conversations in lockstep turns. Per
+policy and turn: median TTFT, KV bytes moved between the engines, attention-exchange bytes (queries out,
+partials back), prefill tokens; answers compared across policies (greedy, float32: they must be equal).
+``mutel_moved_over_new_kv`` = Mutel's KV bytes moved per turn / the KV of that turn's new tokens (goal <= 1).
+"""
+
+from __future__ import annotations
+
+import statistics
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from benchmarks.common import log, markdown_table
+from benchmarks.harness import record
+from benchmarks.harness.disagg_runs import RealConfig, run_policies
+from server.serve.mutel import Slo
+from server.sim.disagg import Policy, max_sustained_rate
+from server.sim.disagg_cost import LINKS, a100_llama13b
+from server.sim.disagg_workload import WorkloadSpec
+
+NAME = "multi_turn_pd"
+COLOCATED, COLOCATED_V0 = "colocated", "colocated v0"
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    tpot_slos: tuple[float, ...] = (0.04, 0.05, 0.06, 0.08)
+    ttft_slo: float = 1.0
+    links: tuple[str, ...] = ("pcie4", "nvlink")
+    duration_s: float = 1200.0  # virtual seconds of conversation starts per run (a conversation: ~1 min)
+    tolerance: float = 0.03  # bisection stops when the passing and failing rates are this close
+    instances: int = 4
+    seed: int = 0
+    workers: int = 2  # processes running settings side by side
+    real: RealConfig = field(default_factory=RealConfig)  # the real-engine half
+
+
+FULL = BenchConfig()
+QUICK = BenchConfig(
+    duration_s=300.0, tolerance=0.05, real=RealConfig(conversations=3, turns=3, max_tokens=24)
+)
+TINY = BenchConfig(
+    tpot_slos=(0.06,),
+    links=("pcie4",),
+    duration_s=60.0,
+    tolerance=0.25,
+    workers=1,
+    real=RealConfig(conversations=2, turns=2, system_tokens=32, user_tokens=(8, 12), max_tokens=4),
+)
+
+
+def policies(cfg: BenchConfig) -> dict[str, Policy]:
+    """Every policy and split, by label."""
+    n = cfg.instances
+    out = {
+        COLOCATED: Policy.of("colocated", instances=n),
+        COLOCATED_V0: Policy.of("colocated", instances=n, reuse_kv=False, chunked=False),
+    }
+    for name in ("splitwise", "mutel"):
+        for k in range(1, n):
+            policy = Policy.of(name, k, instances=n)
+            out[policy.label] = policy
+    return out
+
+
+def _search(job: tuple[BenchConfig, str, float, str]) -> tuple[str, float, str, float]:
+    cfg, link, tpot, label = job
+    found = max_sustained_rate(
+        policies(cfg)[label],
+        Slo(cfg.ttft_slo, tpot),
+        WorkloadSpec(seed=cfg.seed),
+        a100_llama13b(LINKS[link]),
+        duration_s=cfg.duration_s,
+        tolerance=cfg.tolerance,
+    )
+    return link, tpot, label, found.requests_per_s
+
+
+def _best(rates: dict[str, float], name: str) -> tuple[str, float]:
+    return max(((k, v) for k, v in rates.items() if k.startswith(name + " ")), key=lambda kv: kv[1])
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else float("nan")
+
+
+def simulate(cfg: BenchConfig) -> dict[str, Any]:
+    """Every (link, TPOT SLO, policy) on the simulator: the sustained turn rates, each setting's best split
+    per policy and the ratios, and their means over the SLOs per link."""
+    jobs = [
+        (cfg, link, tpot, label) for link in cfg.links for tpot in cfg.tpot_slos for label in policies(cfg)
+    ]
+    log(f"simulator: {len(jobs)} rate searches, {cfg.duration_s:g} virtual s each run")
+    if cfg.workers > 1:
+        with ProcessPoolExecutor(cfg.workers) as pool:
+            found = list(pool.map(_search, jobs))
+    else:
+        found = [_search(job) for job in jobs]
+    settings = []
+    for link in cfg.links:
+        for tpot in cfg.tpot_slos:
+            rates = {label: r for ln, t, label, r in found if (ln, t) == (link, tpot)}
+            (sw, sw_rate), (mu, mu_rate) = _best(rates, "splitwise"), _best(rates, "mutel")
+            ratios = {
+                "vs_splitwise": _ratio(mu_rate, sw_rate),
+                "vs_colocated": _ratio(mu_rate, rates[COLOCATED]),
+                "vs_splitwise_2p2d": _ratio(rates["mutel 2P+2D"], rates["splitwise 2P+2D"]),
+                "vs_colocated_v0": _ratio(mu_rate, rates[COLOCATED_V0]),
+            }
+            settings.append(
+                {"link": link, "tpot_s": tpot, "rates": rates, "best": {"splitwise": sw, "mutel": mu}}
+                | {"ratios": ratios}
+            )
+    means = {
+        link: {
+            k: statistics.fmean(s["ratios"][k] for s in settings if s["link"] == link)
+            for k in settings[0]["ratios"]
+        }
+        for link in cfg.links
+    }
+    return {"settings": settings, "means": means}
+
+
+def tables(result: dict[str, Any]) -> str:
+    """The best split per policy and the ratios per setting; then every policy and split."""
+    heads = ["link", "TPOT SLO s", "colocated", "colocated v0", "splitwise (best)", "mutel (best)"]
+    heads += ["mutel / splitwise", "mutel / colocated", "2P+2D: mutel / splitwise", "mutel / colocated v0"]
+    rows = []
+    for s in result["settings"]:
+        r, best, q = s["rates"], s["best"], s["ratios"]
+        rows.append(
+            [s["link"], f"{s['tpot_s']:g}", f"{r[COLOCATED]:.2f}", f"{r[COLOCATED_V0]:.2f}"]
+            + [f"{r[best[k]]:.2f} ({best[k].split(' ', 1)[1]})" for k in ("splitwise", "mutel")]
+            + [
+                f"{q[k]:.2f}x"
+                for k in ("vs_splitwise", "vs_colocated", "vs_splitwise_2p2d", "vs_colocated_v0")
+            ]
+        )
+    summary = markdown_table(heads, rows, [False] + [True] * (len(heads) - 1))
+    labels = list(result["settings"][0]["rates"])
+    detail = markdown_table(
+        ["link", "TPOT SLO s", *labels],
+        [
+            [s["link"], f"{s['tpot_s']:g}", *(f"{s['rates'][k]:.2f}" for k in labels)]
+            for s in result["settings"]
+        ],
+        [False] + [True] * (len(labels) + 1),
+    )
+    return f"Sustained turns per second (best split per policy):\n\n{summary}\n\nEvery split:\n\n{detail}"
+
+
+def real_table(real: dict[str, Any]) -> str:
+    """Per policy and turn: TTFT, KV moved, exchange bytes and prefill tokens per conversation."""
+    rows = [
+        [
+            policy,
+            str(t["turn"]),
+            f"{t['ttft_s'] * 1000:.0f}",
+            f"{t['kv_bytes_moved'] / 2**20:.2f}",
+            f"{t['exchange_bytes'] / 2**20:.2f}",
+            f"{t['prefill_tokens']:.0f}",
+            f"{t['answer_tokens']:.0f}",
+        ]
+        for policy, turns in real["per_turn"].items()
+        for t in turns
+    ]
+    heads = ["policy", "turn", "TTFT ms", "KV moved MiB", "exchange MiB", "prefill tokens", "answer tokens"]
+    return markdown_table(heads, rows, [False] + [True] * 6)
+
+
+def real_metrics(real: dict[str, Any]) -> dict[str, float | int]:
+    """Bytes per turn after the first (turn 1 has no history to move), and Mutel's against new KV."""
+    later = {p: turns[1:] or turns for p, turns in real["per_turn"].items()}
+
+    def mean(policy: str, key: str) -> float:
+        return statistics.fmean(t[key] for t in later[policy])
+
+    mutel_moved, new_tokens = mean("mutel", "kv_bytes_moved"), mean("mutel", "new_tokens")
+    return {
+        "mutel_kv_mib_per_turn": mutel_moved / 2**20,
+        "splitwise_kv_mib_per_turn": mean("splitwise", "kv_bytes_moved") / 2**20,
+        "mutel_exchange_mib_per_turn": mean("mutel", "exchange_bytes") / 2**20,
+        "mutel_moved_over_new_kv": mutel_moved / (new_tokens * real["kv_bytes_per_token"]),
+        "answers_identical": int(real["answers_identical"]),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = record.parser(
+        __doc__,
+        "four TPOT SLOs on both links, 300 virtual s per run (~30 s on 2 cores)",
+        BenchConfig,
+        engine=False,
+        ttft_slo="P90 TTFT SLO in seconds (default 1)",
+        duration_s="virtual seconds of conversation starts per run",
+        workers="processes running settings side by side (default 2)",
+        seed="workload seed (default 0)",
+    )
+    args.add_argument("--model", default="smollm2", help="the real engines' model (default smollm2)")
+    args = args.parse_args(argv)
+    cfg = record.configured(args, FULL, QUICK, TINY)
+    rec = record.Recorder(NAME, args)
+    sim = simulate(cfg)
+    print(rec.header(f"simulator, Llama-13B fp16 on {cfg.instances} A100-80GB (a100-llama13b, derived)"))
+    print(
+        f"P90 TTFT <= {cfg.ttft_slo:g} s; turns per second of a ShareGPT-like workload (seed {cfg.seed}), "
+        f"{cfg.duration_s:g} virtual s of conversation starts per run, bisection to {cfg.tolerance:.0%}.\n"
+    )
+    print(tables(sim) + "\n")
+    head = sim["means"][cfg.links[0]]
+    metrics: dict[str, float | int] = {f"speedup_{k}": v for k, v in head.items()}
+    for link in cfg.links[1:]:
+        metrics |= {f"speedup_vs_splitwise_{link}": sim["means"][link]["vs_splitwise"]}
+        metrics |= {f"speedup_vs_colocated_{link}": sim["means"][link]["vs_colocated"]}
+    first = [s for s in sim["settings"] if s["link"] == cfg.links[0]]
+    for name in ("mutel", "splitwise"):
+        metrics[f"{name}_req_s"] = statistics.fmean(s["rates"][s["best"][name]] for s in first)
+    metrics["colocated_req_s"] = statistics.fmean(s["rates"][COLOCATED] for s in first)
+    model = "tiny" if args.tiny else args.model
+    real = run_policies(model, cfg.real)
+    print(f"Real engines ({model}, float32, CPU), per conversation and turn:\n\n{real_table(real)}\n")
+    metrics |= real_metrics(real)
+    rec.finish(metrics, config=cfg, simulator=sim, real=real, link=cfg.links[0], model=model)
+
+
+if __name__ == "__main__":
+    main()

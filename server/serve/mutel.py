@@ -1,0 +1,285 @@
+"""Mutel's load balancer (seed 004) as pure decisions over frozen snapshots.
+
+Prefill/decode disaggregation for multi-turn chat: prefill instances keep the prompt KV they computed (it is
+the next turn's prefix), decode instances hold only the tokens they generate, and each decode step's
+attention over the prompt part runs on the prefill instance holding it. The decisions:
+
+* `admit` — early rejection: a turn whose predicted TTFT or TPOT misses its SLO is refused at once with a
+  typed `Rejection` (the manager answers it as a 503), never dropped silently;
+* `choose_prefill` — by KV locality and load: the least predicted TTFT, where a locality hit saves moving
+  or recomputing the history;
+* `choose_decode` — the least loaded decode instance with room for the KV the turn will hold on it;
+  `balance_kv` — or one that takes the prompt's KV too, when prefill memory is what holds turns back;
+* `chunk_size` — the largest prefill chunk that keeps the decode work waiting on the instance in its TPOT;
+* `move_or_recompute` — move KV over the link or recompute it, whichever takes less time.
+
+Nothing here does I/O, reads a clock or keeps state: the manager and the cluster simulator
+(`server.sim.disagg`) call the same functions, and the baselines are the same code with features off
+(colocated: every instance has role ``BOTH``; Splitwise-like: no locality, whole contexts moved).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
+
+__all__ = [
+    "CostModel", "Fetch", "InstanceView", "PrefillChoice", "RejectReason", "Rejection", "Role", "Slo",
+    "TurnRequest", "admit", "balance_kv", "choose_decode", "choose_prefill", "chunk_size",
+    "move_or_recompute", "predict_prefill", "predict_tpot",
+]  # fmt: skip
+
+Fetch = Literal["move", "recompute"]
+
+
+class Role(enum.Enum):
+    """What an instance runs: prompts, decode steps, or both (colocated, vLLM-like)."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    BOTH = "both"
+
+    @property
+    def prefills(self) -> bool:
+        return self is not Role.DECODE
+
+    @property
+    def decodes(self) -> bool:
+        return self is not Role.PREFILL
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Step-time coefficients of one instance (the fields of `server.sim.latency.LatencyModel`, seconds)
+    and the link between instances (bytes per second, seconds per message)."""
+
+    base_s: float
+    prefill_token_s: float
+    prefill_pair_s: float
+    decode_seq_s: float
+    kv_token_s: float
+    kv_bytes_per_token: int
+    link_bytes_per_s: float
+    link_latency_s: float
+
+    def move_s(self, tokens: int) -> float:
+        """Time to send ``tokens`` tokens of KV over the link (nothing to send costs nothing)."""
+        if tokens <= 0:
+            return 0.0
+        return self.link_latency_s + tokens * self.kv_bytes_per_token / self.link_bytes_per_s
+
+    def prefill_s(self, tokens: int, cached: int) -> float:
+        """Compute of ``tokens`` new prompt tokens after ``cached`` tokens of KV (no per-step base)."""
+        pairs = tokens * cached + tokens * (tokens + 1) // 2  # token i attends cached + i + 1 keys
+        return tokens * self.prefill_token_s + pairs * self.prefill_pair_s
+
+
+@dataclass(frozen=True)
+class InstanceView:
+    """A snapshot of one instance. ``kv_used`` excludes idle conversations' KV kept for reuse (``held``:
+    conversation -> tokens), which is evicted when room is needed; ``kv_waiting``: KV that a turn waiting
+    for room here needs. ``decode_step_s``: its decode step time now (0: no decodes);
+    ``prefill_s_per_token``: its recent prefill time per token (0: use the model's)."""
+
+    index: int
+    role: Role
+    kv_capacity: int
+    kv_used: int = 0
+    queued_prefill_tokens: int = 0
+    running_decodes: int = 0
+    decode_step_s: float = 0.0
+    prefill_s_per_token: float = 0.0
+    held: Mapping[int, int] = field(default_factory=dict)
+    kv_waiting: int = 0
+
+    @property
+    def kv_free(self) -> int:
+        return self.kv_capacity - self.kv_used
+
+
+@dataclass(frozen=True)
+class TurnRequest:
+    """A turn: its new prompt after ``history_tokens`` of earlier prompts and answers, and the answer
+    length expected (a prediction; the simulator knows it)."""
+
+    conversation: int
+    turn: int
+    prompt_tokens: int
+    history_tokens: int
+    expected_output_tokens: int
+
+    @property
+    def context_tokens(self) -> int:
+        return self.history_tokens + self.prompt_tokens
+
+
+@dataclass(frozen=True)
+class Slo:
+    """Latency objectives, each met by the 90th percentile of requests."""
+
+    ttft_s: float
+    tpot_s: float
+
+
+class RejectReason(enum.Enum):
+    """Why a turn is refused (`Rejection`)."""
+
+    TTFT = "ttft_slo"
+    TPOT = "tpot_slo"
+    NO_CAPACITY = "no_capacity"
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """An early rejection: why, what was predicted and the limit it missed. Answered as HTTP 503."""
+
+    http_status: ClassVar[int] = 503
+    reason: RejectReason
+    predicted_s: float = 0.0
+    limit_s: float = 0.0
+
+    @property
+    def message(self) -> str:
+        if self.reason is RejectReason.NO_CAPACITY:
+            return "no instance has room for this conversation's KV cache"
+        what = "time to first token" if self.reason is RejectReason.TTFT else "time per output token"
+        return f"overloaded: predicted {what} {self.predicted_s:.3f} s exceeds its SLO, {self.limit_s:.3f} s"
+
+
+@dataclass(frozen=True)
+class PrefillChoice:
+    """Where a turn's prompt runs, the KV reused there, how the rest gets there, the tokens to compute."""
+
+    instance: int
+    reused_tokens: int
+    fetch: Fetch
+    compute_tokens: int
+    predicted_ttft_s: float
+
+
+def move_or_recompute(
+    tokens: int,
+    bytes_per_token: int,
+    link_bytes_per_s: float,
+    prefill_s_per_token: float,
+    latency_s: float = 0,
+) -> Fetch:
+    """Move ``tokens`` of KV once over the link, or recompute them: whichever takes less time. Moving uses
+    the link, recomputing the GPU; ties recompute (nothing crosses the link)."""
+    move = latency_s + tokens * bytes_per_token / link_bytes_per_s
+    return "move" if tokens > 0 and move < tokens * prefill_s_per_token else "recompute"
+
+
+def predict_prefill(
+    inst: InstanceView, req: TurnRequest, cost: CostModel, locality: bool = True
+) -> PrefillChoice:
+    """The prefill of ``req`` on ``inst``: history it holds is reused, the rest moved or recomputed; TTFT =
+    the move, then the queue ahead and this prompt at the instance's recent speed."""
+    reused = min(inst.held.get(req.conversation, 0), req.history_tokens) if locality else 0
+    missing = req.history_tokens - reused
+    per_token = inst.prefill_s_per_token or cost.prefill_token_s
+    fetch = move_or_recompute(
+        missing, cost.kv_bytes_per_token, cost.link_bytes_per_s, per_token, cost.link_latency_s
+    )
+    compute = req.prompt_tokens + (missing if fetch == "recompute" else 0)
+    attention = cost.prefill_s(compute, req.context_tokens - compute) - compute * cost.prefill_token_s
+    moving = cost.move_s(missing) if fetch == "move" else 0.0
+    ttft = moving + (inst.queued_prefill_tokens + compute) * per_token + attention
+    return PrefillChoice(inst.index, reused, fetch, compute, ttft)
+
+
+def choose_prefill(
+    instances: Sequence[InstanceView],
+    req: TurnRequest,
+    cost: CostModel,
+    locality: bool = True,
+    slo: Slo | None = None,
+) -> PrefillChoice | None:
+    """The prefill instance for ``req``: first one with room for its KV now (else it waits there), then,
+    with ``slo``, one whose decodes stay within the TPOT SLO with this turn's (role ``BOTH`` only: it will
+    decode there), then the least predicted TTFT (KV locality first: a hit saves moving or recomputing the
+    history; then load), the shorter queue, the lower index. None: no instance could ever hold it."""
+    out = req.expected_output_tokens
+
+    def key(i: InstanceView) -> tuple[bool, bool, float, int, int]:
+        both = i.role is Role.BOTH  # it will decode the turn too
+        fits = i.kv_free >= req.context_tokens + (out if both else 0)  # (idle conversations' KV makes way)
+        slow = both and slo is not None and predict_tpot(i, cost, req.context_tokens + out // 2) > slo.tpot_s
+        ttft = predict_prefill(i, req, cost, locality).predicted_ttft_s
+        return (not fits, slow, ttft, i.queued_prefill_tokens, i.index)
+
+    options = [i for i in instances if i.role.prefills and i.kv_capacity >= req.context_tokens]
+    return predict_prefill(min(options, key=key), req, cost, locality) if options else None
+
+
+def choose_decode(instances: Sequence[InstanceView], kv_tokens: int) -> int | None:
+    """The decode instance with the shortest decode step (then fewest decodes, least KV, lowest index)
+    among those with ``kv_tokens`` free; None when none has room now (the turn waits)."""
+    fits = [i for i in instances if i.role.decodes and i.kv_free >= kv_tokens]
+    best = min(fits, key=lambda i: (i.decode_step_s, i.running_decodes, i.kv_used, i.index), default=None)
+    return None if best is None else best.index
+
+
+def balance_kv(prefill: InstanceView, instances: Sequence[InstanceView], req: TurnRequest) -> int | None:
+    """Mutel's KV balancing, when a prefilled turn goes to decode: None keeps its prompt KV on the prefill
+    instance (attention parallelism); else the decode instance to move it to, with the answer (attention
+    there is local). Moved only when turns wait for KV room on the prefill instance and a decode instance
+    has room for the whole context: the decode instances' memory is otherwise idle."""
+    if prefill.kv_waiting <= 0:
+        return None
+    return choose_decode(instances, req.context_tokens + req.expected_output_tokens)
+
+
+def predict_tpot(inst: InstanceView, cost: CostModel, local_tokens: int, remote_tokens: int = 0) -> float:
+    """The decode step of ``inst`` with one more request reading ``local_tokens`` of KV there and
+    ``remote_tokens`` on a prefill instance (whose attention the step waits for)."""
+    step = inst.decode_step_s or cost.base_s
+    return step + cost.decode_seq_s + cost.kv_token_s * (local_tokens + remote_tokens)
+
+
+def admit(
+    prefill: PrefillChoice | None,
+    decode: InstanceView | None,
+    slo: Slo,
+    cost: CostModel,
+    local_tokens: int,
+    remote_tokens: int = 0,
+) -> Rejection | None:
+    """Early rejection: None to accept, else why not. ``decode``: where the turn would decode now (None:
+    nowhere has room yet); ``local_tokens``/``remote_tokens`` as for `predict_tpot`."""
+    if prefill is None:
+        return Rejection(RejectReason.NO_CAPACITY)
+    if prefill.predicted_ttft_s > slo.ttft_s:
+        return Rejection(RejectReason.TTFT, prefill.predicted_ttft_s, slo.ttft_s)
+    if decode is not None:  # (no decode instance with room yet: the turn will queue for one)
+        tpot = predict_tpot(decode, cost, local_tokens, remote_tokens)
+        if tpot > slo.tpot_s:
+            return Rejection(RejectReason.TPOT, tpot, slo.tpot_s)
+    return None
+
+
+def chunk_size(
+    tpot_s: float,
+    decode_step_s: float,
+    cost: CostModel,
+    *,
+    cached_tokens: int = 0,
+    fixed_s: float = 0.0,
+    blocking: float = 1.0,
+    min_tokens: int = 64,
+    max_tokens: int = 2048,
+) -> int:
+    """The largest prefill chunk n (within [min_tokens, max_tokens]) with ``decode_step_s + blocking *
+    (fixed_s + n tokens' compute) <= tpot_s``: the decode work waiting on this instance still meets its TPOT.
+
+    ``decode_step_s`` is that work's own step time (0: none waits, so the largest chunk). Colocated, the
+    chunk rides in the decode step (``fixed_s`` 0, ``blocking`` 1). On a Mutel prefill instance, a chunk is
+    a step of its own (``fixed_s`` its base) and each layer's remote attention waits for the layer of the
+    chunk under way, on average half of it (``blocking`` 0.5, summed over the layers)."""
+    if decode_step_s <= 0:
+        return max_tokens
+    room = (tpot_s - decode_step_s) / blocking - fixed_s
+    per_token = cost.prefill_token_s + cost.prefill_pair_s * cached_tokens
+    return max(min_tokens, min(max_tokens, int(room / per_token) if room > 0 else 0))
