@@ -33,6 +33,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m server", description=__doc__.split("\n")[0])
     p.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     p.add_argument("--engines", type=int, default=1, help="in-process engines (remote ones may also join)")
+    p.add_argument(
+        "--disaggregate",
+        action="store_true",
+        help="in-process engines serve in prefill + decode pairs (Mutel's attention parallelism; --engines "
+        "even)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=9000)
     p.add_argument("--session-ttl", type=float, default=600.0)
@@ -114,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         scheduling=args.scheduling,
         sjf_aging_s=args.sjf_aging_s,
     )
-    engines = build_engines(args.model, args.engines, config)
+    engines = build_engines(args.model, args.engines, config, args.disaggregate)
     try:
         manager_config = ManagerConfig(
             session_ttl=args.session_ttl,

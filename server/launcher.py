@@ -9,7 +9,7 @@ import time
 from collections import Counter
 from collections.abc import Coroutine, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import uvicorn
@@ -20,6 +20,7 @@ from server.engine import EngineConfig, LLMEngine
 from server.engine.model_names import DEFAULT_MODEL
 from server.netdelay import NetworkDelayMiddleware
 from server.security import CLUSTER_TOKEN_ENV, SecurityConfig, api_keys_from
+from server.serve.disagg_engine import DisaggregatedEngine
 from server.serve.manager import Manager, ManagerConfig
 
 T = TypeVar("T")
@@ -54,10 +55,24 @@ class LaunchedServer:
         return self.app.state.request_counts
 
 
-def build_engines(model: str, engines: int, engine_config: EngineConfig | None) -> list[LLMEngine]:
+def build_engines(
+    model: str, engines: int, engine_config: EngineConfig | None, disaggregate: bool = False
+) -> list[LLMEngine]:
+    """``engines`` in-process engines; with ``disaggregate``, paired as prefill + decode engines, each pair
+    one `DisaggregatedEngine` to the manager (Mutel's attention parallelism)."""
     if engines < 0:
         raise ValueError(f"engines must be >= 0 (0: only remote engines that register), got {engines}")
-    return [LLMEngine.from_pretrained(model, engine_config) for _ in range(engines)]
+    if not disaggregate:
+        return [LLMEngine.from_pretrained(model, engine_config) for _ in range(engines)]
+    if engines % 2:
+        raise ValueError(f"disaggregated engines pair prefill with decode: an even count, not {engines}")
+    config = engine_config or EngineConfig()
+    pairs = []
+    for _ in range(engines // 2):
+        prefill = LLMEngine.from_pretrained(model, replace(config, role="prefill"))
+        decode = LLMEngine.from_pretrained(model, replace(config, role="decode"))
+        pairs.append(DisaggregatedEngine(prefill, decode))
+    return pairs  # type: ignore[return-value]  (duck-typed like an LLMEngine, as RemoteEngine is)
 
 
 @contextmanager
@@ -74,6 +89,7 @@ def launch(
     api_keys: Sequence[str] | None = None,
     cluster_token: str | None = None,
     max_remote_engines: int = 64,
+    disaggregate: bool = False,
 ) -> Iterator[LaunchedServer]:
     """Start manager + ``engines`` in-process engines serving ``model`` (default: SmolLM2-135M-Instruct;
     ``"tiny"``, a ``.gguf`` file or a Hugging Face folder: see `server.engine.model_names`); stop everything
@@ -85,6 +101,8 @@ def launch(
     ``api_keys`` (default: ``$PARROT_API_KEY`` if set) guard the OpenAI routes. In-process engines need no
     token; remote ones join with ``cluster_token`` (default: ``$PARROT_CLUSTER_TOKEN``, else a random one,
     kept in memory only: read it from the yielded ``cluster_token``).
+
+    ``disaggregate``: the engines serve in prefill + decode pairs (`build_engines`).
     """
     token = cluster_token or os.environ.get(CLUSTER_TOKEN_ENV, "").strip()
     settings = (
@@ -92,7 +110,7 @@ def launch(
         if token
         else SecurityConfig.generated(api_keys=api_keys_from(api_keys), max_remote_engines=max_remote_engines)
     )
-    pool = build_engines(model, engines, engine_config)
+    pool = build_engines(model, engines, engine_config, disaggregate)
     manager = Manager(pool, manager_config)
     app = create_app(manager, security=settings)
     delay = None

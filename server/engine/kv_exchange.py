@@ -129,9 +129,13 @@ class KVExchange:
         parent_context_id: int | None = None,
         *,
         parent_len: int | None = None,
+        pending: list[int] | None = None,
     ) -> int:
         """Append ``blob``'s tokens with their KV to a context (new, forked from the parent as `fill`
-        does, or an existing one whose tokens are all computed), computing nothing. Returns its length."""
+        does, or an existing one), computing nothing: they follow its last computed token, so tokens of it
+        not computed yet (a sampled one, say) must be the blob's first. ``pending``: tokens to append after
+        them without KV, computed by whatever extends the context next (as a generate leaves its last
+        sampled token). Returns its length."""
 
         def import_() -> int:
             kv = self._kv()
@@ -147,7 +151,7 @@ class KVExchange:
                 if parent_context_id is not None:
                     parent = _idle(self, parent_context_id, "import_kv")
                 inherited = 0 if parent is None else self._inherited("import_kv", parent, parent_len)
-                self._check_length("import_kv", inherited + len(blob.token_ids), False)
+                self._check_length("import_kv", inherited + len(blob.token_ids) + len(pending or []), False)
                 ctx = self._contexts.create(context_id, parent, parent_len)
             else:
                 ctx = _idle(self, context_id, "import_kv")
@@ -155,12 +159,16 @@ class KVExchange:
                     raise InvalidRequestError(
                         f"import_kv: context {context_id} already exists; nothing is forked into it"
                     )
-                self._check_length("import_kv", len(ctx.token_ids) + len(blob.token_ids), False)
+                self._check_length(
+                    "import_kv", ctx.num_cached + len(blob.token_ids) + len(pending or []), False
+                )
             try:
-                if ctx.num_pending:
+                uncomputed = ctx.token_ids[ctx.num_cached :]
+                if list(blob.token_ids[: len(uncomputed)]) != uncomputed:
                     raise InvalidRequestError(
-                        f"import_kv: context {context_id} has {ctx.num_pending} tokens not computed yet; "
-                        "KV is imported only after the last computed token"
+                        f"import_kv: context {context_id} has {len(uncomputed)} tokens not computed yet, "
+                        f"{uncomputed[:5]}...; imported KV continues the last computed token, so it must "
+                        "start with them"
                     )
                 need = self._contexts.blocks_needed(ctx, len(blob.token_ids))
                 if not self._scheduler.make_room(need, keep=(ctx,)):
@@ -173,7 +181,9 @@ class KVExchange:
                 if created:
                     self._contexts.free(context_id)
                 raise
+            del ctx.token_ids[ctx.num_cached :]  # the pending tokens come back with their KV
             write_kv(kv.k, kv.v, ctx, blob)
+            ctx.token_ids.extend(pending or [])
             self._kv_bytes_moved += blob.nbytes
             return len(ctx.token_ids)
 

@@ -56,6 +56,7 @@ from parrot.protocol import (
 from server.engine import EngineError, LLMEngine, SamplingParams
 from server.engine.errors import EngineDrainingError, EngineFailedError, engine_unavailable
 from server.serve.deduction import StepObjective, objective
+from server.serve.disagg_engine import DisaggregatedEngine
 from server.serve.errors import ModelNotFoundError
 from server.serve.graph import SessionGraph, StepNode
 from server.serve.ir import (
@@ -194,7 +195,7 @@ class ManagerConfig:
             )
 
 
-Engine = LLMEngine | RemoteEngine
+Engine = LLMEngine | RemoteEngine | DisaggregatedEngine
 
 
 @dataclass

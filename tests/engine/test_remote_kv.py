@@ -299,3 +299,24 @@ async def test_the_step_token_budget_can_change_while_serving(gqa_model: Path) -
         assert engine.stats().steps == 9
         with pytest.raises(InvalidRequestError, match="positive token count"):
             await engine.set_token_budget(0)
+
+
+async def test_import_continues_the_last_computed_token(pair: tuple[LLMEngine, LLMEngine]) -> None:
+    """Imported KV may stand in for a context's pending tokens (a sampled token's), must start with them,
+    and may leave tokens pending after it."""
+    prefill, _ = pair
+    (prompt,) = prompts(1, seed=17, low=20, high=30)
+    await prefill.fill(1, prompt)
+    ref = (await prefill.generate(1, GREEDY)).token_ids
+    await prefill.fill(2, prompt)
+    first = (await prefill.generate(2, _first())).token_ids  # pending in context 2
+    blob = await prefill.export_kv(1, len(prompt), len(prompt) + 5)  # the KV of ref[:5]
+    with pytest.raises(InvalidRequestError, match="must start with them"):
+        await prefill.import_kv(2, KVBlob(blob.token_ids[1:], blob.k[:, 1:], blob.v[:, 1:]))
+    assert await prefill.import_kv(2, blob, pending=[ref[5]]) == len(prompt) + 6
+    computed = prefill.stats().prefill_tokens_computed
+    rest = (await prefill.generate(2, _first(6))).token_ids  # computes the pending token first
+    assert first + ref[1:6] + rest == ref
+    assert prefill.stats().prefill_tokens_computed - computed == 1
+    for cid in (1, 2):
+        await prefill.free_context(cid)

@@ -1,0 +1,260 @@
+"""A prefill engine and a decode engine behind the one-engine interface the manager drives (Mutel, seed 004).
+
+`DisaggregatedEngine` looks like an `LLMEngine` (as `RemoteEngine` does), so sessions, the OpenAI routes,
+the prefix store and placement use it unchanged. Contexts live on the prefill engine: fills run there, and
+a context's KV stays there across turns. A generate samples its first token there (time to first token is
+the prefill's), then the decode engine generates the rest over a lease of that KV (attention parallelism,
+`server.engine.remote_kv`), holding only the answer. When the answer is done its KV moves back once into
+the context on the prefill engine, so the context ends as it would on one engine — prompt and answer, the
+next turn's prefix — and the decode engine holds nothing between requests.
+
+In one process (`LocalKVSource`); across processes the engines would pair through
+`server.engine.remote_kv_dist` instead. A stop string that spans the first token and the next ones is cut
+from the text, but the decode engine, which sees only its own tokens, does not stop on it early.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Any
+
+from parrot.protocol import EngineStats
+
+from server.engine import EngineError, LLMEngine, SamplingParams
+from server.engine.engine import GenerationStream
+from server.engine.remote_kv import KVLease, RemotePrefix
+from server.engine.request import GenerateResult
+
+_SUMMED = (
+    "blocks_total", "blocks_used", "blocks_free", "blocks_peak", "running", "waiting", "tokens_in_last_step",
+    "prefill_tokens_computed", "decode_tokens_computed", "steps", "preemptions", "evictions",
+    "grouped_decode_steps", "kv_leases", "kv_bytes_moved", "remote_attention_bytes",
+)  # fmt: skip
+
+
+class DisaggregatedEngine:
+    """``prefill`` and ``decode`` engines (same model) serving as one; see the module docstring."""
+
+    def __init__(self, prefill: LLMEngine, decode: LLMEngine) -> None:
+        if prefill.model_name != decode.model_name:
+            raise ValueError(
+                f"a prefill and a decode engine serve one model, not {prefill.model_name!r} and "
+                f"{decode.model_name!r}"
+            )
+        self.prefill, self.decode = prefill, decode
+        self.model_name = prefill.model_name
+        self.tokenizer = prefill.tokenizer
+        self.max_model_len = prefill.max_model_len
+        self.block_size = prefill.block_size
+        self.vocab_size = prefill.vocab_size
+        self.eos_token_ids = prefill.eos_token_ids
+        self._decode_ids = itertools.count(1)  # the decode engine's contexts are ours alone
+
+    async def fill(
+        self,
+        context_id: int,
+        token_ids: list[int],
+        parent_context_id: int | None = None,
+        *,
+        parent_len: int | None = None,
+        priority: float | None = None,
+    ) -> int:
+        """As `LLMEngine.fill`, on the prefill engine."""
+        return await self.prefill.fill(
+            context_id, token_ids, parent_context_id, parent_len=parent_len, priority=priority
+        )
+
+    def submit_generate(
+        self,
+        context_id: int,
+        sampling: SamplingParams | None = None,
+        parent_context_id: int | None = None,
+        stream: bool = True,
+        *,
+        latency_cap: int | None = None,
+        parent_len: int | None = None,
+        priority: float | None = None,
+    ) -> DisaggregatedGeneration:
+        """As `LLMEngine.submit_generate`: the first token on the prefill engine, the rest on the decode
+        engine over the prompt's KV where it is."""
+        options = {"latency_cap": latency_cap, "priority": priority}
+        return DisaggregatedGeneration(
+            self, context_id, sampling or SamplingParams(), parent_context_id, parent_len, stream, options
+        )
+
+    async def generate(
+        self,
+        context_id: int,
+        sampling: SamplingParams | None = None,
+        parent_context_id: int | None = None,
+        *,
+        latency_cap: int | None = None,
+        parent_len: int | None = None,
+        priority: float | None = None,
+    ) -> GenerateResult:
+        """As `LLMEngine.generate`."""
+        return await self.submit_generate(
+            context_id,
+            sampling,
+            parent_context_id,
+            stream=False,
+            latency_cap=latency_cap,
+            parent_len=parent_len,
+            priority=priority,
+        ).result()
+
+    async def generate_stream(
+        self, context_id: int, sampling: SamplingParams | None = None
+    ) -> AsyncIterator[int]:
+        """As `LLMEngine.generate_stream`."""
+        stream = self.submit_generate(context_id, sampling)
+        try:
+            async for token in stream:
+                yield token
+        finally:
+            stream.cancel()
+
+    async def free_context(self, context_id: int) -> None:
+        await self.prefill.free_context(context_id)
+
+    def context_length(self, context_id: int) -> int:
+        return self.prefill.context_length(context_id)
+
+    def stats(self) -> EngineStats:
+        """Both engines' load and memory, summed (contexts are the prefill engine's: the decode engine's
+        are the answers in flight)."""
+        p, d = self.prefill.stats(), self.decode.stats()
+        return p.model_copy(update={k: getattr(p, k) + getattr(d, k) for k in _SUMMED} | {"role": "both"})
+
+    def reset_peak_blocks(self) -> None:
+        self.prefill.reset_peak_blocks()
+        self.decode.reset_peak_blocks()
+
+    def shutdown(self) -> None:
+        self.decode.shutdown()
+        self.prefill.shutdown()
+
+    def __repr__(self) -> str:
+        return f"<DisaggregatedEngine {self.model_name}: prefill + decode>"
+
+
+class DisaggregatedGeneration:
+    """A generate across the pair, like `GenerationStream`: token ids as sampled (``stream=True``), then
+    `result()`; `cancel()` aborts it on whichever engine runs it and frees what it holds there."""
+
+    _END = object()
+
+    def __init__(
+        self,
+        engine: DisaggregatedEngine,
+        context_id: int,
+        sampling: SamplingParams,
+        parent_context_id: int | None,
+        parent_len: int | None,
+        stream: bool,
+        options: dict[str, Any],
+    ) -> None:
+        self._engine = engine
+        self._queue: asyncio.Queue[Any] | None = asyncio.Queue() if stream else None
+        self._task = asyncio.get_running_loop().create_task(
+            self._run(context_id, sampling, parent_context_id, parent_len, options)
+        )
+
+    def __aiter__(self) -> DisaggregatedGeneration:
+        return self
+
+    async def __anext__(self) -> int:
+        assert self._queue is not None, "submitted with stream=False"
+        item = await self._queue.get()
+        if item is self._END:
+            self._queue.put_nowait(item)  # stay exhausted
+            await self.result()  # raises the request's error, if any
+            raise StopAsyncIteration
+        return int(item)
+
+    def cancel(self) -> None:
+        self._task.cancel()
+
+    async def result(self) -> GenerateResult:
+        return await asyncio.shield(self._task)
+
+    def _emit(self, tokens: list[int]) -> None:
+        if self._queue is not None:
+            for t in tokens:
+                self._queue.put_nowait(t)
+
+    async def _run(
+        self,
+        context_id: int,
+        sampling: SamplingParams,
+        parent_context_id: int | None,
+        parent_len: int | None,
+        options: dict[str, Any],
+    ) -> GenerateResult:
+        try:
+            return await self._generate(context_id, sampling, parent_context_id, parent_len, options)
+        finally:
+            if self._queue is not None:
+                self._queue.put_nowait(self._END)
+
+    async def _generate(
+        self,
+        context_id: int,
+        sampling: SamplingParams,
+        parent_context_id: int | None,
+        parent_len: int | None,
+        options: dict[str, Any],
+    ) -> GenerateResult:
+        prefill, decode = self._engine.prefill, self._engine.decode
+        first = await prefill.generate(
+            context_id, replace(sampling, max_tokens=1), parent_context_id, parent_len=parent_len, **options
+        )
+        self._emit(first.token_ids)
+        if first.finish_reason == "stop" or sampling.max_tokens == 1 or not first.token_ids:
+            return first
+        prompt = prefill.context_length(context_id) - 1  # computed: all but the token just sampled
+        lease = await prefill.lease_kv(context_id, prompt)
+        reader = next(self._engine._decode_ids)
+        rest: GenerationStream | None = None
+        try:
+            await decode.fill(reader, first.token_ids, remote=RemotePrefix(prefill.kv_source, lease))
+            rest = decode.submit_generate(
+                reader, replace(sampling, max_tokens=sampling.max_tokens - 1), stream=True, **options
+            )
+            async for token in rest:
+                self._emit([token])
+            tail = await rest.result()
+            # The answer's KV moves back once, and the context ends as on one engine: prompt and answer,
+            # its last token not computed yet (the next turn's prefix).
+            answer = await decode.export_kv(reader)
+            await prefill.import_kv(context_id, answer, pending=tail.token_ids[len(answer.token_ids) - 1 :])
+        finally:
+            await asyncio.shield(_release(decode, reader, rest, prefill, lease))
+        tokens = first.token_ids + tail.token_ids
+        text = _text(self._engine, tokens, sampling)
+        return GenerateResult(tokens, text, tail.finish_reason, first.prompt_tokens)
+
+
+async def _release(
+    decode: LLMEngine, reader: int, rest: GenerationStream | None, prefill: LLMEngine, lease: KVLease
+) -> None:
+    """Abort the decode side if it still runs (and take its outcome, so no error goes unread), free its
+    context, let go of the lease."""
+    try:
+        if rest is not None:
+            rest.cancel()
+            with contextlib.suppress(EngineError):
+                await rest.result()
+        await decode.free_context(reader)
+    finally:
+        await prefill.release_kv(lease)
+
+
+def _text(engine: DisaggregatedEngine, tokens: list[int], sampling: SamplingParams) -> str:
+    text = engine.tokenizer.decode(tokens, skip_special_tokens=True)
+    cuts = [i for i in (text.find(s) for s in sampling.stop) if i >= 0]
+    return text[: min(cuts)] if cuts else text
