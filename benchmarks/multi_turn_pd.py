@@ -31,7 +31,8 @@ CPU): two in-process engines — colocated as two full engines, Splitwise-like a
 and one decode engine (`server.serve.disagg_chat`) — serve the same conversations in lockstep turns. Per
 policy and turn: median TTFT, KV bytes moved between the engines, attention-exchange bytes (queries out,
 partials back), prefill tokens; answers compared across policies (greedy, float32: they must be equal).
-``mutel_moved_over_new_kv`` = Mutel's KV bytes moved per turn / the KV of that turn's new tokens (goal <= 1).
+``mutel_moved_over_new_kv`` = Mutel's KV bytes moved per turn / the KV of that turn's new tokens (goal <= 1);
+``ttft_recompute_over_move``: Mutel recomputing its answers' KV at the next turn instead of moving it back.
 """
 
 from __future__ import annotations
@@ -212,6 +213,8 @@ def real_metrics(real: dict[str, Any]) -> dict[str, float | int]:
         "splitwise_kv_mib_per_turn": mean("splitwise", "kv_bytes_moved") / 2**20,
         "mutel_exchange_mib_per_turn": mean("mutel", "exchange_bytes") / 2**20,
         "mutel_moved_over_new_kv": mutel_moved / (new_tokens * real["kv_bytes_per_token"]),
+        # The answers' KV recomputed instead of moved back: what each costs the next turn's TTFT.
+        "ttft_recompute_over_move": mean("mutel recompute", "ttft_s") / mean("mutel", "ttft_s"),
         "answers_identical": int(real["answers_identical"]),
     }
 

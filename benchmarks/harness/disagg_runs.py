@@ -1,7 +1,9 @@
 """Multi-turn chat on real engines under the three disaggregation policies (`server.serve.disagg_chat`).
 
 Two in-process engines on the same weights: ``colocated`` uses both as full engines (a conversation stays
-on one); ``splitwise`` and ``mutel`` use one as the prefill instance and one as the decode instance.
+on one); ``splitwise`` and ``mutel`` use one as the prefill instance and one as the decode instance;
+``mutel recompute`` is Mutel recomputing each answer's KV on the prefill engine at the next turn instead of
+moving it back (the paper's balancer picks by bytes vs compute: both are measured here).
 ``conversations`` run side by side, ``turns`` each: a system prompt of reference text, then user messages
 of ``user_tokens`` tokens, greedy answers of up to ``max_tokens``. Per policy and turn: TTFT (median over
 conversations), KV bytes moved between engines and attention-exchange bytes per turn, prefill tokens; and
@@ -21,6 +23,9 @@ from benchmarks.workloads.chat import TextPool
 from benchmarks.workloads.copilot import user_queries
 from server.engine import EngineConfig, LLMEngine, SamplingParams
 from server.serve.disagg_chat import POLICIES, DisaggregatedChat, TurnResult
+
+RECOMPUTE = "mutel recompute"
+RUNS = (*POLICIES, RECOMPUTE)  # Mutel both ways: the answer's KV moved back once, or recomputed there
 
 
 @dataclass(frozen=True)
@@ -55,8 +60,10 @@ async def _policy(
     engines' counters over the round, per conversation."""
     if policy == "colocated":
         chat = DisaggregatedChat("colocated", engines)
-    else:
-        chat = DisaggregatedChat(policy, engines[:1], engines[1:])  # type: ignore[arg-type]
+    else:  # mutel, splitwise, or mutel recomputing its answers' KV instead of moving it back
+        name = policy.split()[0]
+        move = policy != RECOMPUTE
+        chat = DisaggregatedChat(name, engines[:1], engines[1:], move_answers=move)  # type: ignore[arg-type]
     answers: list[list[int]] = [[] for _ in queries]
     rounds = []
     for t in range(cfg.turns):
@@ -98,17 +105,17 @@ def run_policies(model: str, cfg: RealConfig) -> dict[str, Any]:
         users = user_queries(tokenizer, cfg.conversations * cfg.turns, cfg.seed, lo, hi)
         queries = [users[c * cfg.turns : (c + 1) * cfg.turns] for c in range(cfg.conversations)]
         runs: dict[str, list[dict[str, Any]]] = {}
-        for policy in POLICIES:
+        for policy in RUNS:
             runs[policy] = asyncio.run(_policy(policy, engines, tokenizer, system, queries, cfg))
             log(f"real engines: {policy} done")
         kv_per_token = _kv_bytes_per_token(engines[0])
     finally:
         for e in engines:
             e.shutdown()
-    answers = {p: [[r.tokens for r in rnd["results"]] for rnd in runs[p]] for p in POLICIES}
+    answers = {p: [[r.tokens for r in rnd["results"]] for rnd in runs[p]] for p in RUNS}
     return {
-        "per_turn": {p: [_turn_row(t, rnd) for t, rnd in enumerate(runs[p])] for p in POLICIES},
-        "answers_identical": all(answers[p] == answers["colocated"] for p in POLICIES),
+        "per_turn": {p: [_turn_row(t, rnd) for t, rnd in enumerate(runs[p])] for p in RUNS},
+        "answers_identical": all(answers[p] == answers["colocated"] for p in RUNS),
         "kv_bytes_per_token": kv_per_token,
     }
 

@@ -206,7 +206,14 @@ class _RemoteLink:
     url: str
     last_heartbeat: float
     alive: bool = True
-    draining: bool = False  # it announced a graceful shutdown: no new work, what runs finishes
+    # No new work, what runs finishes: the engine announced a graceful shutdown (its heartbeat's stats, a
+    # draining error), or an operator held it (`Manager.set_draining`). A heartbeat changes only the first.
+    announced_drain: bool = False
+    held: bool = False
+
+    @property
+    def draining(self) -> bool:
+        return self.announced_drain or self.held
 
 
 @dataclass
@@ -311,18 +318,26 @@ class Manager:
         engine.update_stats(stats)
         # An engine announces a graceful shutdown in its stats (`server.engine.draining`): it gets no new
         # work from now on.
-        if stats.draining != link.draining:
-            self.set_draining(engine_id, stats.draining)
+        if stats.draining != link.announced_drain:
+            self._drain(engine_id, link, announced=stats.draining)
 
     def set_draining(self, engine_id: int, draining: bool = True) -> None:
-        """Mark a remote engine as draining (no new work is placed there; what runs there finishes), or
-        as serving again."""
+        """Hold a remote engine (no new work is placed there; what runs there finishes), or release it: an
+        operator's decision, which the engine's heartbeats do not undo."""
         link = self._remote.get(engine_id)
         if link is None or not link.alive:
             raise UnknownEngineError(f"engine {engine_id} is not a registered remote engine in service")
-        if link.draining != draining:
-            link.draining = draining
-            log.info("engine %d (%s) %s", engine_id, link.name, "is draining" if draining else "serves again")
+        self._drain(engine_id, link, held=draining)
+
+    def _drain(
+        self, engine_id: int, link: _RemoteLink, *, announced: bool | None = None, held: bool | None = None
+    ) -> None:
+        was = link.draining
+        link.announced_drain = link.announced_drain if announced is None else announced
+        link.held = link.held if held is None else held
+        if link.draining != was:
+            what = "is draining" if link.draining else "serves again"
+            log.info("engine %d (%s) %s", engine_id, link.name, what)
             self.placement.engines_changed()
 
     async def unregister_engine(self, engine_id: int) -> None:
@@ -381,7 +396,7 @@ class Manager:
         connections are closed). A remote engine comes back only by registering again, as a new engine."""
         if getattr(error, "error_type", None) == EngineDrainingError.error_type:
             if engine_id in self._remote and self._reachable(engine_id):
-                self.set_draining(engine_id)
+                self._drain(engine_id, self._remote[engine_id], announced=True)
             return
         if engine_id in self._failed:
             return

@@ -443,3 +443,23 @@ def test_a_model_whose_engines_all_failed_is_503_not_an_unknown_model(
         unknown = client.post("/v1/completions", json={**body, "model": "never-served"})
         assert unknown.status_code == 404, unknown.text
         client.portal.call(manager.drop_cache)  # type: ignore[union-attr]
+
+
+def test_an_operator_hold_survives_the_engines_heartbeats(
+    cluster: tuple[LaunchedServer, list[_Process]],
+) -> None:
+    """A held engine's heartbeats (which say it is not draining itself) do not put it back in service."""
+    s, procs = cluster
+    engine_id = _live(s, procs[0].name)
+    assert engine_id is not None
+
+    async def hold(on: bool) -> None:
+        s.manager.set_draining(engine_id, on)
+
+    s.run(hold(True))
+    try:
+        time.sleep(1.0)  # five heartbeats at 0.2 s
+        assert not s.manager._in_service(engine_id)
+    finally:
+        s.run(hold(False))
+    assert s.manager._in_service(engine_id)
