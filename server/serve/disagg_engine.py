@@ -10,7 +10,9 @@ next turn's prefix — and the decode engine holds nothing between requests.
 
 In one process (`LocalKVSource`); across processes the engines would pair through
 `server.engine.remote_kv_dist` instead. A stop string that spans the first token and the next ones is cut
-from the text, but the decode engine, which sees only its own tokens, does not stop on it early.
+from the text, but the decode engine, which sees only its own tokens, does not stop on it early. Sampling
+with a seed stays reproducible, but the decode engine's random stream starts afresh after the first token,
+so sampled (not greedy) answers differ from one engine's.
 """
 
 from __future__ import annotations
@@ -214,7 +216,8 @@ class DisaggregatedGeneration:
             context_id, replace(sampling, max_tokens=1), parent_context_id, parent_len=parent_len, **options
         )
         self._emit(first.token_ids)
-        if first.finish_reason == "stop" or sampling.max_tokens == 1 or not first.token_ids:
+        window_full = prefill.context_length(context_id) >= self._engine.max_model_len
+        if first.finish_reason == "stop" or sampling.max_tokens == 1 or not first.token_ids or window_full:
             return first
         prompt = prefill.context_length(context_id) - 1  # computed: all but the token just sampled
         lease = await prefill.lease_kv(context_id, prompt)
