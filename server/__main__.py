@@ -27,12 +27,22 @@ from server.netdelay import NetworkDelayMiddleware
 from server.security import SecurityConfig, api_keys_from, load_cluster_token
 from server.serve.length_predictor import LengthPredictorStateError
 from server.serve.manager import Manager, ManagerConfig
+from server.serve.mutel import Slo
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m server", description=__doc__.split("\n")[0])
     p.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     p.add_argument("--engines", type=int, default=1, help="in-process engines (remote ones may also join)")
+    p.add_argument(
+        "--slo",
+        nargs=2,
+        type=float,
+        metavar=("TTFT_S", "TPOT_S"),
+        default=None,
+        help="refuse OpenAI requests at once (503 slo_rejected) whose engine would miss these P90 objectives "
+        "(Mutel's early rejection; default: admit everything)",
+    )
     p.add_argument(
         "--disaggregate",
         action="store_true",
@@ -122,10 +132,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     engines = build_engines(args.model, args.engines, config, args.disaggregate)
     try:
+        slo = None if args.slo is None else Slo(*args.slo)
         manager_config = ManagerConfig(
             session_ttl=args.session_ttl,
             length_prediction=not args.no_length_prediction,
             length_predictor_path=args.length_predictor,
+            slo=slo,
         )
         try:
             manager = Manager(engines, manager_config)

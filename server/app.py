@@ -66,6 +66,7 @@ from server.serve.manager import (
     Manager,
     NoEngineError,
     ServerDrainingError,
+    SloRejectedError,
     UnknownEngineError,
 )
 from server.serve.remote_engine import RemoteEngine
@@ -92,6 +93,7 @@ _TYPED: tuple[type[Exception], ...] = (
     GetTimeoutError,
     NoEngineError,
     ServerDrainingError,
+    SloRejectedError,
     UnknownEngineError,
     EngineRegistrationError,
     OpenAIAPIError,

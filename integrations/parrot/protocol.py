@@ -144,6 +144,11 @@ class EngineStats(BaseModel):
     kv_leases: int = 0  # contexts' KV lent to other engines (disaggregated serving), held until released
     kv_bytes_moved: int = 0  # KV copied out of or into this engine instead of being recomputed
     remote_attention_bytes: int = 0  # queries and partial outputs exchanged with engines holding remote KV
+    # Recent timing (moving averages; 0 until measured) and the prompt work queued: what the manager
+    # predicts TTFT and TPOT from when it admits requests against SLOs (`server.serve.mutel.admit`).
+    decode_step_s: float = 0.0
+    prefill_s_per_token: float = 0.0
+    queued_prefill_tokens: int = 0
 
 
 class EngineInfo(BaseModel):

@@ -47,6 +47,7 @@ from server.engine.request import FinishReason, GenerateResult, Request
 from server.engine.sampling import SamplingParams, make_generator, sample
 from server.engine.scheduler import ScheduledChunk, Scheduler
 from server.engine.step_features import StepRecord, step_features
+from server.engine.step_timing import StepTiming
 from server.malloc_tuning import tune_glibc_malloc
 
 log = logging.getLogger(__name__)
@@ -256,6 +257,8 @@ class LLMEngine(KVExchange):
         self._leases: dict[int, KVLease] = {}  # KV lent to other engines, by lease id (`kv_exchange`)
         self._kv_bytes_moved = 0  # KV exported and imported (`kv_exchange`)
         self._remote_attention_bytes = 0  # queries and partials exchanged with KV holders (`remote_kv`)
+        self._timing = StepTiming()  # recent step times, for the manager's TTFT/TPOT predictions
+        self._queued_prefill = 0  # prompt tokens not computed yet, of every request here (as of a step)
         # The last `trace_steps` steps' features and wall time, for fitting the simulator's latency model.
         self.step_trace: deque[StepRecord] | None = (
             deque(maxlen=config.trace_steps) if config.trace_steps else None
@@ -436,6 +439,9 @@ class LLMEngine(KVExchange):
             max_model_len=self.max_model_len,
             role=self.config.role,
             kv_leases=len(self._leases),
+            decode_step_s=self._timing.decode_step_s,
+            prefill_s_per_token=self._timing.prefill_s_per_token,
+            queued_prefill_tokens=self._queued_prefill,
             kv_bytes_moved=self._kv_bytes_moved,
             remote_attention_bytes=self._remote_attention_bytes,
         )
@@ -697,6 +703,7 @@ class LLMEngine(KVExchange):
         ctx.busy = True
         self._requests[cmd.sink] = req
         self._scheduler.add(req)
+        self._queued_prefill += ctx.num_pending
 
     def _admit_deferred(self) -> None:
         if not self._deferred:
@@ -735,6 +742,9 @@ class LLMEngine(KVExchange):
                 self._finish(c.request, error=EngineError(f"the engine step failed: {e!r}"))
             return
         self._tokens_in_last_step = sum(c.num_tokens for c in batch)
+        decodes = sum(1 for c in batch if c.request.decoding)
+        prefills = sum(c.num_tokens for c in batch if not c.request.decoding)
+        self._timing.observe(time.perf_counter() - started, prefills, decodes)
         lost = self._remote_exchange_done()
         to_sample: list[int] = []
         for i, c in enumerate(batch):
@@ -764,6 +774,7 @@ class LLMEngine(KVExchange):
                     self._finish(batch[i].request, error=EngineError(f"sampling failed: {e!r}"))
         if features is not None and self.step_trace is not None:
             self.step_trace.append(StepRecord(features, time.perf_counter() - started))
+        self._queued_prefill = self._scheduler.pending_prefill_tokens()
 
     def _remote_exchange_done(self) -> dict[int, BaseException]:
         """Count the step's exchanges with remote KV holders; the contexts whose holder failed, by id."""

@@ -118,6 +118,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 
+    def pending_prefill_tokens(self) -> int:
+        """Tokens to compute before the requests here sample anything (their prompts' rest)."""
+        return sum(r.context.num_pending for r in (*self.waiting, *self.running) if not r.decoding)
+
     @property
     def running_tokens(self) -> int:
         """The running requests' reservations (`reserved_tokens`), which the token caps bound."""

@@ -130,7 +130,8 @@ class DisaggregatedEngine:
         """Both engines' load and memory, summed (contexts are the prefill engine's: the decode engine's
         are the answers in flight)."""
         p, d = self.prefill.stats(), self.decode.stats()
-        return p.model_copy(update={k: getattr(p, k) + getattr(d, k) for k in _SUMMED} | {"role": "both"})
+        summed = {k: getattr(p, k) + getattr(d, k) for k in _SUMMED}
+        return p.model_copy(update=summed | {"role": "both", "decode_step_s": d.decode_step_s})
 
     def reset_peak_blocks(self) -> None:
         self.prefill.reset_peak_blocks()

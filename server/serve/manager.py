@@ -69,6 +69,7 @@ from server.serve.ir import (
     text_before,
 )
 from server.serve.length_predictor import LengthPredictor
+from server.serve.mutel import Slo
 from server.serve.output_lengths import PROMPT_TAIL_TOKENS, LengthEstimate, OutputLengths, template_key
 from server.serve.placement import (
     NoServingEngineError,
@@ -81,6 +82,7 @@ from server.serve.quotas import Quotas, SessionUsage, check_call, check_session,
 from server.serve.remote_engine import RemoteEngine
 from server.serve.scheduler import EngineState, QueuedRequest, SchedulerConfig
 from server.serve.sessions import Session, SessionTable, UnknownSessionError
+from server.serve.slo_admission import admission
 from server.serve.transform_runner import run_transforms
 from server.serve.transforms import TransformError, apply_transforms, render_value, validate_transforms
 from server.serve.variables import VariableTable
@@ -110,6 +112,14 @@ BATCH_SLICE = 256  # batch operations applied between two yields to the event lo
 class NoEngineError(Exception):
     http_status = 503
     error_type = "no_engine"
+
+
+class SloRejectedError(Exception):
+    """An OpenAI request refused at admission: its engine would miss the configured TTFT or TPOT objective
+    (`ManagerConfig.slo`)."""
+
+    http_status = 503
+    error_type = "slo_rejected"
 
 
 class ServerDrainingError(Exception):
@@ -185,6 +195,10 @@ class ManagerConfig:
     # Admission by predicted length (SSJF §6): a step counts against an engine's capacity with its predicted
     # output times this margin (at most max_tokens) instead of max_tokens; None: max_tokens, as before.
     admit_by_predicted_length: float | None = None
+    # Mutel's early rejection (`server.serve.mutel.admit`): an OpenAI request whose engine's predicted time
+    # to first token or time per output token misses these P90 objectives is refused at once with a 503
+    # (`slo_rejected`, saying which and by how much) instead of queueing; None: every request is admitted.
+    slo: Slo | None = None
 
     def __post_init__(self) -> None:
         margin = self.admit_by_predicted_length
@@ -1060,12 +1074,28 @@ class Manager:
         cache_salt: str | None,
         priority: float | None = None,
     ) -> None:
-        """An OpenAI request's prompt: forked from the longest cached token prefix, the rest filled."""
+        """An OpenAI request's prompt: forked from the longest cached token prefix, the rest filled; refused
+        first if the engine would miss the SLOs (`ManagerConfig.slo`)."""
+        if self.config.slo is not None:
+            self._admit(engine, token_ids, cache_salt)
         if not self.config.openai_prefix_cache:
             await engine.fill(context_id, token_ids, priority=priority)
             return
         index = self._index_of(engine)
         await self._fill_from_cache(index, _namespace(cache_salt), context_id, token_ids, priority)
+
+    def _admit(self, engine: Engine, token_ids: list[int], cache_salt: str | None) -> None:
+        """Mutel's early rejection, from the engine's measured step times and queued prompt work (no
+        measurement yet: admitted). Only the tokens past a cached prefix count as prefill."""
+        assert self.config.slo is not None
+        index = self._index_of(engine)
+        cached = 0
+        if self.config.openai_prefix_cache:
+            match = self._cached_match(index, _namespace(cache_salt), token_ids)
+            cached = 0 if match is None else match.length
+        rejection = admission(engine.stats(), index, len(token_ids) - cached, self.config.slo)
+        if rejection is not None:
+            raise SloRejectedError(f"request refused at admission: {rejection.message}; retry later")
 
     def estimate_length(
         self, engine: Engine, token_ids: list[int], sampling: SamplingParams

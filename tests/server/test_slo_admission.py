@@ -1,0 +1,59 @@
+"""Mutel's early rejection on the manager (`ManagerConfig.slo`): a request whose engine would miss the TTFT
+or TPOT objective is refused at once with a typed 503 that says why; nothing is refused before anything is
+measured, nor with generous objectives; the engine keeps serving."""
+
+from __future__ import annotations
+
+import httpx
+from parrot.protocol import EngineStats
+
+from server.engine import EngineConfig
+from server.launcher import launch
+from server.serve.manager import ManagerConfig
+from server.serve.mutel import RejectReason, Slo
+from server.serve.slo_admission import admission
+
+PROMPT = "A prompt of a few dozen tokens, long enough that its prefill is timed per token: " * 2
+
+
+def _stats(**measured: float) -> EngineStats:
+    base = {"model": "m", "block_size": 16, "blocks_total": 64, "blocks_used": 4, "blocks_free": 60}
+    zeros = dict.fromkeys(
+        ("contexts", "running", "waiting", "tokens_in_last_step", "prefill_tokens_computed",
+         "decode_tokens_computed", "steps", "preemptions", "evictions", "grouped_decode_steps"),
+        0,
+    )  # fmt: skip
+    return EngineStats(**base, **zeros, max_model_len=4096, **measured)  # type: ignore[arg-type]
+
+
+def test_admission_predicts_from_measured_speed_and_queued_work() -> None:
+    slo = Slo(ttft_s=0.5, tpot_s=0.05)
+    assert admission(_stats(), 0, 10_000, slo) is None  # nothing measured: admitted
+    busy = _stats(prefill_s_per_token=1e-3, queued_prefill_tokens=400)
+    assert admission(busy, 0, 50, slo) is None  # (400 + 50) ms of prefill ahead: within 0.5 s
+    late = admission(busy, 0, 200, slo)
+    assert late is not None and late.reason is RejectReason.TTFT
+    assert late.predicted_s == 0.6 and "time to first token 0.600 s exceeds its SLO, 0.500 s" in late.message
+    slow = admission(_stats(decode_step_s=0.08), 0, 10, slo)
+    assert slow is not None and slow.reason is RejectReason.TPOT and "time per output token" in slow.message
+
+
+def test_the_server_refuses_what_would_miss_its_slo_and_serves_on() -> None:
+    strict = ManagerConfig(slo=Slo(ttft_s=1e-9, tpot_s=60.0))
+    with launch("tiny", engine_config=EngineConfig(num_kv_blocks=128), manager_config=strict) as s:
+        body = {"prompt": PROMPT, "max_tokens": 4}
+        first = httpx.post(f"{s.url}/v1/completions", json=body, timeout=60)
+        assert first.status_code == 200  # before any step was timed
+        second = httpx.post(f"{s.url}/v1/completions", json={**body, "prompt": "Other text. " + PROMPT})
+        assert second.status_code == 503
+        error = second.json()["error"]
+        assert error["type"] == "slo_rejected" and "time to first token" in error["message"]
+        # A cached prompt has nothing left to prefill: admitted even under this objective.
+        again = httpx.post(f"{s.url}/v1/completions", json=body, timeout=60)
+        assert again.status_code == 200, again.text
+
+    generous = ManagerConfig(slo=Slo(ttft_s=60.0, tpot_s=60.0))
+    with launch("tiny", engine_config=EngineConfig(num_kv_blocks=128), manager_config=generous) as s:
+        for i in range(3):
+            r = httpx.post(f"{s.url}/v1/completions", json={"prompt": f"{i} {PROMPT}", "max_tokens": 4})
+            assert r.status_code == 200
