@@ -22,6 +22,7 @@ from benchmarks.common import log
 from benchmarks.workloads.chat import TextPool
 from benchmarks.workloads.copilot import user_queries
 from server.engine import EngineConfig, LLMEngine, SamplingParams
+from server.engine.model_runner import KVCache
 from server.serve.disagg_chat import POLICIES, DisaggregatedChat, TurnResult
 
 RECOMPUTE = "mutel recompute"
@@ -135,4 +136,5 @@ def _turn_row(t: int, rnd: dict[str, Any]) -> dict[str, float]:
 
 def _kv_bytes_per_token(engine: LLMEngine) -> int:
     cfg = engine.model_config
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4  # float32 K and V
+    dtype = engine.config.torch_dtype()
+    return KVCache.bytes_per_block(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, cfg.head_dim, dtype)

@@ -30,6 +30,7 @@ from server.engine import EngineError, LLMEngine, SamplingParams
 from server.engine.engine import GenerationStream
 from server.engine.remote_kv import KVLease, RemotePrefix
 from server.engine.request import GenerateResult
+from server.serve.task_stream import Emit, TaskStream
 
 _SUMMED = (
     "blocks_total", "blocks_used", "blocks_free", "blocks_peak", "running", "waiting", "tokens_in_last_step",
@@ -145,11 +146,9 @@ class DisaggregatedEngine:
         return f"<DisaggregatedEngine {self.model_name}: prefill + decode>"
 
 
-class DisaggregatedGeneration:
+class DisaggregatedGeneration(TaskStream):
     """A generate across the pair, like `GenerationStream`: token ids as sampled (``stream=True``), then
     `result()`; `cancel()` aborts it on whichever engine runs it and frees what it holds there."""
-
-    _END = object()
 
     def __init__(
         self,
@@ -162,61 +161,17 @@ class DisaggregatedGeneration:
         options: dict[str, Any],
     ) -> None:
         self._engine = engine
-        self._queue: asyncio.Queue[Any] | None = asyncio.Queue() if stream else None
-        self._task = asyncio.get_running_loop().create_task(
-            self._run(context_id, sampling, parent_context_id, parent_len, options)
-        )
+        self._args = (context_id, sampling, parent_context_id, parent_len, options)
+        super().__init__(self._generate, stream)
 
-    def __aiter__(self) -> DisaggregatedGeneration:
-        return self
-
-    async def __anext__(self) -> int:
-        assert self._queue is not None, "submitted with stream=False"
-        item = await self._queue.get()
-        if item is self._END:
-            self._queue.put_nowait(item)  # stay exhausted
-            await self.result()  # raises the request's error, if any
-            raise StopAsyncIteration
-        return int(item)
-
-    def cancel(self) -> None:
-        self._task.cancel()
-
-    async def result(self) -> GenerateResult:
-        return await asyncio.shield(self._task)
-
-    def _emit(self, tokens: list[int]) -> None:
-        if self._queue is not None:
-            for t in tokens:
-                self._queue.put_nowait(t)
-
-    async def _run(
-        self,
-        context_id: int,
-        sampling: SamplingParams,
-        parent_context_id: int | None,
-        parent_len: int | None,
-        options: dict[str, Any],
-    ) -> GenerateResult:
-        try:
-            return await self._generate(context_id, sampling, parent_context_id, parent_len, options)
-        finally:
-            if self._queue is not None:
-                self._queue.put_nowait(self._END)
-
-    async def _generate(
-        self,
-        context_id: int,
-        sampling: SamplingParams,
-        parent_context_id: int | None,
-        parent_len: int | None,
-        options: dict[str, Any],
-    ) -> GenerateResult:
+    async def _generate(self, emit: Emit) -> GenerateResult:
+        context_id, sampling, parent_context_id, parent_len, options = self._args
         prefill, decode = self._engine.prefill, self._engine.decode
         first = await prefill.generate(
             context_id, replace(sampling, max_tokens=1), parent_context_id, parent_len=parent_len, **options
         )
-        self._emit(first.token_ids)
+        for token in first.token_ids:
+            emit(token)
         window_full = prefill.context_length(context_id) >= self._engine.max_model_len
         if first.finish_reason == "stop" or sampling.max_tokens == 1 or not first.token_ids or window_full:
             return first
@@ -230,7 +185,7 @@ class DisaggregatedGeneration:
                 reader, replace(sampling, max_tokens=sampling.max_tokens - 1), stream=True, **options
             )
             async for token in rest:
-                self._emit([token])
+                emit(token)
             tail = await rest.result()
             # The answer's KV moves back once, and the context ends as on one engine: prompt and answer,
             # its last token not computed yet (the next turn's prefix).

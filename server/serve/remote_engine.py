@@ -46,6 +46,7 @@ from transformers import AutoTokenizer  # at import: its lazy import in threads 
 from server.engine.errors import ContextBusyError, EngineDeadError, EngineError
 from server.engine.request import GenerateResult
 from server.engine.sampling import SamplingParams
+from server.serve.task_stream import Emit, TaskStream
 
 __all__ = ["RemoteEngine", "RemoteEngineError", "RemoteGenerationStream"]
 
@@ -221,38 +222,17 @@ class RemoteEngine:
         return f"<RemoteEngine {self.name} {self.url} model={self.model_name}>"
 
 
-class RemoteGenerationStream:
+class RemoteGenerationStream(TaskStream):
     """A remote generate in flight, like `server.engine.GenerationStream`: token ids as they arrive
     (when made with ``stream=True``), then `result()`. `cancel()` closes the connection, which aborts the
     request on the engine."""
 
-    _END = object()
-
     def __init__(self, engine: RemoteEngine, body: dict[str, Any], stream: bool) -> None:
         self._engine = engine
         self._body = body
-        self._queue: asyncio.Queue[Any] | None = asyncio.Queue() if stream else None
-        self._task = asyncio.get_running_loop().create_task(self._run())
+        super().__init__(self._generate, stream)
 
-    def __aiter__(self) -> RemoteGenerationStream:
-        return self
-
-    async def __anext__(self) -> int:
-        assert self._queue is not None, "submitted with stream=False"
-        item = await self._queue.get()
-        if item is self._END:
-            self._queue.put_nowait(item)  # stay exhausted
-            await self.result()  # raises the request's error, if any
-            raise StopAsyncIteration
-        return int(item)
-
-    def cancel(self) -> None:
-        self._task.cancel()
-
-    async def result(self) -> GenerateResult:
-        return await asyncio.shield(self._task)
-
-    async def _run(self) -> GenerateResult:
+    async def _generate(self, emit: Emit) -> GenerateResult:
         engine = self._engine
         try:
             if engine._client.is_closed:
@@ -273,14 +253,10 @@ class RemoteGenerationStream:
                         return GenerateResult(
                             final.token_ids, final.text, final.finish_reason, final.prompt_tokens
                         )
-                    if self._queue is not None:
-                        self._queue.put_nowait(EngineStreamChunk.model_validate(event).token_id)
+                    emit(EngineStreamChunk.model_validate(event).token_id)
             raise EngineDeadError(f"engine {engine.name} at {engine.url} ended a generate without a result")
         except httpx.TransportError as e:
             raise _dead(engine.url, e) from e
-        finally:
-            if self._queue is not None:
-                self._queue.put_nowait(self._END)
 
 
 def _sampling_fields(sampling: SamplingParams) -> dict[str, Any]:
