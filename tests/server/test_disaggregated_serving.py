@@ -84,10 +84,15 @@ def test_chat_turns_equal_one_engine_and_reuse_the_conversation(
 def test_semantic_calls_with_two_outputs_equal_one_engine(
     pair: LaunchedServer, single: LaunchedServer
 ) -> None:
-    def run(s: LaunchedServer) -> tuple[str, str]:
+    """Literal and variable inputs, a future (one call's output) feeding the next, sync and async gets."""
+
+    def run(s: LaunchedServer) -> tuple[str, str, str, str]:
         with P.Session(s.url) as session:
             story, moral = STORY(topic=session.variable("a lighthouse"))
-            return story.get(), moral.get()
+            again, _ = STORY(topic=moral)  # a future input: the server runs it after the first call
+            literal, _ = STORY(topic="a harbour")
+            later = asyncio.run(again.aget())
+            return story.get(), moral.get(), later, literal.get()
 
     assert run(pair) == run(single)
     assert pair.engines[0].decode.stats().blocks_used == 0  # type: ignore[attr-defined]
