@@ -26,17 +26,16 @@ results are cast back to ``q.dtype``.
 
 from __future__ import annotations
 
-import functools
 import math
 import threading
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
+
+from kernels import cpu_linear
 
 __all__ = [
     "DecodePlan",
-    "linear",
     "merge_attention_states",
     "paged_decode_attention",
     "paged_decode_partial",
@@ -78,53 +77,14 @@ class _Workspace(threading.local):
 _ws = _Workspace()
 
 
-def _mkldnn_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
-
-
-@functools.cache
-def _mkldnn_usable() -> bool:
-    """Whether oneDNN's fp32 linear is usable and exact here, for both operand layouts the GEMM helpers pass
-    (it is torch-internal: check, not assume)."""
-    try:
-        x, w, b = torch.randn(5, 32), torch.randn(40, 32), torch.randn(40)
-        nt = torch.allclose(_mkldnn_linear(x, w, b), x @ w.t() + b, rtol=1e-5, atol=1e-5)
-        v = torch.randn(32, 40)
-        nn = torch.allclose(_mkldnn_linear(x, v.t()), x @ v, rtol=1e-5, atol=1e-5)
-        return nt and nn
-    except Exception:  # missing op, torch built without oneDNN, ...
-        return False
-
-
-def _use_mkldnn(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and x.dtype == torch.float32 and _mkldnn_usable()
-
-
-# On CPU, torch.mm goes to MKL, which on AMD parts runs only its AVX2 kernels: on an AVX-512 EPYC ~170
-# GFLOP/s on 2 cores, where oneDNN's linear uses AVX-512 and runs these shapes (a few hundred rows against
-# thousands of keys, head_dim 128) at 330-420; on an AVX2 EPYC oneDNN is still the faster of the two for
-# the model's linears (1.05-1.2x at 1-64 rows, 1.5-2.2x for the LM head's 49k-row weight). oneDNN reads the
-# weight either row-major or as the transpose of a row-major matrix; any other stride (a head sliced out of
-# a [tokens, heads, dim] tensor) takes a path a thousand times slower, so the callers pass contiguous
-# per-head matrices.
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, through oneDNN for contiguous float32 operands on CPU where usable: the engine's
-    projections and LM head."""
-    if _use_mkldnn(x) and x.is_contiguous() and weight.is_contiguous():
-        return _mkldnn_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
-
-
 def _gemm_nt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x @ w.T`` for contiguous float32 ``x [M, K]`` and ``w [N, K]``."""
-    return linear(x, w)
+    return cpu_linear.linear(x, w)
 
 
 def _gemm_nn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x @ w`` for contiguous float32 ``x [M, K]`` and ``w [K, N]``."""
-    return _mkldnn_linear(x, w.t()) if _use_mkldnn(x) else torch.mm(x, w)
+    return cpu_linear.onednn_linear(x, w.t()) if cpu_linear.use_onednn(x) else torch.mm(x, w)
 
 
 def _softmax_with_lse(scores: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:

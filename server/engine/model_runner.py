@@ -86,7 +86,7 @@ class ModelRunner:
         self.device = device
         self.shared_prefix_decode = shared_prefix_decode
         self.backend = backend or PagedAttentionBackend()
-        model.fuse_projections()  # one GEMM for q/k/v and one for gate/up, from here on
+        model.prepare_weights()  # one GEMM for q/k/v and one for gate/up, packed where it pays
         k = kv.k[0]
         self._kv_bytes_per_token = 2 * k.shape[2] * k.shape[3] * k.element_size()
         self.grouped_decode_steps = 0  # decode steps that took the shared-prefix path

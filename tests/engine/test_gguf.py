@@ -4,6 +4,7 @@ file; clear errors for files we cannot run; model names; the real SmolLM2-135M-I
 from __future__ import annotations
 
 import asyncio
+import copy
 import itertools
 import json
 import logging
@@ -521,6 +522,7 @@ CHATS = [
     "Name one primary color.",
 ]
 REAL_MAX_TOKENS = 16
+GREEDY_8 = SamplingParams(max_tokens=8)
 
 
 @pytest.fixture(scope="module")
@@ -606,6 +608,23 @@ async def test_smollm2_forked_equals_transformers(
         await smollm2.free_context(c)
     assert [r.token_ids for r in forked] == [smollm2_reference[c] for c in CHATS]
     assert direct.token_ids == smollm2_reference[CHATS[1]]
+
+
+@pytest.mark.real_model
+async def test_smollm2_bfloat16_answers_equal_transformers_in_bfloat16(
+    smollm2_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default dtype on a bf16-native CPU, through the packed oneDNN linears where the CPU has them:
+    each chat's answer (its first tokens: bf16 rounding differs between implementations further on) is
+    transformers' own in bf16 on the same GGUF."""
+    path = _smollm2_or_skip()
+    monkeypatch.setenv(gguf_loader.CACHE_ENV, str(smollm2_cache))
+    theirs_model = copy.deepcopy(hf_gguf_model(path)).to(torch.bfloat16)
+    with LLMEngine.from_pretrained("smollm2", EngineConfig(dtype="bfloat16", device="cpu")) as engine:
+        prompts = [chat_ids(engine, c) for c in CHATS]
+        ours = await asyncio.gather(*(run_prompt(engine, p, GREEDY_8) for p in prompts))
+    theirs = [hf_greedy(theirs_model, p, 8, eos=2) for p in prompts]
+    assert ours == theirs
 
 
 @pytest.mark.real_model

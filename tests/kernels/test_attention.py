@@ -146,13 +146,13 @@ def test_torch_prefix_gemm_path(
 ) -> None:
     """The torch path's large-group prefix pass (per-head GEMMs over key chunks merged by LSE), which the
     small random cases never reach: forced on every group, with chunks short enough to merge several."""
-    from kernels import torch_path
+    from kernels import cpu_linear, torch_path
 
     monkeypatch.setattr(torch_path, "_PREFIX_MIN_GEMM_ROWS", 1)
     monkeypatch.setattr(torch_path, "_PREFIX_MIN_GEMM_ELEMS", 0)
     monkeypatch.setattr(torch_path, "_PREFIX_CHUNK_ELEMS", 1)  # the 256-key floor: 2+ chunks past 256
     if not mkldnn:
-        monkeypatch.setattr(torch_path, "_use_mkldnn", lambda x: False)
+        monkeypatch.setattr(cpu_linear, "use_onednn", lambda x: False)
     # Group 0 spans three key chunks, the last one partial.
     case = random_case(700 + seed, min_batch=4, long_prefix=600).to("cpu", dtype)
     expected = reference.shared_prefix_decode_attention(*case.to("cpu", torch.float32).shared_args)
