@@ -3,6 +3,7 @@
 python -m server --engines 1 --port 9000      # SmolLM2-135M-Instruct, the default model
 python -m server --engines 0 --port 9000      # only remote engines: python -m server.engine --manager URL
 python -m server --api-key KEY                # the OpenAI routes then need "Authorization: Bearer KEY"
+python -m server --engines 0 --openai-backend http://127.0.0.1:8000   # a vLLM (or SGLang) server as engine
 
 Remote engines join with the cluster token: --cluster-token-file, else $PARROT_CLUSTER_TOKEN, else a token
 generated into $PARROT_CACHE_DIR/cluster_token (or ~/.cache/parrot-serve/cluster_token), readable only by you.
@@ -13,21 +14,25 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import os
 import sys
 
 from starlette.types import ASGIApp
 
 from server.app import create_app
-from server.engine import EngineConfig
+from server.engine import EngineConfig, EngineError
 from server.engine.draining import serve_draining
 from server.engine.model_names import DEFAULT_MODEL, MODEL_HELP
 from server.engine.ordering import add_scheduling_args
-from server.launcher import build_engines
+from server.launcher import build_engines, connect_openai_backends
 from server.netdelay import NetworkDelayMiddleware
 from server.security import SecurityConfig, api_keys_from, load_cluster_token
 from server.serve.length_predictor import LengthPredictorStateError
 from server.serve.manager import Manager, ManagerConfig
 from server.serve.mutel import Slo
+from server.serve.openai_backend import OpenAIBackendConfig
+
+BACKEND_KEY_ENV = "PARROT_BACKEND_API_KEY"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,6 +53,40 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="in-process engines serve in prefill + decode pairs (Mutel's attention parallelism; --engines "
         "even)",
+    )
+    backends = p.add_argument_group("OpenAI-compatible servers as engines")
+    backends.add_argument(
+        "--openai-backend",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="an OpenAI-compatible completions server (vLLM, SGLang, another Parrot) serving as an engine; "
+        f"repeat for several (API key: ${BACKEND_KEY_ENV})",
+    )
+    backends.add_argument(
+        "--openai-backend-tokenizer",
+        default=None,
+        metavar="NAME_OR_PATH",
+        help="the backends' tokenizer, as a model name or path (default: the served model's id)",
+    )
+    backends.add_argument(
+        "--openai-backend-capacity",
+        type=int,
+        default=16384,
+        metavar="TOKENS",
+        help="tokens each backend runs at once (its KV cache): the scheduler's capacity (default 16384)",
+    )
+    backends.add_argument(
+        "--openai-backend-latency-cap",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="at most this many tokens on a backend running latency-critical work (default: the manager's)",
+    )
+    backends.add_argument(
+        "--openai-backend-priority",
+        action="store_true",
+        help="send priorities (the backends schedule by priority: vLLM --scheduling-policy priority)",
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=9000)
@@ -130,7 +169,22 @@ def main(argv: list[str] | None = None) -> int:
         scheduling=args.scheduling,
         sjf_aging_s=args.sjf_aging_s,
     )
-    engines = build_engines(args.model, args.engines, config, args.disaggregate)
+    try:
+        backend_configs = [
+            OpenAIBackendConfig(
+                url,
+                tokenizer=args.openai_backend_tokenizer,
+                api_key=os.environ.get(BACKEND_KEY_ENV) or None,
+                capacity_tokens=args.openai_backend_capacity,
+                latency_cap_tokens=args.openai_backend_latency_cap,
+                priority=args.openai_backend_priority,
+            )
+            for url in args.openai_backend
+        ]
+        backends = connect_openai_backends(backend_configs)
+    except (ValueError, EngineError) as e:
+        p.error(str(e))
+    engines = build_engines(args.model, args.engines, config, args.disaggregate) + backends
     try:
         slo = None if args.slo is None else Slo(*args.slo)
         manager_config = ManagerConfig(

@@ -22,6 +22,7 @@ from server.netdelay import NetworkDelayMiddleware
 from server.security import CLUSTER_TOKEN_ENV, SecurityConfig, api_keys_from
 from server.serve.disagg_engine import DisaggregatedEngine
 from server.serve.manager import Manager, ManagerConfig
+from server.serve.openai_backend import OpenAIBackendConfig, OpenAIBackendEngine
 
 T = TypeVar("T")
 
@@ -75,6 +76,14 @@ def build_engines(
     return pairs  # type: ignore[return-value]  (duck-typed like an LLMEngine, as RemoteEngine is)
 
 
+def connect_openai_backends(
+    backends: Sequence[str | OpenAIBackendConfig],
+) -> list[OpenAIBackendEngine]:
+    """Each OpenAI-compatible server (a URL, or its full configuration) as an engine."""
+    configs = [b if isinstance(b, OpenAIBackendConfig) else OpenAIBackendConfig(b) for b in backends]
+    return [OpenAIBackendEngine.connect(c) for c in configs]
+
+
 @contextmanager
 def launch(
     model: str = DEFAULT_MODEL,
@@ -90,6 +99,7 @@ def launch(
     cluster_token: str | None = None,
     max_remote_engines: int = 64,
     disaggregate: bool = False,
+    openai_backends: Sequence[str | OpenAIBackendConfig] = (),
 ) -> Iterator[LaunchedServer]:
     """Start manager + ``engines`` in-process engines serving ``model`` (default: SmolLM2-135M-Instruct;
     ``"tiny"``, a ``.gguf`` file or a Hugging Face folder: see `server.engine.model_names`); stop everything
@@ -103,6 +113,9 @@ def launch(
     kept in memory only: read it from the yielded ``cluster_token``).
 
     ``disaggregate``: the engines serve in prefill + decode pairs (`build_engines`).
+
+    ``openai_backends``: OpenAI-compatible servers (vLLM, SGLang, another Parrot) that serve as engines too,
+    each a URL or an `OpenAIBackendConfig` (`server.serve.openai_backend`).
     """
     token = cluster_token or os.environ.get(CLUSTER_TOKEN_ENV, "").strip()
     settings = (
@@ -111,6 +124,12 @@ def launch(
         else SecurityConfig.generated(api_keys=api_keys_from(api_keys), max_remote_engines=max_remote_engines)
     )
     pool = build_engines(model, engines, engine_config, disaggregate)
+    try:
+        pool += connect_openai_backends(openai_backends)  # type: ignore[arg-type]  (duck-typed engines)
+    except BaseException:
+        for engine in pool:
+            engine.shutdown()
+        raise
     manager = Manager(pool, manager_config)
     app = create_app(manager, security=settings)
     delay = None

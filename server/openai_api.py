@@ -40,8 +40,12 @@ from parrot.protocol import (
     OpenAICompletionChoice,
     OpenAICompletionRequest,
     OpenAICompletionResponse,
+    OpenAIDetokenizeRequest,
+    OpenAIDetokenizeResponse,
     OpenAIModelCard,
     OpenAIModelList,
+    OpenAITokenizeRequest,
+    OpenAITokenizeResponse,
     OpenAIUsage,
 )
 from pydantic import BaseModel
@@ -253,6 +257,28 @@ def create_openai_router(backend: OpenAIBackend) -> APIRouter:
         except (EngineError, OpenAIAPIError) as e:
             return _error(e)
 
+    # vLLM's tokenizer routes: what lets a client (another Parrot using this server as an engine) check
+    # that it tokenizes exactly as this server does.
+    @router.post("/tokenize", response_model=None)
+    async def tokenize(req: OpenAITokenizeRequest) -> OpenAITokenizeResponse | JSONResponse:
+        try:
+            engine = backend.engine_for(req.model)
+        except (EngineError, OpenAIAPIError) as e:
+            return _error(e)
+        ids = engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return OpenAITokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids)
+
+    @router.post("/detokenize", response_model=None)
+    async def detokenize(req: OpenAIDetokenizeRequest) -> OpenAIDetokenizeResponse | JSONResponse:
+        try:
+            engine = backend.engine_for(req.model)
+            bad = next((t for t in req.tokens if not 0 <= t < engine.vocab_size), None)
+            if bad is not None:
+                raise InvalidPromptError(f"token id {bad} is outside the vocabulary of {engine.vocab_size}")
+        except (EngineError, OpenAIAPIError) as e:
+            return _error(e)
+        return OpenAIDetokenizeResponse(prompt=engine.tokenizer.decode(req.tokens))
+
     return router
 
 
@@ -440,12 +466,14 @@ async def _serve_on(
                 j.output = r.token_ids
             usage = _usage(jobs, results)
             body: BaseModel = (
-                _chat_response(meta, results, usage) if chat else _text_response(meta, results, usage)
+                _chat_response(meta, results, usage)
+                if chat
+                else _text_response(meta, results, usage, jobs if _with_ids(req) else None)
             )
             return JSONResponse(body.model_dump())
         firsts = [await _first_token(j.stream) for j in jobs if j.stream is not None]
         include_usage = req.stream_options is not None and req.stream_options.include_usage
-        events = _stream_events(release, firsts, sampling, meta, chat, include_usage)
+        events = _stream_events(release, firsts, sampling, meta, chat, include_usage, _with_ids(req))
         handed_off = True
         # Started here, so that its `finally` (which frees the contexts) runs even if the client is gone
         # before the response begins: asyncio closes a started async generator when it is collected.
@@ -454,6 +482,10 @@ async def _serve_on(
     finally:
         if not handed_off:
             await release()
+
+
+def _with_ids(req: OpenAICompletionRequest | OpenAIChatCompletionRequest) -> bool:
+    return bool(getattr(req, "return_token_ids", False))
 
 
 def _priority(req: OpenAICompletionRequest | OpenAIChatCompletionRequest, job: _Job) -> float | None:
@@ -542,10 +574,17 @@ def _usage(jobs: list[_Job], results: list[GenerateResult]) -> OpenAIUsage:
 
 
 def _text_response(
-    meta: _Meta, results: list[GenerateResult], usage: OpenAIUsage
+    meta: _Meta, results: list[GenerateResult], usage: OpenAIUsage, jobs: list[_Job] | None
 ) -> OpenAICompletionResponse:
+    """The answer; with ``jobs`` (return_token_ids), each choice carries its prompt's and answer's ids."""
     choices = [
-        OpenAICompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason)
+        OpenAICompletionChoice(
+            index=i,
+            text=r.text,
+            finish_reason=r.finish_reason,
+            token_ids=None if jobs is None else r.token_ids,
+            prompt_token_ids=None if jobs is None else jobs[i].prompt,
+        )
         for i, r in enumerate(results)
     ]
     return OpenAICompletionResponse(
@@ -584,17 +623,28 @@ async def _stream_events(
     meta: _Meta,
     chat: bool,
     include_usage: bool,
+    with_ids: bool = False,
 ) -> AsyncIterator[str]:
     """The SSE body: each choice's deltas in turn (all generates run concurrently in the engine).
 
     Deltas come from `IncrementalDetokenizer`, so a stop string is never sent; the last chunk of a choice
-    carries its ``finish_reason``. The contexts are freed however the stream ends.
+    carries its ``finish_reason``. With ``with_ids`` (completions' return_token_ids), each chunk carries
+    the token ids pushed since the last one, and a choice's first chunk its prompt's. The contexts are freed
+    however the stream ends.
     """
+    pending: list[int] = []  # the current choice's ids not sent yet
+    prompt_ids: list[int] | None = None
 
     def chunk(index: int, text: str | None, finish: str | None) -> str:
-        return (
-            _chat_chunk(meta, index, text, finish) if chat else _text_chunk(meta, index, text or "", finish)
-        )
+        nonlocal prompt_ids
+        if chat:
+            return _chat_chunk(meta, index, text, finish)
+        if not with_ids:
+            return _text_chunk(meta, index, text or "", finish)
+        ids, prompt = list(pending), prompt_ids
+        pending.clear()
+        prompt_ids = None
+        return _text_chunk(meta, index, text or "", finish, ids, prompt)
 
     engine, jobs = release.engine, list(release.jobs)
     results: list[GenerateResult] = []
@@ -602,12 +652,16 @@ async def _stream_events(
         for index, (job, first) in enumerate(zip(jobs, firsts, strict=True)):
             assert job.stream is not None
             detok = IncrementalDetokenizer(engine.tokenizer, sampling.stop)
+            pending.clear()
+            prompt_ids = job.prompt
             if chat:
                 yield _sse(_chat_role_chunk(meta, index))
             if first is not None:
+                pending.append(first)
                 if delta := detok.push(first):
                     yield chunk(index, delta, None)
                 async for token_id in job.stream:
+                    pending.append(token_id)
                     if delta := detok.push(token_id):
                         yield chunk(index, delta, None)
             result = await job.stream.result()
@@ -634,14 +688,21 @@ async def _stream_events(
         await release()
 
 
-def _text_chunk(meta: _Meta, index: int, text: str, finish: str | None) -> str:
+def _text_chunk(
+    meta: _Meta,
+    index: int,
+    text: str,
+    finish: str | None,
+    token_ids: list[int] | None = None,
+    prompt_token_ids: list[int] | None = None,
+) -> str:
+    choice = {"index": index, "text": text, "finish_reason": finish, "token_ids": token_ids}
+    choice["prompt_token_ids"] = prompt_token_ids
     body = OpenAICompletionResponse(
         id=meta.id,
         created=meta.created,
         model=meta.model,
-        choices=[
-            OpenAICompletionChoice.model_validate({"index": index, "text": text, "finish_reason": finish})
-        ],
+        choices=[OpenAICompletionChoice.model_validate(choice)],
     )
     return _sse(body.model_dump_json(exclude={"usage"}))
 

@@ -805,6 +805,9 @@ class OpenAICompletionRequest(_OpenAISamplingRequest):
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
+    # Extension (as vLLM's): each choice carries its token ids (and the prompt's); streamed, each chunk
+    # carries the ids of its text. What lets another Parrot use this server as an engine.
+    return_token_ids: bool | None = None
 
 
 class OpenAITextPart(_OpenAIRequest):
@@ -855,6 +858,8 @@ class OpenAICompletionChoice(BaseModel):
     text: str
     finish_reason: FinishReason | None = None
     logprobs: None = None
+    token_ids: list[int] | None = None  # with return_token_ids
+    prompt_token_ids: list[int] | None = None  # with return_token_ids (streamed: in the first chunk)
 
 
 class OpenAICompletionResponse(BaseModel):
@@ -932,3 +937,28 @@ class OpenAIModelCard(BaseModel):
 class OpenAIModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[OpenAIModelCard]
+
+
+class OpenAITokenizeRequest(_OpenAIRequest):
+    """``POST /tokenize`` (vLLM's): a text's token ids under the model's tokenizer."""
+
+    model: str | None = None
+    prompt: StrictStr
+    add_special_tokens: bool = True
+
+
+class OpenAITokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class OpenAIDetokenizeRequest(_OpenAIRequest):
+    """``POST /detokenize`` (vLLM's): token ids back to text."""
+
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
+class OpenAIDetokenizeResponse(BaseModel):
+    prompt: str

@@ -69,6 +69,11 @@ class StepRunner(Protocol):
         ...
 
 
+def _mark_retrieved(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
 class _Sink:
     """Delivers a request's tokens and outcome from the engine thread into the caller's event loop."""
 
@@ -493,6 +498,9 @@ class LLMEngine(KVExchange):
 
     def _abort(self, sink: _Sink) -> None:
         if not sink.future.done() and self._thread.is_alive():
+            # Whoever aborts will not read the outcome (RequestAbortedError): mark it read, not "never
+            # retrieved" in the log.
+            sink.future.add_done_callback(_mark_retrieved)
             self._commands.put(_Abort(sink))
 
     async def _run_on_thread(self, fn: Callable[[], T]) -> T:

@@ -74,6 +74,22 @@ def load_checkpoint(name_or_path: str | Path, dtype: torch.dtype, seed: int = 0)
     )
 
 
+def load_tokenizer(name_or_path: str | Path) -> Any:
+    """The tokenizer of the model ``name_or_path`` names, without reading its weights (the tokenizer of a
+    model another server runs). Raises as `load_checkpoint` does."""
+    source = resolve_model(name_or_path)
+    if source.kind == "tiny":
+        from server.engine.tiny import TOKENIZER_DIR
+
+        return _folder_tokenizer(TOKENIZER_DIR)
+    assert source.path is not None
+    if source.kind == "gguf":
+        from server.engine import gguf_loader
+
+        return gguf_loader.load_gguf_tokenizer(gguf_loader.read_gguf(source.path))
+    return _folder_tokenizer(source.path)
+
+
 def _load_tiny(seed: int) -> Checkpoint:
     from server.engine.tiny import TOKENIZER_DIR
     from server.engine.tiny.model import TINY_CONFIG, tiny_state_dict

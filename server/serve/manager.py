@@ -70,6 +70,7 @@ from server.serve.ir import (
 )
 from server.serve.length_predictor import LengthPredictor
 from server.serve.mutel import Slo
+from server.serve.openai_backend import OpenAIBackendEngine
 from server.serve.output_lengths import PROMPT_TAIL_TOKENS, LengthEstimate, OutputLengths, template_key
 from server.serve.placement import (
     NoServingEngineError,
@@ -209,7 +210,7 @@ class ManagerConfig:
             )
 
 
-Engine = LLMEngine | RemoteEngine | DisaggregatedEngine
+Engine = LLMEngine | RemoteEngine | DisaggregatedEngine | OpenAIBackendEngine
 
 
 @dataclass
@@ -1169,10 +1170,14 @@ class Manager:
         return states
 
     def _caps(self, engine: Engine) -> tuple[int, int]:
-        """An engine's token capacity (the config's, else its KV cache in tokens) and latency cap."""
+        """An engine's token capacity (the config's, else its KV cache in tokens) and latency cap (an OpenAI
+        backend's own where configured, else the config's)."""
         stats = engine.stats()
         capacity = self.config.engine_capacity_tokens or stats.blocks_total * stats.block_size
-        return capacity, min(self.config.latency_cap_tokens, capacity)
+        cap = self.config.latency_cap_tokens
+        if isinstance(engine, OpenAIBackendEngine) and engine.latency_cap_tokens is not None:
+            cap = engine.latency_cap_tokens
+        return capacity, min(cap, capacity)
 
     def _pick_engine(self, candidates: list[int]) -> int:
         """The least loaded engine (lowest index on ties). Its load: the requests it reports, or the OpenAI

@@ -1,0 +1,507 @@
+"""`OpenAIBackendEngine`: any OpenAI-compatible completions server (vLLM, SGLang, another Parrot server) as
+one of the manager's engines.
+
+It offers the interface an in-process `LLMEngine` does — ``fill``, ``generate``, ``submit_generate`` (a
+stream of token ids), ``free_context``, ``stats()``, ``tokenizer``, ``model_name``, ``max_model_len``,
+``block_size`` — so dataflow, transforms, deduction and the scheduler apply unchanged. Such a server has no
+contexts and no fork: here a context is the list of its token ids, a fork copies the parent's list, and a
+generate sends the context's whole token list as the prompt of ``POST /v1/completions`` (token-id prompts,
+``return_token_ids``: vLLM's extensions, which Parrot's own ``/v1`` also speaks). KV is shared by the
+server's own prefix cache (vLLM's automatic prefix caching, SGLang's radix cache); the manager's prefix
+affinity sends requests that share a prefix to the backend holding it, which is what makes that cache hit.
+
+What cannot be read from a backend comes from `OpenAIBackendConfig`: the tokens it runs at once (the
+scheduler's capacity) and its latency cap. The tokenizer is loaded locally (``tokenizer``, else the served
+model's name where it names a model here) and checked against the backend's ``POST /tokenize`` where it
+offers one, so prompts are tokenized exactly as the backend would. Priorities (Parrot's objectives, the
+predicted output length) go to the backend's ``priority`` field only when it schedules by priority (vLLM
+with ``--scheduling-policy priority``): any other vLLM refuses a request that carries one.
+
+Errors keep the engine types: a backend that cannot be reached or stops answering is `EngineDeadError`, an
+error it answers is `RemoteEngineError` with its status, a prompt over the context window is
+`PromptTooLongError` before anything is sent.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from parrot.protocol import EngineStats
+
+from server.engine.errors import (
+    ContextBusyError,
+    ContextExistsError,
+    EngineDeadError,
+    InvalidRequestError,
+    PromptTooLongError,
+    TokenOutOfVocabError,
+    UnknownContextError,
+)
+from server.engine.loader import load_tokenizer
+from server.engine.request import GenerateResult
+from server.engine.sampling import SamplingParams
+from server.serve.remote_engine import RemoteEngineError
+from server.serve.task_stream import Emit, TaskStream
+
+__all__ = ["OpenAIBackendConfig", "OpenAIBackendEngine"]
+
+log = logging.getLogger(__name__)
+
+# Text whose tokens the local tokenizer must give exactly as the backend's /tokenize does.
+_PROBE = "Parrot checks its tokenizer: 3.14 naïve café — 你好 <|im_start|> done.\n\n  end"
+_MAX_ERROR_CHARS = 300
+
+
+@dataclass(frozen=True)
+class OpenAIBackendConfig:
+    """One OpenAI-compatible server serving as an engine.
+
+    ``model``: the served model's id (None: the server's first model); the manager routes by it.
+    ``tokenizer``: a model name or path whose tokenizer is the backend's (None: the served model's id, when
+    it names a model here). ``capacity_tokens``: tokens the backend runs at once (its KV cache), the
+    scheduler's capacity; ``latency_cap_tokens``: at most this many while it runs latency-critical work.
+    ``priority``: forward priorities (only for a backend that schedules by priority). ``timeout_s``: the
+    longest a backend may stay silent (connecting, or between two tokens of an answer).
+    """
+
+    url: str
+    model: str | None = None
+    tokenizer: str | None = None
+    api_key: str | None = None
+    capacity_tokens: int = 16384
+    latency_cap_tokens: int | None = None
+    block_size: int = 16
+    max_model_len: int | None = None
+    priority: bool = False
+    timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"an OpenAI backend's URL starts with http:// or https://, got {self.url!r}")
+        if self.capacity_tokens < self.block_size or self.block_size < 1:
+            raise ValueError(
+                f"capacity_tokens ({self.capacity_tokens}) must hold at least one block of {self.block_size}"
+            )
+        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            raise ValueError(f"timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+
+@dataclass
+class _Context:
+    token_ids: list[int]
+    busy: TaskStream | None = None  # the generate running on it
+
+
+class OpenAIBackendEngine:
+    """An OpenAI-compatible server behind the `LLMEngine` interface. Make one with `connect`."""
+
+    def __init__(
+        self, config: OpenAIBackendConfig, model: str, max_model_len: int, tokenizer: Any, eos: set[int]
+    ) -> None:
+        self.config = config
+        self.url = config.url.rstrip("/")
+        self.name = f"openai:{self.url}"
+        self.model_name = model
+        self.max_model_len = max_model_len
+        self.block_size = config.block_size
+        self.latency_cap_tokens = config.latency_cap_tokens
+        self.tokenizer = tokenizer
+        self.vocab_size = len(tokenizer)
+        self.eos_token_ids = frozenset(eos)
+        self._contexts: dict[int, _Context] = {}
+        self._client: httpx.AsyncClient | None = None
+        self._closed = False
+        self._running_tokens = 0  # prompt + max_tokens of the generates in flight
+        self._running = 0
+        self.requests_sent = 0
+        self.prompt_tokens_sent = 0
+        self.completion_tokens_received = 0
+
+    @classmethod
+    def connect(cls, config: OpenAIBackendConfig) -> OpenAIBackendEngine:
+        """Read the served model from ``config.url`` (``GET /v1/models``), load its tokenizer and check it
+        against the backend's ``/tokenize`` where offered. `EngineDeadError` if the backend cannot be reached
+        or does not answer as an OpenAI server; `ValueError` for a tokenizer that is missing or differs."""
+        url = config.url.rstrip("/")
+        with httpx.Client(base_url=url, timeout=config.timeout_s, headers=config.headers) as client:
+            card = _served_model(client, url, config.model)
+            model = str(card["id"])
+            max_model_len = config.max_model_len or card.get("max_model_len")
+            if not isinstance(max_model_len, int) or max_model_len < 1:
+                raise ValueError(
+                    f"the OpenAI backend at {url} does not publish its context window (max_model_len): "
+                    "configure max_model_len"
+                )
+            tokenizer = _local_tokenizer(
+                config.tokenizer or model, url, explicit=config.tokenizer is not None
+            )
+            _check_tokenizer(client, url, model, tokenizer)
+        eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+        for text in card.get("eos_tokens") or []:  # Parrot's cards name every EOS token
+            token_id = tokenizer.convert_tokens_to_ids(text)
+            if isinstance(token_id, int) and token_id != tokenizer.unk_token_id:
+                eos.add(token_id)
+        log.info("OpenAI backend %s serves %s (context window %d tokens)", url, model, max_model_len)
+        return cls(config, model, max_model_len, tokenizer, eos)
+
+    # ---------------------------------------------------------------------------- the engine interface
+    async def fill(
+        self,
+        context_id: int,
+        token_ids: list[int],
+        parent_context_id: int | None = None,
+        *,
+        parent_len: int | None = None,
+        priority: float | None = None,
+    ) -> int:
+        """As `LLMEngine.fill`; nothing is sent (the backend sees the tokens with the generate)."""
+        del priority  # orders only a generate, which carries its own
+        self._check_tokens(token_ids)
+        new = context_id not in self._contexts
+        ctx = self._context(context_id, parent_context_id, parent_len, create=True)
+        if ctx.busy is not None:
+            raise ContextBusyError(f"context {context_id} is generating")
+        if len(ctx.token_ids) + len(token_ids) > self.max_model_len:
+            if new:  # a refused fill leaves nothing behind
+                del self._contexts[context_id]
+            raise PromptTooLongError(
+                f"context {context_id} would hold {len(ctx.token_ids) + len(token_ids)} tokens, over the "
+                f"context window of {self.max_model_len}"
+            )
+        ctx.token_ids.extend(token_ids)
+        return len(ctx.token_ids)
+
+    async def generate(
+        self,
+        context_id: int,
+        sampling: SamplingParams | None = None,
+        parent_context_id: int | None = None,
+        *,
+        latency_cap: int | None = None,
+        parent_len: int | None = None,
+        priority: float | None = None,
+    ) -> GenerateResult:
+        """As `LLMEngine.generate`."""
+        stream = self.submit_generate(
+            context_id,
+            sampling,
+            parent_context_id,
+            stream=False,
+            latency_cap=latency_cap,
+            parent_len=parent_len,
+            priority=priority,
+        )
+        return await stream.result()
+
+    def submit_generate(
+        self,
+        context_id: int,
+        sampling: SamplingParams | None = None,
+        parent_context_id: int | None = None,
+        stream: bool = True,
+        *,
+        latency_cap: int | None = None,
+        parent_len: int | None = None,
+        priority: float | None = None,
+    ) -> TaskStream:
+        """Start a generate: the context's tokens go as the prompt; its answer's tokens are appended to it.
+        ``latency_cap`` is the scheduler's (the backend batches as it does); ``priority`` is forwarded when
+        the backend is configured to take it."""
+        del latency_cap
+        sampling = sampling or SamplingParams()
+        sampling.validate(self.vocab_size)
+        ctx = self._context(context_id, parent_context_id, parent_len, create=False)
+        if ctx.busy is not None:
+            raise ContextBusyError(f"context {context_id} is generating")
+        problem: InvalidRequestError | None = None
+        if not ctx.token_ids:
+            problem = InvalidRequestError(f"context {context_id} is empty: there is nothing to generate from")
+        elif len(ctx.token_ids) >= self.max_model_len:
+            problem = PromptTooLongError(
+                f"context {context_id} holds {len(ctx.token_ids)} tokens, the whole context window of "
+                f"{self.max_model_len}: no room to generate"
+            )
+        if problem is not None:
+            if parent_context_id is not None:  # the fork made for this generate goes with it
+                del self._contexts[context_id]
+            raise problem
+        body = self._body(ctx.token_ids, sampling, priority)
+        reserved = len(ctx.token_ids) + body["max_tokens"]
+
+        async def produce(emit: Emit) -> GenerateResult:
+            self._running += 1
+            self._running_tokens += reserved
+            try:
+                result = await self._complete(body, emit)
+            finally:
+                self._running -= 1
+                self._running_tokens -= reserved
+                ctx.busy = None
+            ctx.token_ids.extend(result.token_ids)
+            return result
+
+        ctx.busy = TaskStream(produce, stream)
+        return ctx.busy
+
+    async def free_context(self, context_id: int) -> None:
+        """Drop a context; a generate running on it is cancelled (its connection closed, which aborts it
+        on the backend)."""
+        ctx = self._contexts.pop(context_id, None)
+        if ctx is None:
+            raise UnknownContextError(f"context {context_id} does not exist")
+        if ctx.busy is not None:
+            ctx.busy.cancel()
+
+    def stats(self) -> EngineStats:
+        """The load this manager put on the backend (its own counters are not read): generates in flight,
+        and the tokens they may fill, in blocks of the configured capacity."""
+        bs = self.block_size
+        total = self.config.capacity_tokens // bs
+        used = min(total, math.ceil(self._running_tokens / bs))
+        return EngineStats(
+            model=self.model_name,
+            block_size=bs,
+            blocks_total=total,
+            blocks_used=used,
+            blocks_free=total - used,
+            contexts=len(self._contexts),
+            running=self._running,
+            waiting=0,
+            tokens_in_last_step=0,
+            prefill_tokens_computed=self.prompt_tokens_sent,
+            decode_tokens_computed=self.completion_tokens_received,
+            steps=self.requests_sent,
+            preemptions=0,
+            evictions=0,
+            grouped_decode_steps=0,
+            max_model_len=self.max_model_len,
+        )
+
+    def shutdown(self) -> None:
+        """Stop using the backend (the backend itself keeps running: it is not ours)."""
+        self._closed = True
+        self._client = None  # its connections close with the loop that made them
+
+    async def aclose(self) -> None:
+        self._closed = True
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    def __repr__(self) -> str:
+        return f"<OpenAIBackendEngine {self.url} model={self.model_name}>"
+
+    # ---------------------------------------------------------------------------------------- internals
+    def _context(
+        self, context_id: int, parent_id: int | None, parent_len: int | None, create: bool
+    ) -> _Context:
+        """Context ``context_id``: forked from ``parent_id`` (its first ``parent_len`` tokens) if given,
+        else the existing one, or (``create``) a new empty one."""
+        if parent_id is None:
+            if parent_len is not None:
+                raise InvalidRequestError("parent_len needs parent_context_id")
+            ctx = self._contexts.get(context_id)
+            if ctx is None:
+                if not create:
+                    raise UnknownContextError(f"context {context_id} does not exist")
+                ctx = self._contexts[context_id] = _Context([])
+            return ctx
+        if context_id in self._contexts:
+            raise ContextExistsError(f"context {context_id} exists: only a new context forks")
+        parent = self._contexts.get(parent_id)
+        if parent is None:
+            raise UnknownContextError(f"parent context {parent_id} does not exist")
+        n = len(parent.token_ids) if parent_len is None else parent_len
+        if not 0 <= n <= len(parent.token_ids):
+            raise InvalidRequestError(
+                f"parent_len {parent_len} is outside the parent's {len(parent.token_ids)} tokens"
+            )
+        ctx = self._contexts[context_id] = _Context(parent.token_ids[:n])
+        return ctx
+
+    def _check_tokens(self, token_ids: list[int]) -> None:
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise TokenOutOfVocabError(f"token id {bad} is outside the vocabulary of {self.vocab_size}")
+
+    def _body(self, prompt: list[int], sampling: SamplingParams, priority: float | None) -> dict[str, Any]:
+        max_tokens = min(sampling.max_tokens, self.max_model_len - len(prompt))
+        body: dict[str, Any] = {
+            "model": self.model_name,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "stream": True,
+            "return_token_ids": True,
+        }
+        if sampling.top_k:
+            body["top_k"] = sampling.top_k
+        if sampling.seed is not None:
+            body["seed"] = sampling.seed
+        if sampling.stop:
+            body["stop"] = list(sampling.stop)
+        if sampling.stop_token_ids:
+            body["stop_token_ids"] = list(sampling.stop_token_ids)
+        if sampling.ignore_eos:
+            body["ignore_eos"] = True
+        if priority is not None and self.config.priority:
+            body["priority"] = round(priority)  # vLLM's is an integer, lower first, as ours
+        return body
+
+    def _http(self) -> httpx.AsyncClient:
+        if self._closed:
+            raise EngineDeadError(f"the OpenAI backend at {self.url} is out of service")
+        if self._client is None:
+            # No overall read limit: an answer may stream for minutes; `timeout_s` bounds each silence.
+            timeout = httpx.Timeout(self.config.timeout_s)
+            self._client = httpx.AsyncClient(base_url=self.url, timeout=timeout, headers=self.config.headers)
+        return self._client
+
+    async def _complete(self, body: dict[str, Any], emit: Emit) -> GenerateResult:
+        """One streamed completion: each chunk's token ids to ``emit``; the text and finish reason at the
+        end."""
+        self.requests_sent += 1
+        self.prompt_tokens_sent += len(body["prompt"])
+        token_ids: list[int] = []
+        text: list[str] = []
+        finish: str | None = None
+        try:
+            async with self._http().stream("POST", "/v1/completions", json=body) as response:
+                if not response.is_success:
+                    await response.aread()
+                    raise _error(self.url, response)
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        raise _answered_error(self.url, event, 502)
+                    for choice in event.get("choices") or []:
+                        ids = choice.get("token_ids")
+                        if ids is None and (choice.get("text") or choice.get("finish_reason") is None):
+                            raise RemoteEngineError(
+                                f"the OpenAI backend at {self.url} does not return token ids "
+                                "(return_token_ids): it cannot serve as an engine",
+                                502,
+                                "backend_unsupported",
+                            )
+                        for t in ids or []:
+                            token_ids.append(int(t))
+                            emit(int(t))
+                        text.append(choice.get("text") or "")
+                        finish = choice.get("finish_reason") or finish
+        except httpx.TimeoutException as e:
+            raise EngineDeadError(
+                f"the OpenAI backend at {self.url} was silent for {self.config.timeout_s:g}s "
+                f"({type(e).__name__})"
+            ) from e
+        except httpx.TransportError as e:
+            raise _unreachable(self.url, e) from e
+        if finish is None:
+            raise EngineDeadError(f"the OpenAI backend at {self.url} ended an answer without a finish reason")
+        self.completion_tokens_received += len(token_ids)
+        if finish not in ("stop", "length"):  # e.g. vLLM's "abort": the answer is not whole
+            raise RemoteEngineError(
+                f"the OpenAI backend at {self.url} ended an answer with {finish!r}", 502, "backend_error"
+            )
+        return GenerateResult(token_ids, "".join(text), finish, len(body["prompt"]))
+
+
+# -------------------------------------------------------------------------------------------- connecting
+def _served_model(client: httpx.Client, url: str, model: str | None) -> dict[str, Any]:
+    try:
+        response = client.get("/v1/models")
+    except httpx.TransportError as e:
+        raise EngineDeadError(
+            f"the OpenAI backend at {url} cannot be reached ({type(e).__name__}: {e})"
+        ) from e
+    if not response.is_success:
+        raise _error(url, response)
+    try:
+        cards = [c for c in response.json()["data"] if isinstance(c, dict) and isinstance(c.get("id"), str)]
+    except (ValueError, KeyError, TypeError):
+        raise EngineDeadError(f"GET {url}/v1/models did not answer an OpenAI model list") from None
+    if not cards:
+        raise EngineDeadError(f"the OpenAI backend at {url} serves no model")
+    if model is None:
+        return cards[0]
+    for card in cards:
+        if card["id"] == model:
+            return card
+    served = ", ".join(repr(c["id"]) for c in cards[:8])
+    raise ValueError(f"the OpenAI backend at {url} does not serve {model!r} (it serves {served})")
+
+
+def _local_tokenizer(name: str, url: str, explicit: bool) -> Any:
+    try:
+        return load_tokenizer(name)
+    except (OSError, ValueError) as e:
+        hint = "" if explicit else f" (the served model's id, {name!r}, names no model here)"
+        raise ValueError(
+            f"no tokenizer for the OpenAI backend at {url}{hint}: configure its tokenizer as a model name "
+            f"or path (--openai-backend-tokenizer): {e}"
+        ) from e
+
+
+def _check_tokenizer(client: httpx.Client, url: str, model: str, tokenizer: Any) -> None:
+    """The local tokenizer must encode as the backend does (its ``/tokenize``, where it has one)."""
+    try:
+        response = client.post(
+            "/tokenize", json={"model": model, "prompt": _PROBE, "add_special_tokens": False}
+        )
+    except httpx.TransportError as e:
+        raise EngineDeadError(
+            f"the OpenAI backend at {url} cannot be reached ({type(e).__name__}: {e})"
+        ) from e
+    if response.status_code in (404, 405):
+        log.warning("the OpenAI backend at %s has no /tokenize: its tokenizer is assumed, not checked", url)
+        return
+    if not response.is_success:
+        raise _error(url, response)
+    theirs = response.json().get("tokens")
+    ours = tokenizer.encode(_PROBE, add_special_tokens=False)
+    if theirs != ours:
+        raise ValueError(
+            f"the tokenizer configured for the OpenAI backend at {url} encodes differently from the "
+            "backend's own (/tokenize): configure the backend model's tokenizer"
+        )
+
+
+# ------------------------------------------------------------------------------------------------ errors
+def _unreachable(url: str, e: httpx.TransportError) -> EngineDeadError:
+    return EngineDeadError(f"the OpenAI backend at {url} cannot be reached ({type(e).__name__}: {e})")
+
+
+def _error(url: str, response: httpx.Response) -> RemoteEngineError:
+    try:
+        data = response.json()
+    except ValueError:
+        data = None
+    if isinstance(data, dict) and isinstance(data.get("error"), dict):
+        return _answered_error(url, data, response.status_code)
+    detail = response.text[:_MAX_ERROR_CHARS]
+    return RemoteEngineError(
+        f"the OpenAI backend at {url} answered HTTP {response.status_code}: {detail}",
+        response.status_code,
+        "backend_error",
+    )
+
+
+def _answered_error(url: str, data: dict[str, Any], status: int) -> RemoteEngineError:
+    error = data["error"]
+    message = str(error.get("message", ""))[:_MAX_ERROR_CHARS]
+    code = error.get("code")
+    if isinstance(code, int) and 400 <= code < 600:
+        status = code
+    kind = error.get("type") if isinstance(error.get("type"), str) else "backend_error"
+    return RemoteEngineError(f"the OpenAI backend at {url} answered: {message}", status, kind)
