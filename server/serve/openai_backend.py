@@ -24,6 +24,7 @@ error it answers is `RemoteEngineError` with its status, a prompt over the conte
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -67,6 +68,8 @@ class OpenAIBackendConfig:
     scheduler's capacity; ``latency_cap_tokens``: at most this many while it runs latency-critical work.
     ``priority``: forward priorities (only for a backend that schedules by priority). ``timeout_s``: the
     longest a backend may stay silent (connecting, or between two tokens of an answer).
+    ``warm_min_tokens``: a shared prefix at least this long is computed on the backend once, before the
+    requests that fork from it go out (`OpenAIBackendEngine._warmed`).
     """
 
     url: str
@@ -79,6 +82,7 @@ class OpenAIBackendConfig:
     max_model_len: int | None = None
     priority: bool = False
     timeout_s: float = 60.0
+    warm_min_tokens: int = 64
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
@@ -99,6 +103,12 @@ class OpenAIBackendConfig:
 class _Context:
     token_ids: list[int]
     busy: TaskStream | None = None  # the generate running on it
+    # The context it was forked from, while its tokens start this one's (a shared prefix).
+    parent: _Context | None = None
+    # The backend has computed this context's tokens (a generate on it ended): its prefix cache has them.
+    computed: bool = False
+    # The backend computing them, once a fork needs them (`OpenAIBackendEngine._warmed`).
+    warming: asyncio.Task[None] | None = None
 
 
 class OpenAIBackendEngine:
@@ -123,6 +133,7 @@ class OpenAIBackendEngine:
         self._running_tokens = 0  # prompt + max_tokens of the generates in flight
         self._running = 0
         self.requests_sent = 0
+        self.prefixes_warmed = 0
         self.prompt_tokens_sent = 0
         self.completion_tokens_received = 0
 
@@ -241,12 +252,16 @@ class OpenAIBackendEngine:
             self._running += 1
             self._running_tokens += reserved
             try:
+                if ctx.parent is not None:
+                    await self._warmed(ctx.parent)
+                self.requests_sent += 1
                 result = await self._complete(body, emit)
             finally:
                 self._running -= 1
                 self._running_tokens -= reserved
                 ctx.busy = None
             ctx.token_ids.extend(result.token_ids)
+            ctx.computed = True
             return result
 
         ctx.busy = TaskStream(produce, stream)
@@ -325,8 +340,30 @@ class OpenAIBackendEngine:
             raise InvalidRequestError(
                 f"parent_len {parent_len} is outside the parent's {len(parent.token_ids)} tokens"
             )
-        ctx = self._contexts[context_id] = _Context(parent.token_ids[:n])
+        ctx = self._contexts[context_id] = _Context(parent.token_ids[:n], parent=parent)
         return ctx
+
+    async def _warmed(self, parent: _Context) -> None:
+        """Have the backend compute a shared prefix once, before the forks that share it go out.
+
+        Sent together, requests that share a prefix would each compute it (a prefix cache hits only blocks
+        already computed); so the first fork has the backend prefill the parent alone (one token
+        generated), and every fork waits for that: Parrot's fill-once-then-fork, through the backend's
+        prefix cache. A prefix shorter than `warm_min_tokens` is not worth the round trip."""
+        if parent.computed or len(parent.token_ids) < self.config.warm_min_tokens:
+            return
+        if parent.warming is None:
+            parent.warming = asyncio.ensure_future(self._warm(parent))
+        await asyncio.shield(parent.warming)
+
+    async def _warm(self, ctx: _Context) -> None:
+        body = self._body(list(ctx.token_ids), SamplingParams(max_tokens=1), None)
+        try:
+            await self._complete(body, lambda _: None)
+            ctx.computed = True
+            self.prefixes_warmed += 1
+        except Exception as e:  # an optimization: the forks go out regardless, and fail on their own
+            log.warning("warming a shared prefix on %s failed: %s", self.url, e)
 
     def _check_tokens(self, token_ids: list[int]) -> None:
         bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
@@ -370,7 +407,6 @@ class OpenAIBackendEngine:
     async def _complete(self, body: dict[str, Any], emit: Emit) -> GenerateResult:
         """One streamed completion: each chunk's token ids to ``emit``; the text and finish reason at the
         end."""
-        self.requests_sent += 1
         self.prompt_tokens_sent += len(body["prompt"])
         token_ids: list[int] = []
         text: list[str] = []

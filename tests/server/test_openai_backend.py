@@ -122,8 +122,10 @@ def test_prefix_affinity_keeps_sharing_requests_on_one_backend(
             verdicts = [REVIEW(doc=f"Document number {i} is about rivers.") for i in range(6)]
             assert all(v.get() for v in verdicts)
         counts = sorted(_facade(s, i).requests_sent for i in range(2))
+        warmed = sum(_facade(s, i).prefixes_warmed for i in range(2))
     if affinity:
         assert counts == [0, 6]
+        assert warmed == 1  # the shared prompt went to the backend alone once, before the six forks
     else:
         assert counts[0] > 0 and sum(counts) == 6
 

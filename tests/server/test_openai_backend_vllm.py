@@ -9,15 +9,12 @@ float32, so its greedy answers are our engine's.
 from __future__ import annotations
 
 import os
-import subprocess
-import time
 from collections.abc import Iterator
-from pathlib import Path
 
-import httpx
 import parrot as P
 import pytest
 
+from benchmarks.harness.openai_servers import Backend, vllm_backend
 from server.engine import EngineConfig
 from server.engine.tiny.model import save_tiny
 from server.launcher import LaunchedServer, launch
@@ -30,7 +27,6 @@ pytestmark = [
     pytest.mark.vllm,
     pytest.mark.skipif(not VLLM_PYTHON, reason="set $PARROT_VLLM_PYTHON to a python that has vLLM"),
 ]
-STARTUP_S = 300.0
 # vLLM's CPU KV blocks are 128 tokens: a prompt shares cache only in whole blocks of that size.
 SHARED = "Rules of the review board, read before every verdict. " * 40
 REVIEW = P.SemanticFunction.from_template(
@@ -40,47 +36,22 @@ REVIEW = P.SemanticFunction.from_template(
 )
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
-def vllm_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backend]:
     folder = save_tiny(tmp_path_factory.mktemp("vllm") / "tiny", seed=EngineConfig().seed)
-    port = _free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-    command = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder)]
-    command += ["--dtype", "float32", "--port", str(port), "--max-model-len", "2048", "--max-num-seqs", "8"]
-    log = (Path(folder).parent / "vllm.log").open("w")
-    proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=folder.parent)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"vLLM exited ({proc.returncode}); its log: {log.name}")
-            try:
-                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"vLLM did not start within {STARTUP_S:g}s; its log: {log.name}")
-            time.sleep(2)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+    with vllm_backend(
+        VLLM_PYTHON,
+        folder,
+        dtype="float32",
+        max_model_len=2048,
+        max_num_seqs=8,
+        env=env,
+        log_path=folder.parent / "vllm.log",
+    ) as backend:
+        yield backend
 
 
 def _stories(s: LaunchedServer) -> tuple[str, ...]:
@@ -91,18 +62,8 @@ def _stories(s: LaunchedServer) -> tuple[str, ...]:
         return story.get(), moral.get(), again.get(), again_moral.get(), literal.get()
 
 
-def _prefix_cache(url: str) -> tuple[float, float]:
-    """vLLM's prefix-cache (hits, queries) in tokens, from its Prometheus metrics."""
-    values = {}
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        for name in ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"):
-            if line.startswith(name + "{"):
-                values[name] = float(line.rsplit(" ", 1)[1])
-    return values["vllm:prefix_cache_hits_total"], values["vllm:prefix_cache_queries_total"]
-
-
-def test_an_application_on_vllm_equals_our_engine(vllm_url: str) -> None:
-    with launch("tiny", engines=0, openai_backends=[vllm_url]) as front:
+def test_an_application_on_vllm_equals_our_engine(vllm: Backend) -> None:
+    with launch("tiny", engines=0, openai_backends=[vllm.url]) as front:
         engine = front.engines[0]
         assert isinstance(engine, OpenAIBackendEngine) and engine.max_model_len == 2048
         on_vllm = _stories(front)
@@ -111,14 +72,16 @@ def test_an_application_on_vllm_equals_our_engine(vllm_url: str) -> None:
         assert on_vllm == _stories(ours)
 
 
-def test_shared_prompts_hit_vllms_prefix_cache(vllm_url: str) -> None:
-    hits, queries = _prefix_cache(vllm_url)
-    with (
-        launch("tiny", engines=0, openai_backends=[vllm_url], manager_config=ManagerConfig()) as front,
-        P.Session(front.url),
-    ):
-        verdicts = [REVIEW(doc=f"Report {i} on the river survey.") for i in range(6)]
-        assert all(v.get() for v in verdicts)
-    new_hits, new_queries = _prefix_cache(vllm_url)
-    # Each request after the first finds the shared prompt's whole blocks cached.
-    assert new_queries > queries and (new_hits - hits) / (new_queries - queries) > 0.5
+def test_shared_prompts_hit_vllms_prefix_cache(vllm: Backend) -> None:
+    """The shared prompt goes to vLLM alone once (a warm-up), then the six requests find its whole blocks
+    in vLLM's prefix cache: most of the prompt tokens sent are not computed again."""
+    computed = vllm.computed_prompt_tokens()
+    with launch("tiny", engines=0, openai_backends=[vllm.url], manager_config=ManagerConfig()) as front:
+        with P.Session(front.url):
+            verdicts = [REVIEW(doc=f"Report {i} on the river survey.") for i in range(6)]
+            assert all(v.get() for v in verdicts)
+        engine = front.engines[0]
+        assert isinstance(engine, OpenAIBackendEngine)
+        assert engine.prefixes_warmed == 1 and engine.requests_sent == 6
+        sent = engine.prompt_tokens_sent
+    assert 1 - (vllm.computed_prompt_tokens() - computed) / sent > 0.5

@@ -1,0 +1,111 @@
+"""OpenAI-compatible servers that Parrot uses as engines: a real vLLM (its ``api_server`` in its own
+virtualenv) or Parrot's own ``/v1``, with what experiments read from them — prompt tokens computed (so a
+prefix-cache hit rate) — and a way to empty their prefix cache between timed runs."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import subprocess
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from server.launcher import LaunchedServer, launch
+
+__all__ = ["Backend", "free_port", "parrot_backend", "vllm_backend"]
+
+STARTUP_S = 300.0
+
+
+@dataclass
+class Backend:
+    """A running OpenAI-compatible server: its URL and what it is."""
+
+    url: str
+    kind: str  # "vllm" or "parrot"
+    server: LaunchedServer | None = None  # Parrot's, in process
+
+    def computed_prompt_tokens(self) -> float:
+        """Prompt tokens the server has computed since it started (not served from its prefix cache)."""
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        if self.kind == "vllm":
+            hits = _metric(text, "vllm:prefix_cache_hits_total")
+            return _metric(text, "vllm:prefix_cache_queries_total") - hits
+        return _metric(text, "parrot_engine_prefill_tokens_computed")
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prompt (vLLM in dev mode: ``POST /reset_prefix_cache``)."""
+        if self.server is not None:
+            self.server.run(self.server.manager.drop_cache())
+        else:
+            httpx.post(f"{self.url}/reset_prefix_cache", timeout=60).raise_for_status()
+
+
+def _metric(text: str, name: str) -> float:
+    """The sum of a Prometheus metric's samples over its labels."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def vllm_backend(
+    python: str,
+    folder: Path,
+    *,
+    dtype: str,
+    max_model_len: int,
+    max_num_seqs: int,
+    env: dict[str, str],
+    log_path: Path,
+    extra: Sequence[str] = (),
+) -> Iterator[Backend]:
+    """``python -m vllm.entrypoints.openai.api_server`` on ``folder`` (its prefix caching on, as vLLM's
+    default; dev mode, for ``/reset_prefix_cache``), until it answers ``/v1/models``; stopped on exit."""
+    port = free_port()
+    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--dtype", dtype]
+    command += ["--port", str(port), "--max-model-len", str(max_model_len)]
+    command += ["--max-num-seqs", str(max_num_seqs), *extra]
+    env = {**env, "VLLM_SERVER_DEV_MODE": "1"}
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=log_path.parent)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            _wait_until_up(proc, url, log_path)
+            yield Backend(url, "vllm")
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def _wait_until_up(proc: subprocess.Popen[bytes], url: str, log_path: Path) -> None:
+    deadline = time.monotonic() + STARTUP_S
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vLLM exited ({proc.returncode}); its log: {log_path}")
+        try:
+            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"vLLM did not start within {STARTUP_S:g}s; its log: {log_path}")
+        time.sleep(2)
+
+
+@contextlib.contextmanager
+def parrot_backend(model: str, **launch_args: object) -> Iterator[Backend]:
+    """Parrot's own server (one in-process engine, its OpenAI routes caching prefixes) as the backend."""
+    with launch(model, **launch_args) as server:  # type: ignore[arg-type]
+        yield Backend(server.url, "parrot", server)

@@ -1,0 +1,253 @@
+"""Parrot in front of vLLM: applications through OpenAI-compatible backends (issue 20).
+
+The same vLLM server (its CPU build, ``--vllm-python`` / ``$PARROT_VLLM_PYTHON``, prefix caching on as by
+default) serves two clients in one run:
+
+* **parrot** — the `parrot` frontend against a Parrot manager with no engine of its own and the vLLM server
+  as its engine (`server.serve.openai_backend`): token-id prompts, a shared prefix computed once on vLLM
+  before the requests that fork from it, the DAG run server-side;
+* **baseline** — the request-centric client straight to vLLM: rendered prompts, ``POST /v1/completions``.
+
+Workloads: the shared system prompt (`shared_prompt`'s copilot app, ``batch`` users at once) and map-reduce
+(`map_reduce`'s app) without and with the client network delay U(0.2, 0.3) s per request (added by both
+clients' HTTP transport). vLLM's prefix cache is emptied before every timed run; answers are checked
+identical first (float32, so batching does not change greedy picks). Then the prefix-cache hit rate across
+**two** backends with Parrot's prefix affinity on and off (1 - prompt tokens computed / prompt tokens sent).
+Without ``--vllm-python``, Parrot's own ``/v1`` serves as the backend (the figures then say so).
+
+Last line: ``RESULT vllm_backends shared_speedup=... mapreduce_speedup=... mapreduce_speedup_nodelay=...
+hit_rate_affinity=... hit_rate_no_affinity=... total_s=...`` (speedups: baseline over Parrot latency).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmarks import map_reduce, shared_prompt
+from benchmarks.common import log, safe_ratio
+from benchmarks.harness import measure, record, systems
+from benchmarks.harness.engines import add_vllm_flags, hf_folder, vllm_env
+from benchmarks.harness.openai_servers import Backend, parrot_backend, vllm_backend
+from benchmarks.harness.systems import DELAY_S, Served, System
+from benchmarks.workloads.copilot import make_workload
+from server.engine import EngineConfig, LLMEngine
+from server.launcher import launch
+from server.serve.manager import ManagerConfig
+from server.serve.openai_backend import OpenAIBackendConfig
+
+NAME = "vllm_backends"
+PARROT, BASELINE = "parrot", "baseline"
+MAX_MODEL_LEN = 2048
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    batch: int = 16
+    system_tokens: int = 1024
+    answer_tokens: int = 16
+    chunks: int = 8
+    chunk_tokens: int = 192
+    summary_tokens: int = 24
+    repeats: int = 3
+    seed: int = 0
+
+
+FULL = BenchConfig()
+QUICK = BenchConfig(batch=8, chunks=6, repeats=2)
+TINY = BenchConfig(
+    batch=2, system_tokens=160, answer_tokens=4, chunks=2, chunk_tokens=32, summary_tokens=4, repeats=1
+)
+
+
+class Delay:
+    """The client network delay, per request, switched on and off (both clients' transports)."""
+
+    def __init__(self, seed: int) -> None:
+        self.on = False
+        self._rng = random.Random(seed)
+
+    async def __call__(self, request: httpx.Request) -> None:
+        if self.on:
+            await asyncio.sleep(self._rng.uniform(*DELAY_S))
+
+
+@contextlib.contextmanager
+def backends(args: Any, count: int, workdir: Path) -> Iterator[list[Backend]]:
+    """``count`` vLLM servers on the model's weights (float32), or Parrot servers without vLLM."""
+    with contextlib.ExitStack() as stack:
+        if not args.vllm_python:
+            config = EngineConfig(dtype="float32", num_kv_blocks=512, max_model_len=MAX_MODEL_LEN)
+            yield [
+                stack.enter_context(parrot_backend(args.model, engine_config=config)) for _ in range(count)
+            ]
+            return
+        engine = LLMEngine.from_pretrained(args.model, EngineConfig(dtype="float32", num_kv_blocks=16))
+        folder = hf_folder(args.model, engine, workdir, EngineConfig().seed)
+        env = vllm_env(engine.model_config, "float32", MAX_MODEL_LEN, 32)
+        engine.shutdown()
+        yield [
+            stack.enter_context(
+                vllm_backend(
+                    args.vllm_python,
+                    folder,
+                    dtype="float32",
+                    max_model_len=MAX_MODEL_LEN,
+                    max_num_seqs=32,
+                    env=env,
+                    log_path=workdir / f"vllm{i}.log",
+                )
+            )
+            for i in range(count)
+        ]
+
+
+def clients(model: str, urls: list[str], affinity: bool = True) -> contextlib.AbstractContextManager[Any]:
+    """A Parrot manager whose engines are the backends at ``urls`` (the served model's tokenizer)."""
+    config = [OpenAIBackendConfig(u, tokenizer=model, max_model_len=MAX_MODEL_LEN) for u in urls]
+    return launch(
+        model, engines=0, openai_backends=config, manager_config=ManagerConfig(prefix_affinity=affinity)
+    )
+
+
+async def compare(
+    served: dict[str, Served],
+    backend: Backend,
+    delay: Delay,
+    job: Callable[[Served], measure.Job],
+    cfg: BenchConfig,
+) -> dict[bool, dict[str, measure.Samples]]:
+    """Answers checked equal, then interleaved repeats without and with the delay, each from an empty
+    prefix cache (vLLM's and the Parrot manager's)."""
+    front = served[PARROT].server
+    assert front is not None
+
+    async def run(s: Served) -> measure.Run:
+        backend.reset_prefix_cache()
+        front.run(front.manager.drop_cache())  # the manager's contexts: none is warm on the backend now
+        return await measure.timed(s, job(s))
+
+    jobs = {name: (lambda s=s: run(s)) for name, s in served.items()}
+    expected = await measure.agree(jobs)
+    out = {}
+    for on in (False, True):
+        delay.on = on
+        out[on] = await measure.interleave(jobs, cfg.repeats, expected, "delay " if on else "")
+    delay.on = False
+    return out
+
+
+async def timed_apps(
+    args: Any, cfg: BenchConfig, backend: Backend
+) -> dict[str, dict[bool, dict[str, measure.Samples]]]:
+    delay = Delay(cfg.seed)
+    with clients(args.model, [backend.url]) as front:
+        tokenizer = front.engines[0].tokenizer
+        model = front.engines[0].model_name
+        served = {
+            PARROT: Served(
+                System(PARROT), front.url, front.engines, server=front, request_counts=front.request_counts
+            ),
+            BASELINE: Served(System(shared_prompt.BASELINE), backend.url, front.engines),
+        }
+        async with contextlib.AsyncExitStack() as stack:
+            for s in served.values():
+                http = httpx.AsyncClient(base_url=s.url, timeout=600, event_hooks={"request": [delay]})
+                s.client = await stack.enter_async_context(http)
+            workload = make_workload(tokenizer, cfg.system_tokens, cfg.batch, cfg.seed)
+            doc = map_reduce.make_doc(
+                tokenizer, cfg.chunks, cfg.chunk_tokens, cfg.summary_tokens, cfg.summary_tokens
+            )
+            log(f"shared prompt: {cfg.batch} users, {cfg.system_tokens}-token system prompt ({model}) ...")
+            shared = await compare(
+                served,
+                backend,
+                delay,
+                lambda s: shared_prompt.batch_job(s, workload, cfg.batch, cfg.answer_tokens),
+                cfg,
+            )
+            served[BASELINE].system = System(map_reduce.BASELINE)
+            log(f"map-reduce: {cfg.chunks} parts of {cfg.chunk_tokens} tokens ...")
+            mapred = await compare(served, backend, delay, lambda s: map_reduce.job(s, doc), cfg)
+    return {"shared_prompt": shared, "map_reduce": mapred}
+
+
+async def hit_rates(args: Any, cfg: BenchConfig, pair: list[Backend]) -> dict[str, dict[str, Any]]:
+    """The shared-prompt batch across two backends, Parrot's prefix affinity on and off: the share of
+    prompt tokens the backends served from their prefix caches, and the requests each got."""
+    out = {}
+    for affinity in (True, False):
+        for b in pair:
+            b.reset_prefix_cache()
+        before = sum(b.computed_prompt_tokens() for b in pair)
+        with clients(args.model, [b.url for b in pair], affinity) as front:
+            workload = make_workload(front.engines[0].tokenizer, cfg.system_tokens, cfg.batch, cfg.seed)
+            served = Served(System(PARROT), front.url, front.engines, server=front)
+            async with httpx.AsyncClient(base_url=front.url, timeout=600) as http:
+                served.client = http
+                await shared_prompt.batch_job(served, workload, cfg.batch, cfg.answer_tokens)(lambda: None)
+            sent = sum(e.prompt_tokens_sent for e in front.engines)
+            requests = [e.requests_sent for e in front.engines]
+        computed = sum(b.computed_prompt_tokens() for b in pair) - before
+        out["affinity" if affinity else "no_affinity"] = {
+            "hit_rate": 1 - safe_ratio(computed, sent),
+            "prompt_tokens_sent": sent,
+            "prompt_tokens_computed": computed,
+            "requests_per_backend": requests,
+        }
+        log(f"  affinity {'on' if affinity else 'off'}: {out['affinity' if affinity else 'no_affinity']}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = record.parser(
+        __doc__, f"{QUICK.batch} users, {QUICK.chunks} map calls, {QUICK.repeats} repeats", BenchConfig
+    )
+    add_vllm_flags(p)
+    args = p.parse_args(argv)
+    cfg = record.configured(args, FULL, QUICK, TINY)
+    rec = record.Recorder(NAME, args)
+    kind = "vLLM " if args.vllm_python else "Parrot's own /v1 (no --vllm-python) "
+    with tempfile.TemporaryDirectory(prefix=f"{NAME}-") as tmp, backends(args, 2, Path(tmp)) as pair:
+        log(f"backends up: {kind}x2 ({args.model}, float32)")
+        timed = asyncio.run(timed_apps(args, cfg, pair[0]))
+        rates = asyncio.run(hit_rates(args, cfg, pair))
+    print(rec.header(f"{args.model} behind {kind}"))
+    speedups: dict[str, float] = {}
+    for app, per_delay in timed.items():
+        for on, samples in per_delay.items():
+            r = measure.ratio(samples[BASELINE], samples[PARROT])
+            key = f"{'shared' if app == 'shared_prompt' else 'mapreduce'}_speedup{'' if on else '_nodelay'}"
+            speedups[key] = r.median
+            times = ", ".join(f"{n} {s.spread.median:.2f} s" for n, s in samples.items())
+            print(f"{app}, delay {systems.delay_label(on)}: {times}: baseline / parrot {r}")
+    for name, row in rates.items():
+        print(f"two backends, {name}: hit rate {row['hit_rate']:.2f}, requests {row['requests_per_backend']}")
+    metrics = {
+        **speedups,
+        "hit_rate_affinity": rates["affinity"]["hit_rate"],
+        "hit_rate_no_affinity": rates["no_affinity"]["hit_rate"],
+    }
+    rec.finish(
+        metrics,
+        config=cfg,
+        model=args.model,
+        backend=kind.strip(),
+        timed={
+            app: {str(on): measure.as_dicts(samples) for on, samples in per.items()}
+            for app, per in timed.items()
+        },
+        hit_rates=rates,
+    )
+
+
+if __name__ == "__main__":
+    main()
