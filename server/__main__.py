@@ -4,6 +4,7 @@ python -m server --engines 1 --port 9000      # SmolLM2-135M-Instruct, the defau
 python -m server --engines 0 --port 9000      # only remote engines: python -m server.engine --manager URL
 python -m server --api-key KEY                # the OpenAI routes then need "Authorization: Bearer KEY"
 python -m server --engines 0 --openai-backend http://127.0.0.1:8000   # a vLLM (or SGLang) server as engine
+python -m server --engines 4 --ray auto --host 0.0.0.0   # engines placed on a Ray cluster (parrot-serve[ray])
 
 Remote engines join with the cluster token: --cluster-token-file, else $PARROT_CLUSTER_TOKEN, else a token
 generated into $PARROT_CACHE_DIR/cluster_token (or ~/.cache/parrot-serve/cluster_token), readable only by you.
@@ -15,7 +16,11 @@ import argparse
 import functools
 import logging
 import os
+import socket
 import sys
+import threading
+import time
+from typing import Any
 
 from starlette.types import ASGIApp
 
@@ -31,6 +36,7 @@ from server.serve.length_predictor import LengthPredictorStateError
 from server.serve.manager import Manager, ManagerConfig
 from server.serve.mutel import Slo
 from server.serve.openai_backend import OpenAIBackendConfig
+from server.serve.ray_engines import RayEngines
 
 BACKEND_KEY_ENV = "PARROT_BACKEND_API_KEY"
 
@@ -87,6 +93,15 @@ def main(argv: list[str] | None = None) -> int:
         "--openai-backend-priority",
         action="store_true",
         help="send priorities (the backends schedule by priority: vLLM --scheduling-policy priority)",
+    )
+    p.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="ADDRESS",
+        help="place the --engines engines on a Ray cluster as actors (ADDRESS: the cluster's, e.g. 'auto'; "
+        "none: a local Ray or $RAY_ADDRESS); needs parrot-serve[ray]",
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=9000)
@@ -184,7 +199,9 @@ def main(argv: list[str] | None = None) -> int:
         backends = connect_openai_backends(backend_configs)
     except (ValueError, EngineError) as e:
         p.error(str(e))
-    engines = build_engines(args.model, args.engines, config, args.disaggregate) + backends
+    in_process = 0 if args.ray is not None else args.engines
+    ray_actors: list[Any] = []  # engines Ray placed, kept until the server stops
+    engines = build_engines(args.model, in_process, config, args.disaggregate) + backends
     try:
         slo = None if args.slo is None else Slo(*args.slo)
         manager_config = ManagerConfig(
@@ -198,6 +215,15 @@ def main(argv: list[str] | None = None) -> int:
         except LengthPredictorStateError as e:
             p.error(str(e))
         app: ASGIApp = create_app(manager, security=settings)
+        if args.ray is not None:
+            spec = RayEngines(args.engines, address=args.ray or None)
+            placer = threading.Thread(
+                target=_place_on_ray,
+                args=(spec, args.model, config, args.host, args.port, settings.cluster_token, ray_actors),
+                name="ray-placer",
+                daemon=True,
+            )
+            placer.start()
         if args.network_delay is not None:
             app = NetworkDelayMiddleware(app, *args.network_delay)
         drain = functools.partial(manager.drain, args.drain_timeout)
@@ -205,7 +231,31 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for engine in engines:
             engine.shutdown()
+        if ray_actors:
+            from server.serve.ray_engines import stop_ray_engines
+
+            stop_ray_engines(ray_actors)
     return 0
+
+
+def _place_on_ray(
+    spec: RayEngines, model: str, config: EngineConfig, host: str, port: int, token: str, placed: list[Any]
+) -> None:
+    """Once the manager answers, have Ray start the engines, which then register with it; their handles go
+    to ``placed`` (an actor whose handles are all gone is ended)."""
+    from server.serve.ray_engines import manager_url_for, start_ray_engines
+
+    local = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    while True:
+        try:
+            socket.create_connection((local, port), timeout=1).close()
+            break
+        except OSError:
+            time.sleep(0.2)
+    try:
+        placed.extend(start_ray_engines(spec, model, config, manager_url_for(host, port), token))
+    except Exception:
+        logging.getLogger("server").exception("Ray could not place the engines")
 
 
 if __name__ == "__main__":

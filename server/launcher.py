@@ -23,6 +23,7 @@ from server.security import CLUSTER_TOKEN_ENV, SecurityConfig, api_keys_from
 from server.serve.disagg_engine import DisaggregatedEngine
 from server.serve.manager import Manager, ManagerConfig
 from server.serve.openai_backend import OpenAIBackendConfig, OpenAIBackendEngine
+from server.serve.ray_engines import RayEngines
 
 T = TypeVar("T")
 
@@ -38,6 +39,7 @@ class LaunchedServer:
     engines: list[LLMEngine]
     network_delay: NetworkDelayMiddleware | None = None  # switch with `.enabled` between measurements
     cluster_token: str = field(default="", repr=False)
+    ray_actors: list[Any] = field(default_factory=list)  # engines Ray placed (`launch(ray=...)`)
 
     @property
     def cluster_headers(self) -> dict[str, str]:
@@ -100,6 +102,7 @@ def launch(
     max_remote_engines: int = 64,
     disaggregate: bool = False,
     openai_backends: Sequence[str | OpenAIBackendConfig] = (),
+    ray: RayEngines | None = None,
 ) -> Iterator[LaunchedServer]:
     """Start manager + ``engines`` in-process engines serving ``model`` (default: SmolLM2-135M-Instruct;
     ``"tiny"``, a ``.gguf`` file or a Hugging Face folder: see `server.engine.model_names`); stop everything
@@ -116,6 +119,9 @@ def launch(
 
     ``openai_backends``: OpenAI-compatible servers (vLLM, SGLang, another Parrot) that serve as engines too,
     each a URL or an `OpenAIBackendConfig` (`server.serve.openai_backend`).
+
+    ``ray``: more engines, placed by Ray as actors that register with this server
+    (`server.serve.ray_engines`); the server is yielded once they all serve.
     """
     token = cluster_token or os.environ.get(CLUSTER_TOKEN_ENV, "").strip()
     settings = (
@@ -139,6 +145,7 @@ def launch(
     server = uvicorn.Server(uvicorn.Config(served, host=host, port=port, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, name="parrot-server", daemon=True)
     thread.start()
+    launched: LaunchedServer | None = None
     try:
         deadline = time.monotonic() + startup_timeout
         while not server.started:
@@ -146,9 +153,38 @@ def launch(
                 raise RuntimeError(f"the server did not start on {host}:{port}")
             time.sleep(0.01)
         bound = server.servers[0].sockets[0].getsockname()[1]
-        yield LaunchedServer(f"http://{host}:{bound}", app, manager, pool, delay, settings.cluster_token)
+        launched = LaunchedServer(f"http://{host}:{bound}", app, manager, pool, delay, settings.cluster_token)
+        if ray is not None:
+            launched.ray_actors = _place_on_ray(ray, model, engine_config, launched, host, startup_timeout)
+        yield launched
     finally:
+        if launched is not None and launched.ray_actors:
+            from server.serve.ray_engines import stop_ray_engines
+
+            stop_ray_engines(launched.ray_actors)
         server.should_exit = True
         thread.join(timeout=30)
         for engine in pool:
             engine.shutdown()
+
+
+def _place_on_ray(
+    spec: RayEngines,
+    model: str,
+    config: EngineConfig | None,
+    server: LaunchedServer,
+    host: str,
+    timeout: float,
+) -> list[Any]:
+    """Ray's engines, started and registered with ``server`` (its manager counts them in service)."""
+    from server.serve.ray_engines import manager_url_for, start_ray_engines
+
+    port = int(server.url.rsplit(":", 1)[1])
+    before = len(server.manager.engines)
+    actors = start_ray_engines(spec, model, config, manager_url_for(host, port), server.cluster_token)
+    deadline = time.monotonic() + timeout
+    while len(server.manager.engines) < before + spec.count:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"Ray's {spec.count} engines did not register within {timeout:g}s")
+        time.sleep(0.05)
+    return actors

@@ -1,0 +1,140 @@
+"""Engines placed by Ray: `python -m server --ray [ADDRESS]` (``launch(ray=RayEngines(...))``).
+
+The manager starts each engine as a Ray actor that asks Ray for its resources (one GPU on clusters that have
+GPUs, one CPU otherwise), so one command spreads engines over every machine of a Ray cluster. An actor runs
+what ``python -m server.engine --manager URL`` runs — the engine, its HTTP API, and the registration and
+heartbeats of `server.engine.manager_link` — so the manager drives it as any remote engine, with the cluster
+token. Ray restarts an actor whose process died (``max_restarts``); the new one registers again under the
+same name and replaces the dead entry, and the manager re-runs the steps that were running there (its
+reliability rule). Ray is an optional dependency (``parrot-serve[ray]``), imported only here and only when
+engines are placed by it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from server.engine.config import EngineConfig
+
+__all__ = ["EngineActor", "RayEngines", "manager_url_for", "start_ray_engines", "stop_ray_engines"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RayEngines:
+    """How many engines Ray places, and where its cluster is.
+
+    ``address``: the Ray cluster's (``"auto"``, ``"ray://host:10001"``...); None starts a local one (or joins
+    the one ``$RAY_ADDRESS`` names). ``num_gpus``: per engine; None asks for one where the cluster has GPUs.
+    ``init_args``: more `ray.init` arguments (e.g. ``num_cpus`` for a local cluster).
+    ``placement_timeout_s``: how long the engines may take to be placed and start.
+    """
+
+    count: int
+    address: str | None = None
+    max_restarts: int = 3
+    num_gpus: float | None = None
+    placement_timeout_s: float = 300.0
+    init_args: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.count < 1:
+            raise ValueError(f"Ray places at least one engine, got count={self.count}")
+
+
+class EngineActor:
+    """The body of one engine actor (wrapped by `ray.remote` in `start_ray_engines`)."""
+
+    def __init__(
+        self, model: str, config: EngineConfig, manager_url: str, name: str, cluster_token: str
+    ) -> None:
+        import uvicorn
+
+        from server.engine import LLMEngine
+        from server.engine.api import create_engine_app
+        from server.engine.manager_link import ManagerLink
+
+        host = _node_ip()
+        port = _free_port(host)
+        self.url = f"http://{host}:{port}"
+        self.engine = LLMEngine.from_pretrained(model, config)
+        link = ManagerLink(manager_url, self.url, name, self.engine.stats, cluster_token=cluster_token)
+        app = create_engine_app(self.engine, link, cluster_token=cluster_token)
+        self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+        self._thread = threading.Thread(target=self._server.run, name=f"engine-{name}", daemon=True)
+        self._thread.start()
+        while not self._server.started:  # the actor is ready once its API answers
+            if not self._thread.is_alive():
+                raise RuntimeError(f"engine {name}'s HTTP server did not start on {self.url}")
+            time.sleep(0.02)
+
+    def engine_url(self) -> str:
+        return self.url
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def start_ray_engines(
+    spec: RayEngines, model: str, config: EngineConfig | None, manager_url: str, cluster_token: str
+) -> list[Any]:
+    """Start ``spec.count`` engine actors serving ``model`` that register with the manager at
+    ``manager_url``; returns their handles (keep them: an actor without a handle is ended)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=spec.address, **spec.init_args)
+    gpus = spec.num_gpus
+    if gpus is None:
+        gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
+    remote = ray.remote(
+        num_cpus=0 if gpus else 1, num_gpus=gpus, max_restarts=spec.max_restarts, max_task_retries=0
+    )(EngineActor)
+    config = config or EngineConfig()
+    actors = [
+        remote.remote(model, config, manager_url, f"ray-engine-{i}", cluster_token)  # type: ignore[attr-defined]
+        for i in range(spec.count)
+    ]
+    try:
+        urls = ray.get([a.engine_url.remote() for a in actors], timeout=spec.placement_timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        stop_ray_engines(actors)
+        need = f"{gpus:g} GPU" if gpus else "1 CPU"
+        raise RuntimeError(
+            f"Ray did not start {spec.count} engine(s) within {spec.placement_timeout_s:g}s: each asks for "
+            f"{need}, and the cluster has {ray.available_resources()} free"
+        ) from None
+    log.info("Ray placed %d engines: %s", len(urls), ", ".join(urls))
+    return actors
+
+
+def stop_ray_engines(actors: list[Any]) -> None:
+    """End the actors (no restart)."""
+    import ray
+
+    for actor in actors:
+        ray.kill(actor, no_restart=True)
+
+
+def manager_url_for(host: str, port: int) -> str:
+    """The URL actors reach the manager at: its bound address, or this node's IP when bound to all."""
+    return f"http://{_node_ip() if host in ('0.0.0.0', '::', '') else host}:{port}"
+
+
+def _node_ip() -> str:
+    import ray
+
+    return str(ray.util.get_node_ip_address())
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
