@@ -25,7 +25,6 @@ error it answers is `RemoteEngineError` with its status, a prompt over the conte
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 from dataclasses import dataclass
@@ -43,60 +42,20 @@ from server.engine.errors import (
     TokenOutOfVocabError,
     UnknownContextError,
 )
-from server.engine.loader import load_tokenizer
 from server.engine.request import GenerateResult
 from server.engine.sampling import SamplingParams
-from server.serve.remote_engine import RemoteEngineError
+from server.serve.openai_backend_http import (
+    OpenAIBackendConfig,
+    check_tokenizer,
+    local_tokenizer,
+    served_model,
+    stream_completion,
+)
 from server.serve.task_stream import Emit, TaskStream
 
 __all__ = ["OpenAIBackendConfig", "OpenAIBackendEngine"]
 
 log = logging.getLogger(__name__)
-
-# Text whose tokens the local tokenizer must give exactly as the backend's /tokenize does.
-_PROBE = "Parrot checks its tokenizer: 3.14 naïve café — 你好 <|im_start|> done.\n\n  end"
-_MAX_ERROR_CHARS = 300
-
-
-@dataclass(frozen=True)
-class OpenAIBackendConfig:
-    """One OpenAI-compatible server serving as an engine.
-
-    ``model``: the served model's id (None: the server's first model); the manager routes by it.
-    ``tokenizer``: a model name or path whose tokenizer is the backend's (None: the served model's id, when
-    it names a model here). ``capacity_tokens``: tokens the backend runs at once (its KV cache), the
-    scheduler's capacity; ``latency_cap_tokens``: at most this many while it runs latency-critical work.
-    ``priority``: forward priorities (only for a backend that schedules by priority). ``timeout_s``: the
-    longest a backend may stay silent (connecting, or between two tokens of an answer).
-    ``warm_min_tokens``: a shared prefix at least this long is computed on the backend once, before the
-    requests that fork from it go out (`OpenAIBackendEngine._warmed`).
-    """
-
-    url: str
-    model: str | None = None
-    tokenizer: str | None = None
-    api_key: str | None = None
-    capacity_tokens: int = 16384
-    latency_cap_tokens: int | None = None
-    block_size: int = 16
-    max_model_len: int | None = None
-    priority: bool = False
-    timeout_s: float = 60.0
-    warm_min_tokens: int = 64
-
-    def __post_init__(self) -> None:
-        if not self.url.startswith(("http://", "https://")):
-            raise ValueError(f"an OpenAI backend's URL starts with http:// or https://, got {self.url!r}")
-        if self.capacity_tokens < self.block_size or self.block_size < 1:
-            raise ValueError(
-                f"capacity_tokens ({self.capacity_tokens}) must hold at least one block of {self.block_size}"
-            )
-        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
-            raise ValueError(f"timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
-
-    @property
-    def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
 
 @dataclass
@@ -144,7 +103,7 @@ class OpenAIBackendEngine:
         or does not answer as an OpenAI server; `ValueError` for a tokenizer that is missing or differs."""
         url = config.url.rstrip("/")
         with httpx.Client(base_url=url, timeout=config.timeout_s, headers=config.headers) as client:
-            card = _served_model(client, url, config.model)
+            card = served_model(client, url, config.model)
             model = str(card["id"])
             max_model_len = config.max_model_len or card.get("max_model_len")
             if not isinstance(max_model_len, int) or max_model_len < 1:
@@ -152,10 +111,8 @@ class OpenAIBackendEngine:
                     f"the OpenAI backend at {url} does not publish its context window (max_model_len): "
                     "configure max_model_len"
                 )
-            tokenizer = _local_tokenizer(
-                config.tokenizer or model, url, explicit=config.tokenizer is not None
-            )
-            _check_tokenizer(client, url, model, tokenizer)
+            tokenizer = local_tokenizer(config.tokenizer or model, url, explicit=config.tokenizer is not None)
+            check_tokenizer(client, url, model, tokenizer)
         eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
         for text in card.get("eos_tokens") or []:  # Parrot's cards name every EOS token
             token_id = tokenizer.convert_tokens_to_ids(text)
@@ -405,139 +362,7 @@ class OpenAIBackendEngine:
         return self._client
 
     async def _complete(self, body: dict[str, Any], emit: Emit) -> GenerateResult:
-        """One streamed completion: each chunk's token ids to ``emit``; the text and finish reason at the
-        end."""
         self.prompt_tokens_sent += len(body["prompt"])
-        token_ids: list[int] = []
-        text: list[str] = []
-        finish: str | None = None
-        try:
-            async with self._http().stream("POST", "/v1/completions", json=body) as response:
-                if not response.is_success:
-                    await response.aread()
-                    raise _error(self.url, response)
-                async for line in response.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    event = json.loads(line[6:])
-                    if "error" in event:
-                        raise _answered_error(self.url, event, 502)
-                    for choice in event.get("choices") or []:
-                        ids = choice.get("token_ids")
-                        if ids is None and (choice.get("text") or choice.get("finish_reason") is None):
-                            raise RemoteEngineError(
-                                f"the OpenAI backend at {self.url} does not return token ids "
-                                "(return_token_ids): it cannot serve as an engine",
-                                502,
-                                "backend_unsupported",
-                            )
-                        for t in ids or []:
-                            token_ids.append(int(t))
-                            emit(int(t))
-                        text.append(choice.get("text") or "")
-                        finish = choice.get("finish_reason") or finish
-        except httpx.TimeoutException as e:
-            raise EngineDeadError(
-                f"the OpenAI backend at {self.url} was silent for {self.config.timeout_s:g}s "
-                f"({type(e).__name__})"
-            ) from e
-        except httpx.TransportError as e:
-            raise _unreachable(self.url, e) from e
-        if finish is None:
-            raise EngineDeadError(f"the OpenAI backend at {self.url} ended an answer without a finish reason")
-        self.completion_tokens_received += len(token_ids)
-        if finish not in ("stop", "length"):  # e.g. vLLM's "abort": the answer is not whole
-            raise RemoteEngineError(
-                f"the OpenAI backend at {self.url} ended an answer with {finish!r}", 502, "backend_error"
-            )
-        return GenerateResult(token_ids, "".join(text), finish, len(body["prompt"]))
-
-
-# -------------------------------------------------------------------------------------------- connecting
-def _served_model(client: httpx.Client, url: str, model: str | None) -> dict[str, Any]:
-    try:
-        response = client.get("/v1/models")
-    except httpx.TransportError as e:
-        raise EngineDeadError(
-            f"the OpenAI backend at {url} cannot be reached ({type(e).__name__}: {e})"
-        ) from e
-    if not response.is_success:
-        raise _error(url, response)
-    try:
-        cards = [c for c in response.json()["data"] if isinstance(c, dict) and isinstance(c.get("id"), str)]
-    except (ValueError, KeyError, TypeError):
-        raise EngineDeadError(f"GET {url}/v1/models did not answer an OpenAI model list") from None
-    if not cards:
-        raise EngineDeadError(f"the OpenAI backend at {url} serves no model")
-    if model is None:
-        return cards[0]
-    for card in cards:
-        if card["id"] == model:
-            return card
-    served = ", ".join(repr(c["id"]) for c in cards[:8])
-    raise ValueError(f"the OpenAI backend at {url} does not serve {model!r} (it serves {served})")
-
-
-def _local_tokenizer(name: str, url: str, explicit: bool) -> Any:
-    try:
-        return load_tokenizer(name)
-    except (OSError, ValueError) as e:
-        hint = "" if explicit else f" (the served model's id, {name!r}, names no model here)"
-        raise ValueError(
-            f"no tokenizer for the OpenAI backend at {url}{hint}: configure its tokenizer as a model name "
-            f"or path (--openai-backend-tokenizer): {e}"
-        ) from e
-
-
-def _check_tokenizer(client: httpx.Client, url: str, model: str, tokenizer: Any) -> None:
-    """The local tokenizer must encode as the backend does (its ``/tokenize``, where it has one)."""
-    try:
-        response = client.post(
-            "/tokenize", json={"model": model, "prompt": _PROBE, "add_special_tokens": False}
-        )
-    except httpx.TransportError as e:
-        raise EngineDeadError(
-            f"the OpenAI backend at {url} cannot be reached ({type(e).__name__}: {e})"
-        ) from e
-    if response.status_code in (404, 405):
-        log.warning("the OpenAI backend at %s has no /tokenize: its tokenizer is assumed, not checked", url)
-        return
-    if not response.is_success:
-        raise _error(url, response)
-    theirs = response.json().get("tokens")
-    ours = tokenizer.encode(_PROBE, add_special_tokens=False)
-    if theirs != ours:
-        raise ValueError(
-            f"the tokenizer configured for the OpenAI backend at {url} encodes differently from the "
-            "backend's own (/tokenize): configure the backend model's tokenizer"
-        )
-
-
-# ------------------------------------------------------------------------------------------------ errors
-def _unreachable(url: str, e: httpx.TransportError) -> EngineDeadError:
-    return EngineDeadError(f"the OpenAI backend at {url} cannot be reached ({type(e).__name__}: {e})")
-
-
-def _error(url: str, response: httpx.Response) -> RemoteEngineError:
-    try:
-        data = response.json()
-    except ValueError:
-        data = None
-    if isinstance(data, dict) and isinstance(data.get("error"), dict):
-        return _answered_error(url, data, response.status_code)
-    detail = response.text[:_MAX_ERROR_CHARS]
-    return RemoteEngineError(
-        f"the OpenAI backend at {url} answered HTTP {response.status_code}: {detail}",
-        response.status_code,
-        "backend_error",
-    )
-
-
-def _answered_error(url: str, data: dict[str, Any], status: int) -> RemoteEngineError:
-    error = data["error"]
-    message = str(error.get("message", ""))[:_MAX_ERROR_CHARS]
-    code = error.get("code")
-    if isinstance(code, int) and 400 <= code < 600:
-        status = code
-    kind = error.get("type") if isinstance(error.get("type"), str) else "backend_error"
-    return RemoteEngineError(f"the OpenAI backend at {url} answered: {message}", status, kind)
+        result = await stream_completion(self._http(), self.url, body, emit, self.config.timeout_s)
+        self.completion_tokens_received += len(result.token_ids)
+        return result

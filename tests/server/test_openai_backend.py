@@ -24,6 +24,7 @@ from server.engine.errors import (
 from server.launcher import LaunchedServer, launch
 from server.serve.manager import ManagerConfig
 from server.serve.openai_backend import OpenAIBackendConfig, OpenAIBackendEngine
+from server.serve.openai_backend_http import stream_completion
 from server.serve.remote_engine import RemoteEngineError
 
 CONFIG = EngineConfig(num_kv_blocks=256)
@@ -274,3 +275,39 @@ def test_the_cli_names_a_backend_it_cannot_reach(capsys: pytest.CaptureFixture[s
         server_main(["--engines", "0", "--openai-backend", "http://127.0.0.1:9"])
     assert info.value.code == 2
     assert "the OpenAI backend at http://127.0.0.1:9 cannot be reached" in capsys.readouterr().err
+
+
+def _sse(*events: str) -> httpx.MockTransport:
+    body = "".join(f"data: {e}\n\n" for e in events).encode()
+    return httpx.MockTransport(lambda request: httpx.Response(200, content=body))
+
+
+NO_IDS = '{"choices": [{"text": "hi", "finish_reason": null}]}'
+ERROR_OBJECT = '{"error": {"message": "bad", "type": "BadRequestError", "code": 400}}'
+ABORTED = '{"choices": [{"text": "", "token_ids": [], "finish_reason": "abort"}]}'
+UNFINISHED = '{"choices": [{"text": "a", "token_ids": [7], "finish_reason": null}]}'
+
+
+@pytest.mark.parametrize(
+    ("events", "error", "match"),
+    [
+        ([NO_IDS], RemoteEngineError, "does not return token"),
+        (['{"error": "overloaded"}'], RemoteEngineError, "answered: overloaded"),
+        ([ERROR_OBJECT], RemoteEngineError, "bad"),
+        ([ABORTED], RemoteEngineError, "abort"),
+        ([UNFINISHED, "[DONE]"], EngineDeadError, "without a finish reason"),
+    ],
+    ids=["no-token-ids", "error-text", "error-object", "aborted", "no-finish"],
+)
+def test_a_backend_answering_what_an_engine_cannot_use_is_a_typed_error(
+    events: list[str], error: type[Exception], match: str
+) -> None:
+    """What a backend streams back is parsed defensively (a fake transport: these are its misbehaviours)."""
+
+    async def run() -> None:
+        async with httpx.AsyncClient(transport=_sse(*events), base_url="http://backend") as client:
+            body = {"prompt": [1, 2], "max_tokens": 2}
+            await stream_completion(client, "http://backend", body, lambda _: None, 5.0)
+
+    with pytest.raises(error, match=match):
+        asyncio.run(run())
