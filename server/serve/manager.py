@@ -363,7 +363,9 @@ class Manager:
         await self._retire(engine_id, "it unregistered")
 
     async def check_engines(self) -> list[int]:
-        """Take out of service every remote engine silent for longer than the timeout; returns their ids."""
+        """Take out of service every remote engine silent for longer than the timeout (returns their ids),
+        and put back every OpenAI backend taken out by a failure that answers again."""
+        await self._recover_backends()
         now = self._clock()
         silent = [
             i
@@ -373,6 +375,14 @@ class Manager:
         for engine_id in silent:
             await self._retire(engine_id, f"no heartbeat for {self.config.engine_timeout:g}s")
         return silent
+
+    async def _recover_backends(self) -> None:
+        for engine_id in sorted(self._failed):
+            engine = self.engines[engine_id]
+            if isinstance(engine, OpenAIBackendEngine) and await engine.healthy():
+                self._failed.discard(engine_id)
+                self.placement.engines_changed()
+                log.warning("%s is back in service: it answers again", self.engine_name(engine_id))
 
     def engine_status(self) -> list[EngineStatus]:
         """Every engine, local or remote, with its liveness and stats (``GET /v1/engines``)."""
@@ -421,7 +431,12 @@ class Manager:
                 await self._retire(engine_id, f"a request to it failed: {error}", cleanup=True)
             return
         log.warning("%s is out of service: %s", self.engine_name(engine_id), error)
-        self._forget_contexts(engine_id)
+        forgotten = self._forget_contexts(engine_id)
+        engine = self.engines[engine_id]
+        if isinstance(engine, OpenAIBackendEngine):  # its kept contexts are token lists here: drop them
+            for context_id in forgotten:
+                with contextlib.suppress(EngineError):
+                    await engine.free_context(context_id)
         self.placement.engines_changed()
 
     def _forget_contexts(self, engine_id: int) -> list[int]:

@@ -86,6 +86,8 @@ class OpenAIBackendEngine:
         self.tokenizer = tokenizer
         self.vocab_size = len(tokenizer)
         self.eos_token_ids = frozenset(eos)
+        special = (tokenizer.bos_token_id, tokenizer.eos_token_id)
+        self._probe_token = next((t for t in special if isinstance(t, int)), 0)
         self._contexts: dict[int, _Context] = {}
         self._client: httpx.AsyncClient | None = None
         self._closed = False
@@ -232,6 +234,19 @@ class OpenAIBackendEngine:
             raise UnknownContextError(f"context {context_id} does not exist")
         if ctx.busy is not None:
             ctx.busy.cancel()
+
+    async def healthy(self) -> bool:
+        """Whether the backend serves again: it answers a one-token completion of this model (a server that
+        is up answers its model list even when its engine is dead). The manager asks this of a backend it
+        took out of service, to put it back."""
+        probe = {"model": self.model_name, "prompt": [self._probe_token], "max_tokens": 1, "temperature": 0}
+        try:
+            response = await self._http().post(
+                "/v1/completions", json=probe, timeout=min(10.0, self.config.timeout_s)
+            )
+        except (httpx.HTTPError, EngineDeadError):
+            return False
+        return response.is_success
 
     def stats(self) -> EngineStats:
         """The load this manager put on the backend (its own counters are not read): generates in flight,

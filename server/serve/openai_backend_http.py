@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 
-from server.engine.errors import EngineDeadError
+from server.engine.errors import EngineDeadError, EngineDrainingError
 from server.engine.loader import load_tokenizer
 from server.engine.request import GenerateResult
 from server.serve.remote_engine import RemoteEngineError
@@ -191,7 +191,7 @@ def _error(url: str, response: httpx.Response) -> RemoteEngineError:
     if isinstance(data, dict) and isinstance(data.get("error"), dict):
         return _answered_error(url, data["error"], response.status_code)
     detail = response.text[:_MAX_ERROR_CHARS]
-    return RemoteEngineError(
+    return _typed(
         f"the OpenAI backend at {url} answered HTTP {response.status_code}: {detail}",
         response.status_code,
         "backend_error",
@@ -201,12 +201,19 @@ def _error(url: str, response: httpx.Response) -> RemoteEngineError:
 def _answered_error(url: str, error: Any, status: int) -> RemoteEngineError:
     """An ``{"error": ...}`` the backend answered: its message, its status and type where it gives them."""
     if not isinstance(error, dict):
-        return RemoteEngineError(
-            f"the OpenAI backend at {url} answered: {str(error)[:_MAX_ERROR_CHARS]}", status, "backend_error"
-        )
+        return _typed(f"the OpenAI backend at {url} answered: {str(error)[:_MAX_ERROR_CHARS]}", status, "")
     message = str(error.get("message", ""))[:_MAX_ERROR_CHARS]
     code = error.get("code")
     if isinstance(code, int) and 400 <= code < 600:
         status = code
-    kind = error.get("type") if isinstance(error.get("type"), str) else "backend_error"
-    return RemoteEngineError(f"the OpenAI backend at {url} answered: {message}", status, kind)
+    kind = error.get("type") if isinstance(error.get("type"), str) else ""
+    return _typed(f"the OpenAI backend at {url} answered: {message}", status, kind)
+
+
+def _typed(message: str, status: int, kind: str) -> RemoteEngineError:
+    """The backend's error with an engine error type: one that says the backend cannot serve now (502, 503,
+    504: dead, overloaded, a gateway's timeout) is ``engine_dead`` — the manager then runs the work
+    elsewhere and checks the backend until it serves again — unless the backend said it is draining."""
+    if status in (502, 503, 504) and kind != EngineDrainingError.error_type:
+        kind = EngineDeadError.error_type
+    return RemoteEngineError(message, status, kind or "backend_error")

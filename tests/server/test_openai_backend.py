@@ -5,12 +5,14 @@ prefix affinity keeps sharing requests on one backend, and failures keep their e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Iterator
 
 import httpx
 import parrot as P
 import pytest
 
+from benchmarks.harness.openai_servers import free_port
 from server.__main__ import main as server_main
 from server.engine import EngineConfig, SamplingParams, model_names
 from server.engine.errors import (
@@ -311,3 +313,30 @@ def test_a_backend_answering_what_an_engine_cannot_use_is_a_typed_error(
 
     with pytest.raises(error, match=match):
         asyncio.run(run())
+
+
+def test_a_failed_backend_returns_to_service_once_it_answers_again() -> None:
+    """The backend goes away (the step placed there fails: there is no other engine) and comes back on the
+    same address; the manager's engine check puts it back in service. Its kept contexts (token lists here)
+    were dropped when it failed."""
+    port = free_port()
+    greedy = P.SamplingConfig(max_tokens=6, temperature=0.0, ignore_eos=True)
+    fn = P.SemanticFunction.from_template("Tell {{input:x}}:{{output:y}}", name="t", sampling=greedy)
+    with contextlib.ExitStack() as stack:
+        with launch("tiny", engines=1, engine_config=CONFIG, port=port) as first:
+            front = stack.enter_context(launch("tiny", engines=0, openai_backends=[first.url]))
+            engine = _facade(front)
+            with P.Session(front.url):
+                before = fn(x="a fox").get()
+            assert engine._contexts  # the finished step's context is kept for reuse
+            first.engines[0].shutdown()  # its server answers 503 engine_dead from now on
+            with P.Session(front.url), pytest.raises(P.VariableFailedError, match="engine"):
+                fn(x="a hen").get()
+            assert [s.alive for s in front.manager.engine_status()] == [False] and not engine._contexts
+            front.run(front.manager.check_engines())
+            assert not front.manager.engine_status()[0].alive  # its server is up, its engine is not
+        with launch("tiny", engines=1, engine_config=CONFIG, port=port):  # the same address again
+            front.run(front.manager.check_engines())
+            assert [s.alive for s in front.manager.engine_status()] == [True]
+            with P.Session(front.url):
+                assert fn(x="a fox").get() == before
