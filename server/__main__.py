@@ -166,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request to an OpenAI backend
     try:
         token = load_cluster_token(args.cluster_token_file)
         settings = SecurityConfig(
