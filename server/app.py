@@ -21,6 +21,8 @@ from fastapi import Depends, FastAPI, Header, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from parrot.protocol import (
+    BackendRegistered,
+    BackendRegistration,
     BatchGetAnswer,
     BatchRequest,
     CallError,
@@ -69,6 +71,7 @@ from server.serve.manager import (
     SloRejectedError,
     UnknownEngineError,
 )
+from server.serve.openai_backend import OpenAIBackendConfig
 from server.serve.remote_engine import RemoteEngine
 from server.serve.sessions import Session, SessionError
 from server.serve.variables import VariableError
@@ -302,6 +305,30 @@ def create_app(
             return await manager.register_engine(req, cluster_token=security.cluster_token)
         finally:
             joining -= 1
+
+    @app.post("/v1/backends", dependencies=cluster_only)
+    async def add_backend(req: BackendRegistration) -> BackendRegistered:
+        """An OpenAI-compatible server joins as an engine (`server.serve.openai_backend`); the manager reads
+        its model and checks its tokenizer before answering."""
+        nonlocal joining
+        refusal = registration_refusal(manager.engine_status(), "", joining, security.max_remote_engines)
+        if refusal is not None:
+            raise EngineLimitError(refusal)
+        joining += 1
+        try:
+            config = OpenAIBackendConfig(
+                req.url,
+                model=req.model,
+                tokenizer=req.tokenizer,
+                capacity_tokens=req.capacity_tokens,
+                latency_cap_tokens=req.latency_cap_tokens,
+                max_model_len=req.max_model_len,
+                priority=req.priority,
+            )
+            engine_id = await manager.add_openai_backend(config)
+        finally:
+            joining -= 1
+        return BackendRegistered(engine_id=engine_id, model=manager.engines[engine_id].model_name)
 
     @app.post("/v1/engines/{engine_id}/heartbeat", dependencies=cluster_only)
     async def heartbeat(engine_id: int, req: EngineHeartbeat) -> EngineHeartbeatAnswer:

@@ -180,6 +180,29 @@ class EngineRegistration(_Strict):
     url: str = Field(pattern=r"^https?://")
 
 
+class BackendRegistration(_Strict):
+    """``POST /v1/backends``: an OpenAI-compatible server (vLLM, SGLang, another Parrot) joins a running
+    manager as an engine (`server.serve.openai_backend`). What cannot be read from it is given here: the
+    tokens it runs at once, its latency cap, its context window where its model list does not say, the
+    tokenizer (a model name or path on the manager's machine; default: the served model's id) and whether it
+    schedules by priority."""
+
+    url: str = Field(pattern=r"^https?://", max_length=2048)
+    model: str | None = Field(default=None, min_length=1, max_length=512)
+    tokenizer: str | None = Field(default=None, min_length=1, max_length=1024)
+    capacity_tokens: int = Field(default=16384, ge=16, le=1 << 26)
+    latency_cap_tokens: int | None = Field(default=None, ge=1, le=1 << 26)
+    max_model_len: int | None = Field(default=None, ge=1, le=1 << 26)
+    priority: bool = False
+
+
+class BackendRegistered(BaseModel):
+    """The manager's answer: the backend's engine id and the model it serves."""
+
+    engine_id: int
+    model: str
+
+
 class EngineRegistered(BaseModel):
     """The manager's answer to a registration: the engine's id and how often it must send heartbeats
     (an engine silent for ``timeout_s`` is taken out of service)."""

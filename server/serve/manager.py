@@ -70,7 +70,7 @@ from server.serve.ir import (
 )
 from server.serve.length_predictor import LengthPredictor
 from server.serve.mutel import Slo
-from server.serve.openai_backend import OpenAIBackendEngine
+from server.serve.openai_backend import OpenAIBackendConfig, OpenAIBackendEngine
 from server.serve.output_lengths import PROMPT_TAIL_TOKENS, LengthEstimate, OutputLengths, template_key
 from server.serve.placement import (
     NoServingEngineError,
@@ -319,6 +319,27 @@ class Manager:
             timeout_s=self.config.engine_timeout,
         )
 
+    async def add_openai_backend(self, config: OpenAIBackendConfig) -> int:
+        """Add the OpenAI-compatible server ``config`` names as an engine (its model and context window are
+        read from it, its tokenizer checked against it first); returns its engine id. One already in service
+        at that URL is refused (`EngineRegistrationError`), as is one that cannot be reached or used."""
+        url = config.url.rstrip("/")
+        serving = [
+            i
+            for i, e in enumerate(self.engines)
+            if isinstance(e, OpenAIBackendEngine) and e.url == url and i not in self._failed
+        ]
+        if serving:
+            raise EngineRegistrationError(f"the OpenAI backend at {url} is engine {serving[0]} already")
+        try:
+            backend = await asyncio.to_thread(OpenAIBackendEngine.connect, config)
+        except (EngineError, httpx.HTTPError, ValueError) as e:
+            raise EngineRegistrationError(f"cannot add the OpenAI backend at {url}: {e}") from e
+        self.engines.append(backend)
+        self.placement.engines_changed()  # steps waiting for an engine of its model may go now
+        log.info("engine %d: the OpenAI backend at %s (%s)", len(self.engines) - 1, url, backend.model_name)
+        return len(self.engines) - 1
+
     def heartbeat(self, engine_id: int, stats: EngineStats) -> None:
         """A remote engine is alive; record its load. An engine out of service must register again."""
         link = self._remote.get(engine_id)
@@ -391,6 +412,8 @@ class Manager:
             link = self._remote.get(i)
             name = link.name if link is not None else f"local-{i}"
             url = link.url if link is not None else None
+            if isinstance(engine, OpenAIBackendEngine):
+                name, url = engine.name, engine.url
             alive = (link is None or link.alive) and i not in self._failed
             out.append(EngineStatus(engine_id=i, name=name, url=url, alive=alive, stats=engine.stats()))
         return out
@@ -410,6 +433,9 @@ class Manager:
     def engine_name(self, engine_id: int) -> str:
         """How messages name an engine: its id, name and URL."""
         link = self._remote.get(engine_id)
+        engine = self.engines[engine_id]
+        if isinstance(engine, OpenAIBackendEngine):
+            return f"engine {engine_id} ({engine.name})"
         if link is None:
             return f"engine {engine_id} (local-{engine_id})"
         return f"engine {engine_id} ({link.name} at {link.url})"

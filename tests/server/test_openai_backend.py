@@ -340,3 +340,28 @@ def test_a_failed_backend_returns_to_service_once_it_answers_again() -> None:
             assert [s.alive for s in front.manager.engine_status()] == [True]
             with P.Session(front.url):
                 assert fn(x="a fox").get() == before
+
+
+def test_a_running_manager_takes_a_backend_with_the_cluster_token(backend: LaunchedServer) -> None:
+    """``POST /v1/backends``: only the cluster token's holder adds one; it then serves; the same URL twice
+    and a URL nothing answers at are refused, saying why."""
+    with launch("tiny", engines=0) as s:
+        body = {"url": backend.url, "capacity_tokens": 4096}
+        assert httpx.post(f"{s.url}/v1/backends", json=body).status_code == 401
+        r = httpx.post(f"{s.url}/v1/backends", json=body, headers=s.cluster_headers, timeout=60)
+        assert r.status_code == 200 and r.json() == {"engine_id": 0, "model": "tiny"}
+        listed = httpx.get(f"{s.url}/v1/engines", headers=s.cluster_headers).json()
+        assert [(e["name"], e["url"], e["alive"]) for e in listed] == [
+            (f"openai:{backend.url}", backend.url, True)
+        ]
+        added = s.manager.engines[0]
+        assert isinstance(added, OpenAIBackendEngine) and added.stats().blocks_total == 4096 // 16
+        with P.Session(s.url):
+            assert STORY(topic="a harbour")[0].get()
+        again = httpx.post(f"{s.url}/v1/backends", json=body, headers=s.cluster_headers, timeout=60)
+        assert again.status_code == 400 and "is engine 0 already" in again.json()["error"]["message"]
+        gone = {"url": "http://127.0.0.1:9"}
+        r = httpx.post(f"{s.url}/v1/backends", json=gone, headers=s.cluster_headers, timeout=60)
+        assert r.status_code == 400 and "cannot be reached" in r.json()["error"]["message"]
+        bad = httpx.post(f"{s.url}/v1/backends", json={"url": "file:///etc"}, headers=s.cluster_headers)
+        assert bad.status_code == 422
