@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
-import os
 import socket
 import sys
 import threading
@@ -36,9 +35,8 @@ from server.serve.length_predictor import LengthPredictorStateError
 from server.serve.manager import Manager, ManagerConfig
 from server.serve.mutel import Slo
 from server.serve.openai_backend import OpenAIBackendConfig
+from server.serve.openai_backend_http import BACKEND_KEY_ENV
 from server.serve.ray_engines import RayEngines
-
-BACKEND_KEY_ENV = "PARROT_BACKEND_API_KEY"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -190,7 +188,6 @@ def main(argv: list[str] | None = None) -> int:
             OpenAIBackendConfig(
                 url,
                 tokenizer=args.openai_backend_tokenizer,
-                api_key=os.environ.get(BACKEND_KEY_ENV) or None,
                 capacity_tokens=args.openai_backend_capacity,
                 latency_cap_tokens=args.openai_backend_latency_cap,
                 priority=args.openai_backend_priority,

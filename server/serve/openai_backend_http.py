@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -19,6 +20,7 @@ from server.serve.remote_engine import RemoteEngineError
 from server.serve.task_stream import Emit
 
 __all__ = [
+    "BACKEND_KEY_ENV",
     "OpenAIBackendConfig",
     "check_tokenizer",
     "local_tokenizer",
@@ -27,6 +29,9 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+# The backends' API key (sent as a bearer token), unless a configuration gives its own.
+BACKEND_KEY_ENV = "PARROT_BACKEND_API_KEY"
 
 # Text whose tokens the local tokenizer must give exactly as the backend's /tokenize does.
 _PROBE = "Parrot checks its tokenizer: 3.14 naïve café — 你好 <|im_start|> done.\n\n  end"
@@ -44,13 +49,14 @@ class OpenAIBackendConfig:
     ``priority``: forward priorities (only for a backend that schedules by priority). ``timeout_s``: the
     longest a backend may stay silent (connecting, or between two tokens of an answer).
     ``warm_min_tokens``: a shared prefix at least this long is computed on the backend once, before the
-    requests that fork from it go out (`OpenAIBackendEngine._warmed`).
+    requests that fork from it go out (`OpenAIBackendEngine._warmed`). ``api_key``: sent as a bearer token
+    (default: ``$PARROT_BACKEND_API_KEY``, if set).
     """
 
     url: str
     model: str | None = None
     tokenizer: str | None = None
-    api_key: str | None = None
+    api_key: str | None = field(default_factory=lambda: os.environ.get(BACKEND_KEY_ENV) or None, repr=False)
     capacity_tokens: int = 16384
     latency_cap_tokens: int | None = None
     block_size: int = 16

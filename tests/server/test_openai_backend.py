@@ -26,7 +26,7 @@ from server.engine.errors import (
 from server.launcher import LaunchedServer, launch
 from server.serve.manager import ManagerConfig
 from server.serve.openai_backend import OpenAIBackendConfig, OpenAIBackendEngine
-from server.serve.openai_backend_http import stream_completion
+from server.serve.openai_backend_http import BACKEND_KEY_ENV, stream_completion
 from server.serve.remote_engine import RemoteEngineError
 
 CONFIG = EngineConfig(num_kv_blocks=256)
@@ -365,3 +365,18 @@ def test_a_running_manager_takes_a_backend_with_the_cluster_token(backend: Launc
         assert r.status_code == 400 and "cannot be reached" in r.json()["error"]["message"]
         bad = httpx.post(f"{s.url}/v1/backends", json={"url": "file:///etc"}, headers=s.cluster_headers)
         assert bad.status_code == 422
+
+
+def test_a_backend_behind_an_api_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The key comes from the configuration, else ``$PARROT_BACKEND_API_KEY``; without it the backend's 401
+    is the error."""
+    monkeypatch.delenv(BACKEND_KEY_ENV, raising=False)
+    with launch("tiny", engines=1, engine_config=CONFIG, api_keys=["sesame"]) as guarded:
+        with pytest.raises(RemoteEngineError) as info:
+            OpenAIBackendEngine.connect(OpenAIBackendConfig(guarded.url))
+        assert info.value.http_status == 401
+        keyed = OpenAIBackendEngine.connect(OpenAIBackendConfig(guarded.url, api_key="sesame"))
+        assert keyed.model_name == "tiny"
+        monkeypatch.setenv(BACKEND_KEY_ENV, "sesame")
+        with launch("tiny", engines=0, openai_backends=[guarded.url]) as front, P.Session(front.url):
+            assert STORY(topic="a harbour")[0].get()
