@@ -101,6 +101,20 @@ def main(argv: list[str] | None = None) -> int:
         help="place the --engines engines on a Ray cluster as actors (ADDRESS: the cluster's, e.g. 'auto'; "
         "none: a local Ray or $RAY_ADDRESS); needs parrot-serve[ray]",
     )
+    p.add_argument(
+        "--ray-vllm",
+        default=None,
+        metavar="PYTHON",
+        help="with --ray: each actor serves vLLM (its OpenAI server, started with this interpreter of a "
+        "virtualenv that has vLLM) instead of our engine; --model must be a model vLLM loads",
+    )
+    p.add_argument(
+        "--ray-vllm-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="an argument for each vLLM server (repeat: --ray-vllm-arg=--dtype --ray-vllm-arg=bfloat16)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=9000)
     p.add_argument("--session-ttl", type=float, default=600.0)
@@ -163,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         "--max-engines", type=int, default=64, help="remote engines in service at once (default: 64)"
     )
     args = p.parse_args(argv)
+    if args.ray_vllm is not None and args.ray is None:
+        p.error("--ray-vllm places vLLM servers with Ray: give --ray [ADDRESS] too")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request to an OpenAI backend
     try:
@@ -214,7 +230,13 @@ def main(argv: list[str] | None = None) -> int:
             p.error(str(e))
         app: ASGIApp = create_app(manager, security=settings)
         if args.ray is not None:
-            spec = RayEngines(args.engines, address=args.ray or None)
+            spec = RayEngines(
+                args.engines,
+                address=args.ray or None,
+                vllm_python=args.ray_vllm,
+                vllm_args=tuple(args.ray_vllm_arg),
+                tokenizer=args.openai_backend_tokenizer,
+            )
             placer = threading.Thread(
                 target=_place_on_ray,
                 args=(spec, args.model, config, args.host, args.port, settings.cluster_token, ray_actors),

@@ -22,7 +22,15 @@ from typing import Any
 
 from server.engine.config import EngineConfig
 
-__all__ = ["EngineActor", "RayEngines", "manager_url_for", "start_ray_engines", "stop_ray_engines"]
+__all__ = [
+    "EngineActor",
+    "RayEngines",
+    "free_port",
+    "manager_url_for",
+    "node_ip",
+    "start_ray_engines",
+    "stop_ray_engines",
+]
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +43,9 @@ class RayEngines:
     the one ``$RAY_ADDRESS`` names). ``num_gpus``: per engine; None asks for one where the cluster has GPUs.
     ``init_args``: more `ray.init` arguments (e.g. ``num_cpus`` for a local cluster).
     ``placement_timeout_s``: how long the engines may take to be placed and start.
+    ``vllm_python``: each actor serves vLLM instead of our engine (`server.serve.ray_vllm`), started with
+    this interpreter (a virtualenv with vLLM on every node) and ``vllm_args`` / ``vllm_env``; the manager
+    uses it as an OpenAI backend with ``tokenizer`` (None: the served model's id).
     """
 
     count: int
@@ -43,6 +54,10 @@ class RayEngines:
     num_gpus: float | None = None
     placement_timeout_s: float = 300.0
     init_args: dict[str, Any] = field(default_factory=dict)
+    vllm_python: str | None = None
+    vllm_args: tuple[str, ...] = ()
+    vllm_env: dict[str, str] = field(default_factory=dict)
+    tokenizer: str | None = None
 
     def __post_init__(self) -> None:
         if self.count < 1:
@@ -61,8 +76,8 @@ class EngineActor:
         from server.engine.api import create_engine_app
         from server.engine.manager_link import ManagerLink
 
-        host = _node_ip()
-        port = _free_port(host)
+        host = node_ip()
+        port = free_port(host)
         self.url = f"http://{host}:{port}"
         self.engine = LLMEngine.from_pretrained(model, config)
         link = ManagerLink(manager_url, self.url, name, self.engine.stats, cluster_token=cluster_token)
@@ -94,14 +109,23 @@ def start_ray_engines(
     gpus = spec.num_gpus
     if gpus is None:
         gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
-    remote = ray.remote(
-        num_cpus=0 if gpus else 1, num_gpus=gpus, max_restarts=spec.max_restarts, max_task_retries=0
-    )(EngineActor)
-    config = config or EngineConfig()
-    actors = [
-        remote.remote(model, config, manager_url, f"ray-engine-{i}", cluster_token)  # type: ignore[attr-defined]
-        for i in range(spec.count)
-    ]
+    resources = {"num_cpus": 0 if gpus else 1, "num_gpus": gpus, "max_restarts": spec.max_restarts}
+    if spec.vllm_python is not None:
+        from server.serve.ray_vllm import VLLMActor
+
+        vllm = ray.remote(**resources, max_task_retries=0)(VLLMActor)
+        args = (spec.vllm_python, model, manager_url, cluster_token, spec.vllm_args, spec.vllm_env)
+        actors = [
+            vllm.remote(*args, spec.tokenizer, spec.placement_timeout_s)  # type: ignore[attr-defined]
+            for _ in range(spec.count)
+        ]
+    else:
+        engine = ray.remote(**resources, max_task_retries=0)(EngineActor)
+        config = config or EngineConfig()
+        actors = [
+            engine.remote(model, config, manager_url, f"ray-engine-{i}", cluster_token)  # type: ignore[attr-defined]
+            for i in range(spec.count)
+        ]
     try:
         urls = ray.get([a.engine_url.remote() for a in actors], timeout=spec.placement_timeout_s)
     except ray.exceptions.GetTimeoutError:
@@ -125,16 +149,18 @@ def stop_ray_engines(actors: list[Any]) -> None:
 
 def manager_url_for(host: str, port: int) -> str:
     """The URL actors reach the manager at: its bound address, or this node's IP when bound to all."""
-    return f"http://{_node_ip() if host in ('0.0.0.0', '::', '') else host}:{port}"
+    return f"http://{node_ip() if host in ('0.0.0.0', '::', '') else host}:{port}"
 
 
-def _node_ip() -> str:
+def node_ip() -> str:
+    """This node's address in the Ray cluster."""
     import ray
 
     return str(ray.util.get_node_ip_address())
 
 
-def _free_port(host: str) -> int:
+def free_port(host: str) -> int:
+    """A port free on ``host`` now."""
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])

@@ -124,3 +124,11 @@ def test_engines_ray_cannot_place_are_a_clear_error(on_ray: LaunchedServer) -> N
     spec = RayEngines(1, num_gpus=1, placement_timeout_s=2)  # this cluster has no GPU
     with pytest.raises(RuntimeError, match=r"did not start 1 engine\(s\) within 2s: each asks for 1 GPU"):
         start_ray_engines(spec, "tiny", None, on_ray.url, on_ray.cluster_token)
+
+
+def test_ray_vllm_needs_ray(capsys: pytest.CaptureFixture[str]) -> None:
+    from server.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(["--ray-vllm", sys.executable])
+    assert "give --ray [ADDRESS] too" in capsys.readouterr().err
