@@ -14,23 +14,15 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from server.engine.config import EngineConfig
+from server.serve.ray_nodes import free_port, node_ip
 
-__all__ = [
-    "EngineActor",
-    "RayEngines",
-    "free_port",
-    "manager_url_for",
-    "node_ip",
-    "start_ray_engines",
-    "stop_ray_engines",
-]
+__all__ = ["EngineActor", "RayEngines", "manager_url_for", "start_ray_engines", "stop_ray_engines"]
 
 log = logging.getLogger(__name__)
 
@@ -150,17 +142,3 @@ def stop_ray_engines(actors: list[Any]) -> None:
 def manager_url_for(host: str, port: int) -> str:
     """The URL actors reach the manager at: its bound address, or this node's IP when bound to all."""
     return f"http://{node_ip() if host in ('0.0.0.0', '::', '') else host}:{port}"
-
-
-def node_ip() -> str:
-    """This node's address in the Ray cluster."""
-    import ray
-
-    return str(ray.util.get_node_ip_address())
-
-
-def free_port(host: str) -> int:
-    """A port free on ``host`` now."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 
 import httpx
 
+from server.serve.ray_nodes import free_port, node_ip
+
 __all__ = ["VLLMActor"]
 
 _PR_SET_PDEATHSIG = 1
@@ -38,8 +40,6 @@ class VLLMActor:
         tokenizer: str | None,
         timeout_s: float,
     ) -> None:
-        from server.serve.ray_engines import free_port, node_ip
-
         host = node_ip()
         port = free_port(host)
         self.url = f"http://{host}:{port}"
