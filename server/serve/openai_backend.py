@@ -213,6 +213,7 @@ class OpenAIBackendEngine:
             try:
                 if ctx.parent is not None:
                     await self._warmed(ctx.parent)
+                    ctx.parent = None  # needed no more: a chain of forks keeps no ancestor's tokens alive
                 self.requests_sent += 1
                 result = await self._complete(body, emit)
             finally:
