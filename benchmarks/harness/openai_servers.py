@@ -5,7 +5,6 @@ prefix-cache hit rate) — and a way to empty their prefix cache between timed r
 from __future__ import annotations
 
 import contextlib
-import socket
 import subprocess
 import time
 from collections.abc import Iterator, Sequence
@@ -15,8 +14,9 @@ from pathlib import Path
 import httpx
 
 from server.launcher import LaunchedServer, launch
+from server.serve.ray_nodes import free_port
 
-__all__ = ["Backend", "free_port", "parrot_backend", "vllm_backend"]
+__all__ = ["Backend", "parrot_backend", "vllm_backend"]
 
 STARTUP_S = 300.0
 
@@ -50,12 +50,6 @@ def _metric(text: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
 def vllm_backend(
     python: str,
@@ -70,7 +64,7 @@ def vllm_backend(
 ) -> Iterator[Backend]:
     """``python -m vllm.entrypoints.openai.api_server`` on ``folder`` (its prefix caching on, as vLLM's
     default; dev mode, for ``/reset_prefix_cache``), until it answers ``/v1/models``; stopped on exit."""
-    port = free_port()
+    port = free_port("127.0.0.1")
     command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--dtype", dtype]
     command += ["--port", str(port), "--max-model-len", str(max_model_len)]
     command += ["--max-num-seqs", str(max_num_seqs), *extra]

@@ -12,7 +12,6 @@ import httpx
 import parrot as P
 import pytest
 
-from benchmarks.harness.openai_servers import free_port
 from server.__main__ import main as server_main
 from server.engine import EngineConfig, SamplingParams, model_names
 from server.engine.errors import (
@@ -28,6 +27,7 @@ from server.serve.manager import ManagerConfig
 from server.serve.openai_backend import OpenAIBackendConfig, OpenAIBackendEngine
 from server.serve.openai_backend_http import BACKEND_KEY_ENV, stream_completion
 from server.serve.remote_engine import RemoteEngineError
+from tests.processes import free_port
 
 CONFIG = EngineConfig(num_kv_blocks=256)
 STORY = P.SemanticFunction.from_template(
