@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -37,6 +37,7 @@ from server.engine.errors import (
     TokenOutOfVocabError,
     UnknownContextError,
 )
+from server.engine.generating import GeneratesBySubmit
 from server.engine.kv_exchange import KVExchange
 from server.engine.loader import build_model, load_checkpoint
 from server.engine.model import LlamaForCausalLM
@@ -175,7 +176,7 @@ class GenerationStream:
         return await self._engine._wait(self._sink)
 
 
-class LLMEngine(KVExchange):
+class LLMEngine(KVExchange, GeneratesBySubmit):
     """A LLaMA-family engine with a paged KV cache, context fork and continuous batching."""
 
     def __init__(
@@ -330,63 +331,6 @@ class LLMEngine(KVExchange):
             )
         )
         return await self._wait(sink)
-
-    async def generate(
-        self,
-        context_id: int,
-        sampling: SamplingParams | None = None,
-        parent_context_id: int | None = None,
-        *,
-        latency_cap: int | None = None,
-        parent_len: int | None = None,
-        priority: float | None = None,
-    ) -> GenerateResult:
-        """Generate from the end of a context (forked from the parent first if the context is new).
-
-        ``latency_cap``: while this generate runs, the engine's running requests reserve at most this many
-        tokens in all, its own included (it waits until they do; alone, it runs whatever its size).
-        ``parent_len``: fork from the parent's first ``parent_len`` tokens only, as in `fill`; the last of
-        them is then recomputed (one token of prefill) to sample from.
-        ``priority``: a finite number, lower starts sooner, when the engine runs ``scheduling="sjf"`` (the
-        manager sends the predicted output length; None: ranked as an average request). It orders only the
-        waiting queue, with aging (`server.engine.ordering`), and never preempts; ignored under ``fcfs``.
-        """
-        stream = self.submit_generate(
-            context_id,
-            sampling,
-            parent_context_id,
-            stream=False,
-            latency_cap=latency_cap,
-            parent_len=parent_len,
-            priority=priority,
-        )
-        return await stream.result()
-
-    async def generate_stream(
-        self,
-        context_id: int,
-        sampling: SamplingParams | None = None,
-        parent_context_id: int | None = None,
-        *,
-        latency_cap: int | None = None,
-        parent_len: int | None = None,
-        priority: float | None = None,
-    ) -> AsyncIterator[int]:
-        """Yield token ids as they are sampled; leaving the loop early aborts the request. The arguments are
-        `generate`'s."""
-        stream = self.submit_generate(
-            context_id,
-            sampling,
-            parent_context_id,
-            latency_cap=latency_cap,
-            parent_len=parent_len,
-            priority=priority,
-        )
-        try:
-            async for token_id in stream:
-                yield token_id
-        finally:
-            stream.cancel()
 
     def submit_generate(
         self,

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
@@ -28,6 +27,7 @@ from parrot.protocol import EngineStats
 
 from server.engine import EngineError, LLMEngine, SamplingParams
 from server.engine.engine import GenerationStream
+from server.engine.generating import GeneratesBySubmit
 from server.engine.remote_kv import KVLease, RemotePrefix
 from server.engine.request import GenerateResult
 from server.serve.task_stream import Emit, TaskStream
@@ -39,7 +39,7 @@ _SUMMED = (
 )  # fmt: skip
 
 
-class DisaggregatedEngine:
+class DisaggregatedEngine(GeneratesBySubmit):
     """``prefill`` and ``decode`` engines (same model) serving as one; see the module docstring."""
 
     def __init__(self, prefill: LLMEngine, decode: LLMEngine) -> None:
@@ -88,38 +88,6 @@ class DisaggregatedEngine:
         return DisaggregatedGeneration(
             self, context_id, sampling or SamplingParams(), parent_context_id, parent_len, stream, options
         )
-
-    async def generate(
-        self,
-        context_id: int,
-        sampling: SamplingParams | None = None,
-        parent_context_id: int | None = None,
-        *,
-        latency_cap: int | None = None,
-        parent_len: int | None = None,
-        priority: float | None = None,
-    ) -> GenerateResult:
-        """As `LLMEngine.generate`."""
-        return await self.submit_generate(
-            context_id,
-            sampling,
-            parent_context_id,
-            stream=False,
-            latency_cap=latency_cap,
-            parent_len=parent_len,
-            priority=priority,
-        ).result()
-
-    async def generate_stream(
-        self, context_id: int, sampling: SamplingParams | None = None
-    ) -> AsyncIterator[int]:
-        """As `LLMEngine.generate_stream`."""
-        stream = self.submit_generate(context_id, sampling)
-        try:
-            async for token in stream:
-                yield token
-        finally:
-            stream.cancel()
 
     async def free_context(self, context_id: int) -> None:
         await self.prefill.free_context(context_id)

@@ -42,6 +42,7 @@ from server.engine.errors import (
     TokenOutOfVocabError,
     UnknownContextError,
 )
+from server.engine.generating import GeneratesBySubmit
 from server.engine.request import GenerateResult
 from server.engine.sampling import SamplingParams
 from server.serve.openai_backend_http import (
@@ -70,7 +71,7 @@ class _Context:
     warming: asyncio.Task[None] | None = None
 
 
-class OpenAIBackendEngine:
+class OpenAIBackendEngine(GeneratesBySubmit):
     """An OpenAI-compatible server behind the `LLMEngine` interface. Make one with `connect`."""
 
     def __init__(
@@ -149,28 +150,6 @@ class OpenAIBackendEngine:
             )
         ctx.token_ids.extend(token_ids)
         return len(ctx.token_ids)
-
-    async def generate(
-        self,
-        context_id: int,
-        sampling: SamplingParams | None = None,
-        parent_context_id: int | None = None,
-        *,
-        latency_cap: int | None = None,
-        parent_len: int | None = None,
-        priority: float | None = None,
-    ) -> GenerateResult:
-        """As `LLMEngine.generate`."""
-        stream = self.submit_generate(
-            context_id,
-            sampling,
-            parent_context_id,
-            stream=False,
-            latency_cap=latency_cap,
-            parent_len=parent_len,
-            priority=priority,
-        )
-        return await stream.result()
 
     def submit_generate(
         self,

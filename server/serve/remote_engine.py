@@ -44,6 +44,7 @@ from pydantic import BaseModel, ValidationError
 from transformers import AutoTokenizer  # at import: its lazy import in threads can race
 
 from server.engine.errors import ContextBusyError, EngineDeadError, EngineError
+from server.engine.generating import GeneratesBySubmit
 from server.engine.request import GenerateResult
 from server.engine.sampling import SamplingParams
 from server.serve.task_stream import Emit, TaskStream
@@ -69,7 +70,7 @@ class RemoteEngineError(EngineError):
         self.error_type = error_type
 
 
-class RemoteEngine:
+class RemoteEngine(GeneratesBySubmit):
     """A remote engine's HTTP API behind the `LLMEngine` interface the manager uses. Make one with
     `connect`; `aclose` closes its HTTP client."""
 
@@ -150,31 +151,10 @@ class RemoteEngine:
         data = await _call(self._client, self.url, "POST", "/fill", body.model_dump(exclude_none=True))
         return EngineFillResponse.model_validate(data).num_tokens
 
-    async def generate(
-        self,
-        context_id: int,
-        sampling: SamplingParams,
-        parent_context_id: int | None = None,
-        *,
-        latency_cap: int | None = None,
-        parent_len: int | None = None,
-        priority: float | None = None,
-    ) -> GenerateResult:
-        """As `LLMEngine.generate`."""
-        stream = self.submit_generate(
-            context_id,
-            sampling,
-            parent_context_id,
-            latency_cap=latency_cap,
-            parent_len=parent_len,
-            priority=priority,
-        )
-        return await stream.result()
-
     def submit_generate(
         self,
         context_id: int,
-        sampling: SamplingParams,
+        sampling: SamplingParams | None = None,
         parent_context_id: int | None = None,
         stream: bool = False,
         *,
@@ -188,7 +168,7 @@ class RemoteEngine:
             context_id=context_id,
             parent_context_id=parent_context_id,
             parent_len=parent_len,
-            sampling=SamplingConfig(**_sampling_fields(sampling)),
+            sampling=SamplingConfig(**_sampling_fields(sampling or SamplingParams())),
             stream=True,
             latency_cap=latency_cap,
             priority=priority,
