@@ -4,6 +4,7 @@ they register, serve a chain and a map-reduce, and come back when an actor's pro
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -44,13 +45,15 @@ def on_ray() -> Iterator[LaunchedServer]:
 
 
 def _chain_and_map_reduce(s: LaunchedServer) -> tuple[str, str]:
-    with P.Session(s.url):
-        x = "the river"
+    """A chain from a session variable (each step's input the previous output: futures) read with a sync
+    get, and a map-reduce over literal inputs read with an async get."""
+    with P.Session(s.url) as session:
+        x = session.variable("the river")
         for _ in range(3):
             x = STEP(x=x)
         parts = [PART(part=f"chapter {i}") for i in range(3)]
         joined = JOIN(a=parts[0], b=parts[1], c=parts[2])
-        return x.get(), joined.get()
+        return x.get(), asyncio.run(joined.aget())
 
 
 @pytest.fixture(scope="module")
