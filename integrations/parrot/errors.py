@@ -7,6 +7,7 @@ Transport failures (refused connection, timeout) become `ConnectionError`, with 
 
 from __future__ import annotations
 
+import builtins
 import json
 
 import httpx
@@ -102,18 +103,24 @@ class GetTimeoutError(ParrotError):
 class VariableFailedError(ParrotError):
     """The variable failed on the server (its producer, a transform, or an upstream variable failed).
 
-    ``message`` is the server's explanation; ``var_id`` the failed variable.
+    ``message`` names the variable and gives the server's explanation, ``reason`` is that explanation
+    alone (the variable's ``error`` as the server sent it); ``var_id`` the failed variable.
     """
 
     default_type = "variable_failed"
 
-    def __init__(self, message: str, *, var_id: str | None = None) -> None:
+    def __init__(self, message: str, *, var_id: str | None = None, reason: str | None = None) -> None:
         self.var_id = var_id
+        self.reason = reason
         super().__init__(message)
 
 
-class ConnectionError(ParrotError):
-    """The server could not be reached (refused, reset, timed out); the message names the URL."""
+class ConnectionError(ParrotError, builtins.ConnectionError):
+    """The server could not be reached (refused, reset, timed out); the message names the URL.
+
+    Also the builtin `ConnectionError` (an `OSError`), so code written for any network client — an
+    ``except ConnectionError`` or a retry policy on it — handles it without knowing Parrot.
+    """
 
     default_type = "connection"
 

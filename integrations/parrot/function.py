@@ -25,6 +25,7 @@ from parrot.protocol import (
     parse_template,
     placeholder_names,
 )
+from parrot.sampling import checked
 from parrot.session import current_session
 from parrot.variable import Variable
 
@@ -198,6 +199,9 @@ class SemanticFunction:
                 sampling[name] = override
             else:
                 sampling[name] = SamplingConfig.model_validate({**base.model_dump(), **override})
+        # Refused here, at definition, rather than by the engine when a `get` finally runs the call.
+        for name, config in sampling.items():
+            checked(config, where=f"semantic function {self.name}(), output {name!r}: ")
         return sampling
 
     def _input_spec(self, name: str, value: Any) -> tuple[PlaceholderSpec, Variable | None]:
@@ -272,7 +276,9 @@ def semantic_function(
     name to `P.transforms` specs applied server-side in order (or an input name to
     ``[P.transforms.render()]`` to accept any value as ``str(value)``). ``model`` picks the model;
     ``criteria`` (`P.LATENCY`/`P.THROUGHPUT`) marks the outputs wanted at submit time. Template errors and
-    a template that disagrees with the signature raise at decoration (`TemplateError`, naming the function).
+    a template that disagrees with the signature raise at decoration (`TemplateError`, naming the function),
+    and so do sampling values the engine would refuse (`ValueError`: ``temperature=-1``, ``top_p=0``,
+    ``max_tokens=0``...).
     """
     given = {
         "max_tokens": max_tokens,

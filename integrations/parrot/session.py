@@ -16,7 +16,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
 from contextvars import ContextVar, Token
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Literal
 
@@ -44,6 +44,7 @@ from parrot.protocol import (
     GetVariableResponse,
     SubmitCallRequest,
 )
+from parrot.urls import server_root
 from parrot.variable import Variable
 
 __all__ = ["Session", "current_session"]
@@ -91,6 +92,32 @@ class _SubmitCall:
 _Op = _CreateVariable | _SetVariable | _SubmitCall
 
 
+@dataclass(frozen=True)
+class _Deadline:
+    """The time limit of one ``get``: ``timeout`` seconds (None: none) from ``started`` (monotonic)."""
+
+    timeout: float | None
+    started: float = field(default_factory=time.monotonic)
+
+    def left(self, default: float) -> float:
+        """How long the next long poll may ask the server to wait (``default`` when there is no timeout)."""
+        if self.timeout is None:
+            return default
+        return max(0.0, self.started + self.timeout - time.monotonic())
+
+    def passed(self) -> bool:
+        return self.timeout is not None and time.monotonic() >= self.started + self.timeout
+
+    def error(self, var: Variable) -> GetTimeoutError:
+        waited = time.monotonic() - self.started
+        return GetTimeoutError(
+            f"{var._describe()} is still pending after {waited:.2f}s (get's timeout: {self.timeout:g}s): "
+            "its producer has not finished, or an input it needs was never set; get it again (with a "
+            "longer timeout) or set the missing input",
+            status=504,
+        )
+
+
 class Session:
     """A session with a Parrot server: ``with P.Session(url) as s:`` or ``async with P.Session(url) as s:``.
 
@@ -115,9 +142,7 @@ class Session:
         client: httpx.Client | httpx.AsyncClient | None = None,
         cache_salt: str | None = None,
     ) -> None:
-        if not url.startswith(("http://", "https://")):
-            raise ValueError(f"the server URL must start with http:// or https://, got {url!r}")
-        self.url = url.rstrip("/")
+        self.url = server_root(url)
         self.timeout = timeout
         self.poll_timeout = poll_timeout
         self.cache_salt = cache_salt
@@ -414,29 +439,29 @@ class Session:
         self._pending = kept
 
     # --------------------------------------------------------------------------------------- get
-    def _poll_plan(self, criteria: Criteria | None, timeout: float | None) -> float | None:
+    def _poll_plan(self, criteria: Criteria | None, timeout: float | None) -> _Deadline:
         if criteria is not None and criteria not in CRITERIA:
             raise ValueError(f"criteria must be P.LATENCY or P.THROUGHPUT ({CRITERIA}), got {criteria!r}")
         if timeout is not None and timeout < 0:
             raise ValueError(f"timeout must be >= 0 seconds, got {timeout}")
-        return None if timeout is None else time.monotonic() + timeout
+        return _Deadline(timeout)
 
     def _poll_request(
-        self, var: Variable, criteria: Criteria | None, deadline: float | None
+        self, var: Variable, criteria: Criteria | None, deadline: _Deadline
     ) -> tuple[str, dict[str, Any], float]:
         """The path, query and wait (seconds) of one long-poll request."""
         if var._error is not None:
             raise var._error
-        wait = self.poll_timeout if deadline is None else max(0.0, deadline - time.monotonic())
+        wait = deadline.left(self.poll_timeout)
         query = GetVariableQuery(criteria=criteria, timeout=round(wait, 3))
         path = f"/v1/sessions/{self._session_id}/variables/{var.var_id}"
         return path, query.model_dump(exclude_none=True), wait
 
-    def _batch_get(self, var: Variable, criteria: Criteria | None, deadline: float | None) -> BatchGet:
+    def _batch_get(self, var: Variable, criteria: Criteria | None, deadline: _Deadline) -> BatchGet:
         """The ``get`` a batch carries for ``var`` (after checking the variable can be got at all)."""
         if var._error is not None:
             raise var._error
-        wait = self.poll_timeout if deadline is None else max(0.0, deadline - time.monotonic())
+        wait = deadline.left(self.poll_timeout)
         return BatchGet(var_id=var.var_id, criteria=criteria, timeout=round(wait, 3))
 
     @staticmethod
@@ -448,12 +473,6 @@ class Session:
         if answer.var_id == var.var_id and answer.status != "pending":
             var._settle(answer)
 
-    @staticmethod
-    def _timed_out(var: Variable, deadline: float | None) -> GetTimeoutError | None:
-        if deadline is not None and time.monotonic() >= deadline:
-            return GetTimeoutError(f"{var._describe()} is still pending", status=504)
-        return None
-
     def _get(self, var: Variable, criteria: Criteria | None, timeout: float | None) -> Any:
         self._check_open("sync")
         deadline = self._poll_plan(criteria, timeout)
@@ -463,15 +482,17 @@ class Session:
             path, params, wait = self._poll_request(var, criteria, deadline)
             try:
                 data = self._request("GET", path, None, params=params, wait=wait)
-            except GetTimeoutError:
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise
+            except GetTimeoutError as e:
+                # The server's 504 names the wait of this last poll (often ~0 s, what was left of the
+                # timeout); the caller wants to hear about the timeout it gave.
+                if deadline.passed():
+                    raise deadline.error(var) from e
                 continue
             answer = GetVariableResponse.model_validate(data)
             if answer.status != "pending":
                 var._settle(answer)
-            elif error := self._timed_out(var, deadline):
-                raise error
+            elif deadline.passed():
+                raise deadline.error(var)
             else:
                 time.sleep(_REPOLL_S)
         return var._result()
@@ -487,15 +508,17 @@ class Session:
             path, params, wait = self._poll_request(var, criteria, deadline)
             try:
                 data = await self._arequest("GET", path, None, params=params, wait=wait)
-            except GetTimeoutError:
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise
+            except GetTimeoutError as e:
+                # The server's 504 names the wait of this last poll (often ~0 s, what was left of the
+                # timeout); the caller wants to hear about the timeout it gave.
+                if deadline.passed():
+                    raise deadline.error(var) from e
                 continue
             answer = GetVariableResponse.model_validate(data)
             if answer.status != "pending":
                 var._settle(answer)
-            elif error := self._timed_out(var, deadline):
-                raise error
+            elif deadline.passed():
+                raise deadline.error(var)
             else:
                 await asyncio.sleep(_REPOLL_S)
         return var._result()

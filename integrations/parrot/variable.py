@@ -108,8 +108,9 @@ class Variable:
         """The value of a settled variable, or its failure raised."""
         assert self._settled is not None
         if self._settled.status == "failed":
+            reason = self._settled.error or "no reason given"
             raise VariableFailedError(
-                f"{self._describe()} failed: {self._settled.error or 'no reason given'}", var_id=self._var_id
+                f"{self._describe()} failed: {reason}", var_id=self._var_id, reason=reason
             )
         value = self._settled.value or ""
         return json.loads(value) if self._settled.kind == "json" else value
