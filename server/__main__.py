@@ -21,26 +21,43 @@ import threading
 import time
 from typing import Any
 
-from starlette.types import ASGIApp
+from server.cli import (
+    DefaultsHelpFormatter,
+    bind_listener,
+    exit_if_extra_missing,
+    exit_with_error,
+    program_name,
+    serve,
+)
 
-from server.app import create_app
-from server.engine import EngineConfig, EngineError
-from server.engine.draining import serve_draining
-from server.engine.model_names import DEFAULT_MODEL, MODEL_HELP
-from server.engine.ordering import add_scheduling_args
-from server.launcher import build_engines, connect_openai_backends
-from server.netdelay import NetworkDelayMiddleware
-from server.security import SecurityConfig, api_keys_from, load_cluster_token
-from server.serve.length_predictor import LengthPredictorStateError
-from server.serve.manager import Manager, ManagerConfig
-from server.serve.mutel import Slo
-from server.serve.openai_backend import OpenAIBackendConfig
-from server.serve.openai_backend_http import BACKEND_KEY_ENV
-from server.serve.ray_engines import RayEngines
+try:  # without the server extra (a client-only install) this is one line naming the pip command to run
+    from starlette.types import ASGIApp
+
+    from server.app import create_app
+    from server.engine import EngineConfig, EngineError
+    from server.engine.model_names import DEFAULT_MODEL, MODEL_HELP
+    from server.engine.ordering import add_scheduling_args
+    from server.launcher import build_engines, connect_openai_backends
+    from server.netdelay import NetworkDelayMiddleware
+    from server.security import SecurityConfig, api_keys_from, load_cluster_token
+    from server.serve.length_predictor import LengthPredictorStateError
+    from server.serve.manager import Manager, ManagerConfig
+    from server.serve.mutel import Slo
+    from server.serve.openai_backend import OpenAIBackendConfig
+    from server.serve.openai_backend_http import BACKEND_KEY_ENV
+    from server.serve.ray_engines import RayEngines
+except ModuleNotFoundError as missing:
+    exit_if_extra_missing(missing, program_name("server", "parrot-serve"))
+    raise
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m server", description=__doc__.split("\n")[0])
+    """``python -m server`` / ``parrot-serve``: parse ``argv`` (default: the command line) and serve until a
+    signal. A wrong model or a port in use is one line on stderr and exit status 2, before any model loads."""
+    prog = program_name("server", "parrot-serve")
+    p = argparse.ArgumentParser(
+        prog=prog, description=__doc__.split("\n")[0], formatter_class=DefaultsHelpFormatter
+    )
     p.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     p.add_argument("--engines", type=int, default=1, help="in-process engines (remote ones may also join)")
     p.add_argument(
@@ -78,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=16384,
         metavar="TOKENS",
-        help="tokens each backend runs at once (its KV cache): the scheduler's capacity (default 16384)",
+        help="tokens each backend runs at once (its KV cache): the scheduler's capacity",
     )
     backends.add_argument(
         "--openai-backend-latency-cap",
@@ -115,16 +132,18 @@ def main(argv: list[str] | None = None) -> int:
         metavar="ARG",
         help="an argument for each vLLM server (repeat: --ray-vllm-arg=--dtype --ray-vllm-arg=bfloat16)",
     )
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=9000)
-    p.add_argument("--session-ttl", type=float, default=600.0)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=9000, help="port to listen on (0: a free one, logged)")
+    p.add_argument("--session-ttl", type=float, default=600.0, help="seconds an idle session is kept")
     p.add_argument(
         "--drain-timeout",
         type=float,
         default=30.0,
         help="on SIGTERM: new sessions and calls get 503; running steps get this long to finish",
     )
-    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument(
+        "--num-kv-blocks", type=int, default=None, help="KV blocks per engine (default: what fits its memory)"
+    )
     p.add_argument(
         "--dtype",
         default=None,
@@ -173,9 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="KEY",
         help="an API key the OpenAI routes require (repeat for several; default: $PARROT_API_KEY, else none)",
     )
-    security.add_argument(
-        "--max-engines", type=int, default=64, help="remote engines in service at once (default: 64)"
-    )
+    security.add_argument("--max-engines", type=int, default=64, help="remote engines in service at once")
     args = p.parse_args(argv)
     if args.ray_vllm is not None and args.ray is None:
         p.error("--ray-vllm places vLLM servers with Ray: give --ray [ADDRESS] too")
@@ -199,23 +216,13 @@ def main(argv: list[str] | None = None) -> int:
         scheduling=args.scheduling,
         sjf_aging_s=args.sjf_aging_s,
     )
+    listener = bind_listener(prog, args.host, args.port)  # before any model loads: a port in use fails now
     try:
-        backend_configs = [
-            OpenAIBackendConfig(
-                url,
-                tokenizer=args.openai_backend_tokenizer,
-                capacity_tokens=args.openai_backend_capacity,
-                latency_cap_tokens=args.openai_backend_latency_cap,
-                priority=args.openai_backend_priority,
-            )
-            for url in args.openai_backend
-        ]
-        backends = connect_openai_backends(backend_configs)
-    except (ValueError, EngineError) as e:
-        p.error(str(e))
-    in_process = 0 if args.ray is not None else args.engines
+        engines = _engines(args, p, prog, config)
+    except BaseException:
+        listener.close()
+        raise
     ray_actors: list[Any] = []  # engines Ray placed, kept until the server stops
-    engines = build_engines(args.model, in_process, config, args.disaggregate) + backends
     try:
         slo = None if args.slo is None else Slo(*args.slo)
         manager_config = ManagerConfig(
@@ -237,9 +244,10 @@ def main(argv: list[str] | None = None) -> int:
                 vllm_args=tuple(args.ray_vllm_arg),
                 tokenizer=args.openai_backend_tokenizer,
             )
+            port = listener.getsockname()[1]  # the port bound (--port 0 picks one)
             placer = threading.Thread(
                 target=_place_on_ray,
-                args=(spec, args.model, config, args.host, args.port, settings.cluster_token, ray_actors),
+                args=(spec, args.model, config, args.host, port, settings.cluster_token, ray_actors),
                 name="ray-placer",
                 daemon=True,
             )
@@ -247,8 +255,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.network_delay is not None:
             app = NetworkDelayMiddleware(app, *args.network_delay)
         drain = functools.partial(manager.drain, args.drain_timeout)
-        serve_draining(app, args.host, args.port, args.drain_timeout, drain)
+        serve(app, listener, args.drain_timeout, drain, log)
     finally:
+        listener.close()
         for engine in engines:
             engine.shutdown()
         if ray_actors:
@@ -256,6 +265,36 @@ def main(argv: list[str] | None = None) -> int:
 
             stop_ray_engines(ray_actors)
     return 0
+
+
+def _engines(
+    args: argparse.Namespace, p: argparse.ArgumentParser, prog: str, config: EngineConfig
+) -> list[Any]:
+    """The OpenAI backends (connected and checked) and the in-process engines (their model loaded). An
+    unreachable backend, or a model that is not there or cannot run, is one line and exit status 2."""
+    try:
+        backend_configs = [
+            OpenAIBackendConfig(
+                url,
+                tokenizer=args.openai_backend_tokenizer,
+                capacity_tokens=args.openai_backend_capacity,
+                latency_cap_tokens=args.openai_backend_latency_cap,
+                priority=args.openai_backend_priority,
+            )
+            for url in args.openai_backend
+        ]
+        backends = connect_openai_backends(backend_configs)
+    except (ValueError, EngineError) as e:
+        p.error(str(e))
+    in_process = 0 if args.ray is not None else args.engines
+    try:
+        # `from_pretrained` raises FileNotFoundError for a model that is not there (a name, file, folder or
+        # package) and ValueError for one it cannot run; both are the user's to fix, not a traceback.
+        return build_engines(args.model, in_process, config, args.disaggregate) + backends
+    except (FileNotFoundError, ValueError) as e:
+        for backend in backends:
+            backend.shutdown()
+        exit_with_error(prog, str(e))
 
 
 def _place_on_ray(

@@ -278,9 +278,26 @@ def create_app(
         create_openai_router(manager), dependencies=[Depends(api_key_guard(security.api_keys))]
     )
 
-    @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {"status": "ok", "engines": len(manager.engines), "sessions": len(manager.sessions)}
+    @app.get("/health", responses={503: {"description": "the process is up but no engine is in service"}})
+    async def health() -> JSONResponse:
+        """200 while an engine is in service; else 503 with the typed error body (``no_engine``) — the
+        process answers either way, so a manager started with ``--engines 0`` is up before engines join."""
+        serving = len(manager.engines_in_service())
+        body: dict[str, Any] = {
+            "status": "ok" if serving else "no_engine",
+            "engines": len(manager.engines),
+            "engines_in_service": serving,
+            "sessions": len(manager.sessions),
+        }
+        if serving:
+            return JSONResponse(body)
+        known = f" (of {len(manager.engines)}: failed, draining or silent)" if manager.engines else ""
+        message = (
+            f"no engine is in service{known}: start one (python -m server.engine --manager URL) or run the "
+            "server with --engines N"
+        )
+        body["error"] = {"type": NoEngineError.error_type, "message": message}
+        return JSONResponse(body, status_code=503)
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:

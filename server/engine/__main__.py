@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import logging
 import sys
 
+from server.cli import DefaultsHelpFormatter, bind_listener, exit_with_error, program_name, serve
 from server.engine.config import ENGINE_ROLES, EngineConfig
 from server.engine.engine import LLMEngine
 from server.engine.manager_link import ManagerLink
@@ -26,24 +28,43 @@ from server.security import load_cluster_token
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m server.engine", description=__doc__.split("\n")[0])
+    """The engine's command line (``argv``, default: ``sys.argv[1:]``)."""
+    p = argparse.ArgumentParser(
+        prog=_prog(), description=__doc__.split("\n")[0], formatter_class=DefaultsHelpFormatter
+    )
     p.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=9100)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=9100, help="port to listen on (0: a free one, logged)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "float16", "bfloat16"],
+        help="weights and activations (default: per device, see EngineConfig.dtype)",
+    )
+    p.add_argument(
+        "--num-kv-blocks", type=int, default=None, help="KV cache blocks (default: what fits its memory)"
+    )
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048, help="tokens one step computes at most"
+    )
+    p.add_argument("--max-num-seqs", type=int, default=64, help="requests one step runs at most")
     p.add_argument(
         "--max-running-tokens",
         type=int,
         default=None,
         help="FIFO token cap on the running batch: prompt + max new tokens of what runs (default: none)",
     )
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--shared-prefix-decode", default="auto", choices=["auto", "always", "never"])
+    p.add_argument(
+        "--max-model-len", type=int, default=None, help="context window (default: the model's own)"
+    )
+    p.add_argument(
+        "--shared-prefix-decode",
+        default="auto",
+        choices=["auto", "always", "never"],
+        help="decodes sharing prefix blocks read them in one pass (auto: where it pays)",
+    )
     p.add_argument(
         "--role",
         default="both",
@@ -58,7 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--drain-timeout",
         type=float,
         default=30.0,
-        help="on SIGTERM: seconds running requests get to finish after the manager is told (default 30)",
+        help="on SIGTERM: seconds running requests get to finish after the manager is told",
     )
     join.add_argument(
         "--cluster-token-file",
@@ -75,10 +96,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     one = p.add_argument_group("one-shot mode")
     one.add_argument("--prompt", default=None, help="generate a completion of this text, print it, exit")
     one.add_argument("--chat", action="store_true", help="wrap --prompt in the model's chat template")
-    one.add_argument("--max-tokens", type=int, default=32)
-    one.add_argument("--temperature", type=float, default=0.0)
-    one.add_argument("--seed", type=int, default=None)
+    one.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most")
+    one.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    one.add_argument("--seed", type=int, default=None, help="sampling seed (default: none, not reproducible)")
     return p.parse_args(argv)
+
+
+def _prog() -> str:
+    return program_name("server.engine", "parrot-engine")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -114,38 +139,46 @@ async def one_shot(engine: LLMEngine, args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m server.engine`` / ``parrot-engine``: serve one engine over HTTP until a signal, or answer
+    ``--prompt`` and exit. A wrong model or a port in use is one line on stderr and exit status 2, before
+    the model loads."""
     args = parse_args(argv)
+    prog = _prog()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per heartbeat
-    token = None
-    if args.prompt is None:  # before loading the model: a bad token file fails at once
+    log = logging.getLogger(__name__)
+    with contextlib.ExitStack() as cleanup:
+        token, listener = None, None
+        if args.prompt is None:  # before loading the model: a bad token file or a port in use fails at once
+            try:
+                token = load_cluster_token(args.cluster_token_file)
+            except (OSError, ValueError) as e:
+                raise SystemExit(f"{prog}: {e}") from None
+            log.info("cluster token from %s", token.source)
+            listener = cleanup.enter_context(bind_listener(prog, args.host, args.port))
         try:
-            token = load_cluster_token(args.cluster_token_file)
-        except (OSError, ValueError) as e:
-            raise SystemExit(f"python -m server.engine: {e}") from None
-        logging.getLogger(__name__).info("cluster token from %s", token.source)
-    engine = LLMEngine.from_pretrained(args.model, engine_config(args))
-    try:
+            engine = LLMEngine.from_pretrained(args.model, engine_config(args))
+        except (FileNotFoundError, ValueError) as e:  # not there, or not a model this engine runs
+            exit_with_error(prog, str(e))
+        cleanup.callback(engine.shutdown)
         if args.prompt is not None:
             text = asyncio.run(one_shot(engine, args))
             print(args.prompt + text if not args.chat else text)
             return 0
 
         from server.engine.api import create_engine_app
-        from server.engine.draining import serve_draining
 
-        assert token is not None
+        assert token is not None and listener is not None
         link = None
         if args.manager is not None:
-            url = args.public_url or f"http://{args.host}:{args.port}"
-            name = args.name or f"{args.host}:{args.port}"
+            port = listener.getsockname()[1]  # the port actually bound (--port 0 picks one)
+            url = args.public_url or f"http://{args.host}:{port}"
+            name = args.name or f"{args.host}:{port}"
             link = ManagerLink(args.manager, url, name, engine.stats, cluster_token=token.value)
         app = create_engine_app(engine, link, cluster_token=token.value)
         drain = None if link is None else functools.partial(link.drain, args.drain_timeout)
-        serve_draining(app, args.host, args.port, args.drain_timeout, drain)
+        serve(app, listener, args.drain_timeout, drain, log)
         return 0
-    finally:
-        engine.shutdown()
 
 
 if __name__ == "__main__":

@@ -418,6 +418,10 @@ class Manager:
             out.append(EngineStatus(engine_id=i, name=name, url=url, alive=alive, stats=engine.stats()))
         return out
 
+    def engines_in_service(self) -> list[int]:
+        """The engines new work may be placed on (``GET /health`` counts them; with none, work is refused)."""
+        return [i for i in range(len(self.engines)) if self._in_service(i)]
+
     def _in_service(self, engine_id: int) -> bool:
         """Whether new work may be placed on the engine: not failed and, if remote, alive and not draining."""
         if engine_id in self._failed:
@@ -1086,7 +1090,7 @@ class Manager:
     def _serving(self, model: str | None) -> list[int]:
         """The engines in service for ``model`` (None: any); `ModelNotFoundError` when none serves it,
         `NoEngineError` when there is no engine at all."""
-        live = [i for i in range(len(self.engines)) if self._in_service(i)]
+        live = self.engines_in_service()
         if not live:
             raise NoEngineError(
                 "no engine is in service: start one (python -m server.engine --manager URL) or run the "

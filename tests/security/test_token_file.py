@@ -112,7 +112,8 @@ def test_a_manager_and_an_engine_agree_on_the_default_token_with_no_setting(tmp_
     manager_log, engine_log = tmp_path / "manager.log", tmp_path / "engine.log"
     manager_args = ["server", "--engines", "0", "--port", str(port), "--api-key", "k1", "--api-key", "k2"]
     with _process(manager_args, env, manager_log):
-        _wait(lambda: httpx.get(f"{url}/health").status_code == 200, "the manager start", manager_log)
+        # Up, with no engine in service yet: /health answers 503 until one joins.
+        _wait(lambda: httpx.get(f"{url}/health").status_code == 503, "the manager start", manager_log)
         assert str(token_file) in manager_log.read_text()  # where the generated token is
         assert _mode(token_file) == 0o600
         token = token_file.read_text().strip()
@@ -129,6 +130,7 @@ def test_a_manager_and_an_engine_agree_on_the_default_token_with_no_setting(tmp_
                 return any(e["alive"] for e in httpx.get(f"{url}/v1/engines", headers=auth).json())
 
             _wait(joined, "the engine's registration", engine_log)
+            assert httpx.get(f"{url}/health").status_code == 200  # an engine in service now
             assert httpx.get(f"http://127.0.0.1:{engine_port}/stats").status_code == 401
             body = {"model": "tiny", "prompt": "Once", "max_tokens": 2}
             r = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": "Bearer k1"})

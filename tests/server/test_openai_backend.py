@@ -274,7 +274,7 @@ def test_a_tokenizer_that_differs_from_the_backends_is_refused(backend: Launched
 
 def test_the_cli_names_a_backend_it_cannot_reach(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
-        server_main(["--engines", "0", "--openai-backend", "http://127.0.0.1:9"])
+        server_main(["--engines", "0", "--port", "0", "--openai-backend", "http://127.0.0.1:9"])
     assert info.value.code == 2
     assert "the OpenAI backend at http://127.0.0.1:9 cannot be reached" in capsys.readouterr().err
 

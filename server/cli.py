@@ -1,0 +1,124 @@
+"""What the command-line entry points share: one-line errors, ``--help`` with defaults, the listening socket.
+
+Both `python -m server` (``parrot-serve``) and `python -m server.engine` (``parrot-engine``) use these. The
+module imports only the standard library at the top, so that a core-only install (httpx + pydantic, no
+``server`` extra) can still say in one line what to install (`exit_if_extra_missing`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import logging
+import socket
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
+
+if TYPE_CHECKING:
+    from starlette.types import ASGIApp
+
+__all__ = [
+    "USAGE_ERROR",
+    "DefaultsHelpFormatter",
+    "bind_listener",
+    "exit_if_extra_missing",
+    "exit_with_error",
+    "listener_url",
+    "program_name",
+    "serve",
+]
+
+USAGE_ERROR = 2  # argparse's own exit status for a command line it refuses
+
+# This distribution's own top-level packages: one of them missing is a broken install or a bug, not an extra.
+_OWN_PACKAGES = frozenset(
+    {"server", "kernels", "parrot", "langchain_parrot", "llamaindex_parrot", "benchmarks", "workload_text"}
+)
+
+
+def program_name(module: str, script: str) -> str:
+    """How the user started us, for messages: the console script ``script`` when that is what runs, else
+    ``python -m module``."""
+    return script if Path(sys.argv[0]).name == script else f"python -m {module}"
+
+
+def exit_with_error(prog: str, message: str, code: int = USAGE_ERROR) -> NoReturn:
+    """Print ``prog: error: message`` on stderr as one line and exit with ``code``: a mistake in the
+    command line (a model that is not there, a port in use) is no traceback."""
+    print(f"{prog}: error: {' '.join(message.split())}", file=sys.stderr)
+    raise SystemExit(code)
+
+
+def exit_if_extra_missing(error: ModuleNotFoundError, prog: str, extra: str = "server") -> None:
+    """Exit with one line naming the ``pip install`` that fixes ``error`` when it is a third-party package
+    missing altogether (the ``extra`` is not installed). Return otherwise — a missing submodule (a version
+    mismatch) or one of our own modules (a bug) — for the caller to re-raise with its traceback."""
+    name = error.name or ""
+    if not name or "." in name or name in _OWN_PACKAGES:
+        return
+    raise SystemExit(
+        f"{prog}: needs the {extra!r} extra ({name!r} is not installed): pip install 'parrot-serve[{extra}]'"
+    )
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """``--help`` that shows every option's default, as "(default: X)" after its help — unless the help
+    already says what the default is, or there is nothing to show (None, an unset flag, an empty list)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        nothing = default is None or default is False or default == [] or default == argparse.SUPPRESS
+        if not action.option_strings or nothing or "default" in text:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def bind_listener(prog: str, host: str, port: int) -> socket.socket:
+    """The socket the server will listen on, bound now — before any model loads — so that a port in use is
+    a one-line error at once (exit 2), not after the load. Port 0 binds a free port (`listener_url` says
+    which). Hand the socket to `serve`: nothing can take the port in between."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET  # as uvicorn chooses
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        # As uvicorn does: a restart is not refused over the last run's connections in TIME_WAIT; a port
+        # another server listens on still is.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        reason = e.strerror or str(e)
+        if e.errno == errno.EADDRINUSE:
+            reason += " (a server runs there: stop it, or pick another --port; --port 0 takes a free one)"
+        exit_with_error(prog, f"cannot listen on {host}:{port}: {reason}")
+    return sock
+
+
+def listener_url(sock: socket.socket) -> str:
+    """``http://host:port`` of a bound socket: the port actually bound, also when 0 was asked for."""
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if sock.family == socket.AF_INET6 else f"http://{host}:{port}"
+
+
+def serve(
+    app: ASGIApp,
+    sock: socket.socket,
+    drain_timeout: float,
+    drain: Callable[[], Awaitable[object]] | None,
+    log: logging.Logger,
+) -> None:
+    """Serve ``app`` on ``sock`` (from `bind_listener`) until a signal; the first one drains (``drain``,
+    then up to ``drain_timeout`` seconds for in-flight requests: `server.engine.draining`). Logs the URL
+    it serves on, with the port actually bound."""
+    import uvicorn  # the server extra: imported only to serve
+
+    from server.engine.draining import DrainingServer
+
+    host, port = sock.getsockname()[:2]
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level="info", timeout_graceful_shutdown=drain_timeout
+    )
+    log.info("serving on %s", listener_url(sock))
+    DrainingServer(config, drain).run(sockets=[sock])

@@ -1,0 +1,141 @@
+"""The command lines, `python -m server` (``parrot-serve``) and `python -m server.engine` (``parrot-engine``):
+a wrong model or a port in use is one line and exit status 2 — the port checked before any model loads —,
+``--port 0`` serves on a free port it logs, ``--help`` shows the defaults, and ``/health`` says whether an
+engine is in service (200) or none is (503, the process up all the same)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from server import launch
+from server.__main__ import main as server_main
+from server.engine import LLMEngine
+from server.engine.__main__ import main as engine_main
+from server.security import CLUSTER_TOKEN_ENV
+from tests.processes import served_url, stop, wait_healthy
+
+ROOT = Path(__file__).resolve().parents[2]
+MAINS: dict[str, Callable[[list[str]], int]] = {"server": server_main, "server.engine": engine_main}
+
+
+@pytest.fixture(autouse=True)
+def _token(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cluster token from the environment: no token file is written under the home folder."""
+    monkeypatch.setenv(CLUSTER_TOKEN_ENV, "t" * 32)
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    """A port another server listens on."""
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        yield other.getsockname()[1]
+
+
+def _error_line(err: str, prog: str) -> str:
+    """The only line of ``err`` (what the command printed on stderr), which must be ``prog``'s error."""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: "), err
+    return lines[0]
+
+
+def test_a_wrong_model_is_one_line_and_exit_status_2(tmp_path: Path) -> None:
+    """As the user sees it: a real process, nothing on stderr but its log lines and the one error line."""
+    env = {**os.environ, CLUSTER_TOKEN_ENV: "t" * 32}
+    run = subprocess.run(
+        [sys.executable, "-m", "server", "--model", "no-such-model", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=ROOT,
+    )
+    assert run.returncode == 2, run.stderr
+    assert "Traceback" not in run.stderr
+    problems = [line for line in run.stderr.splitlines() if not line.startswith("INFO ")]
+    assert len(problems) == 1, run.stderr
+    assert problems[0].startswith("python -m server: error: model 'no-such-model' is not a known name")
+
+
+@pytest.mark.parametrize("module", MAINS)
+@pytest.mark.parametrize("model", ["no-such-model", "folder", "file.txt"])
+def test_each_cli_names_a_model_it_cannot_load(
+    module: str, model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "folder").mkdir()  # no config.json: not a Hugging Face model
+    (tmp_path / "file.txt").write_text("not a model")
+    name = model if model == "no-such-model" else str(tmp_path / model)
+    with pytest.raises(SystemExit) as exited:
+        MAINS[module](["--model", name, "--port", "0"])
+    assert exited.value.code == 2
+    line = _error_line(capsys.readouterr().err, f"python -m {module}")
+    assert name in line
+
+
+@pytest.mark.parametrize("module", MAINS)
+def test_a_port_in_use_is_refused_before_the_model_loads(
+    module: str, busy_port: int, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    loaded: list[Any] = []
+    monkeypatch.setattr(LLMEngine, "from_pretrained", lambda *a, **k: loaded.append(a))
+    with pytest.raises(SystemExit) as exited:
+        MAINS[module](["--model", "tiny", "--port", str(busy_port)])
+    assert exited.value.code == 2
+    line = _error_line(capsys.readouterr().err, f"python -m {module}")
+    assert f"cannot listen on 127.0.0.1:{busy_port}" in line and "--port" in line
+    assert not loaded, "the model loaded before the port was checked"
+
+
+@pytest.mark.parametrize(("module", "port"), [("server", 9000), ("server.engine", 9100)])
+def test_help_shows_the_defaults(module: str, port: int, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        MAINS[module](["--help"])
+    assert exited.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines at the terminal's width
+    assert f"(default: {port})" in text and "(default: 127.0.0.1)" in text
+    assert "(default: None)" not in text  # an option with no default says what happens instead
+
+
+def test_a_manager_with_no_engine_is_up_on_the_port_it_logs_and_health_says_503(tmp_path: Path) -> None:
+    log = tmp_path / "server.log"
+    env = {**os.environ, CLUSTER_TOKEN_ENV: "t" * 32}
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "server", "--engines", "0", "--port", "0"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=ROOT,
+        )
+    try:
+        url = served_url(proc, log)
+        assert not url.endswith(":0")
+        wait_healthy(proc, url, statuses=(503,))
+        body = httpx.get(f"{url}/health").json()
+        assert body["status"] == "no_engine" and body["engines_in_service"] == 0
+        assert body["error"]["type"] == "no_engine" and "--engines" in body["error"]["message"]
+    finally:
+        stop(proc)
+
+
+def test_health_is_200_with_an_engine_in_service_and_503_without() -> None:
+    with launch("tiny", engines=0) as none:
+        r = httpx.get(f"{none.url}/health")
+        assert r.status_code == 503 and r.json()["error"]["type"] == "no_engine"
+    with launch("tiny", engines=1) as one:
+        r = httpx.get(f"{one.url}/health")
+        assert r.status_code == 200
+        assert r.json() == {"status": "ok", "engines": 1, "engines_in_service": 1, "sessions": 0}
+        one.manager._failed.add(0)  # as after the engine's first failure: out of placement
+        r = httpx.get(f"{one.url}/health")
+        assert r.status_code == 503 and "of 1: failed, draining or silent" in r.json()["error"]["message"]
