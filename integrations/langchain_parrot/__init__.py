@@ -26,6 +26,7 @@ from langchain_parrot.errors import (
     CompileError,
     MissingVariableError,
     ParrotLangChainError,
+    ServerParserError,
     UnsupportedInputError,
     UnsupportedParserError,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "MissingVariableError",
     "ParrotLLM",
     "ParrotLangChainError",
+    "ServerParserError",
     "UnsupportedInputError",
     "UnsupportedParserError",
     "compile_chain",

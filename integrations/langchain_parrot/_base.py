@@ -1,10 +1,16 @@
-"""What `ParrotLLM` and `ChatParrot` share: connection settings, sampling parameters, request bodies.
+"""What `ParrotLLM` and `ChatParrot` share: connection settings, sampling parameters, request bodies,
+token counting.
 
 A call's parameters are resolved once (`ParrotModelBase.call_params`): the model's fields, overridden by
 what the call or a ``.bind(...)`` gives. The same `CallParams` becomes an OpenAI-style request body for the
 server's ``/v1/completions`` or ``/v1/chat/completions`` (the model used directly) and a
 `parrot.SamplingConfig` for a semantic function call (the model inside a compiled chain), so both paths
-sample alike.
+sample alike. Sampling values the engine would refuse are refused here, when the model is made (or, for
+a call's own keywords, before its request is sent).
+
+Token counts (``get_token_ids``, hence LangChain's ``get_num_tokens``, ``get_num_tokens_from_messages``
+and ``trim_messages(token_counter=model)``) come from the server's tokenizer (``POST /tokenize``): the
+tokens the engine will see, not a stand-in tokenizer's.
 """
 
 from __future__ import annotations
@@ -16,13 +22,14 @@ import httpx
 from langchain_core.language_models import LangSmithParams
 from langchain_core.utils import from_env, secret_from_env
 from parrot.protocol import SamplingConfig
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr
+from parrot.sampling import check_sampling
+from parrot.tokens import ServerTokenizer
+from parrot.urls import BASE_URL_ENV, DEFAULT_BASE_URL, server_root
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, field_validator, model_validator
 
 from langchain_parrot._http import ServerConnection
 
 __all__ = ["DEFAULT_BASE_URL", "CallParams", "ParrotModelBase"]
-
-DEFAULT_BASE_URL = "http://127.0.0.1:9000"
 
 # The call-time keywords a model takes (from ``invoke(..., **kwargs)`` or ``.bind(**kwargs)``).
 _CALL_KWARGS = frozenset(
@@ -86,8 +93,11 @@ class ParrotModelBase(BaseModel):
 
     model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
 
-    base_url: str = Field(default_factory=from_env("PARROT_BASE_URL", default=DEFAULT_BASE_URL))
-    """The Parrot server (env ``PARROT_BASE_URL``; default ``http://127.0.0.1:9000``)."""
+    base_url: str = Field(
+        default_factory=from_env(BASE_URL_ENV, default=DEFAULT_BASE_URL), validate_default=True
+    )
+    """The Parrot server (env ``PARROT_BASE_URL``; default ``http://127.0.0.1:9000``): its root or, as
+    OpenAI-style clients take it, its ``/v1`` (``http://host:9000/v1``); kept as the root."""
     model: str | None = Field(default=None, alias="model_name")
     """The served model's name (``GET /v1/models``); None: the server's default model."""
     temperature: float = 0.0
@@ -117,6 +127,26 @@ class ParrotModelBase(BaseModel):
     """An async httpx client of your own; the model makes one per event loop otherwise."""
 
     _connection: ServerConnection | None = PrivateAttr(default=None)
+    _tokenizer: ServerTokenizer | None = PrivateAttr(default=None)
+
+    @field_validator("base_url")
+    @classmethod
+    def _server_root(cls, url: str) -> str:
+        # One spelling of the server, whichever the user gave: requests, `compile_chain`'s "one server"
+        # check and serialization all see the same root.
+        return server_root(url, what="base_url")
+
+    @model_validator(mode="after")
+    def _check_sampling(self) -> ParrotModelBase:
+        check_sampling(
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop=self.stop,
+        )
+        return self
 
     @property
     def connection(self) -> ServerConnection:
@@ -151,7 +181,7 @@ class ParrotModelBase(BaseModel):
             stop = given.get("stop")
         if isinstance(stop, str):
             stop = [stop]
-        return CallParams(
+        params = CallParams(
             model=given.get("model", self.model),
             max_tokens=given.get("max_tokens", self.max_tokens),
             temperature=given.get("temperature", self.temperature),
@@ -161,6 +191,31 @@ class ParrotModelBase(BaseModel):
             stop=list(stop if stop is not None else (self.stop or [])),
             ignore_eos=given.get("ignore_eos", self.ignore_eos),
         )
+        # A bound or per-call value (``.bind(temperature=-1)``) is refused before any request goes out.
+        check_sampling(
+            max_tokens=params.max_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            seed=params.seed,
+            stop=params.stop,
+            where=f"{type(self).__name__}: ",
+        )
+        return params
+
+    def get_token_ids(self, text: str) -> list[int]:
+        """The token ids of ``text`` under the served model's tokenizer (the server's ``POST /tokenize``,
+        without special tokens); ``custom_get_token_ids`` wins when set.
+
+        LangChain's ``get_num_tokens`` and ``get_num_tokens_from_messages`` count with it, and so does
+        ``trim_messages(..., token_counter=model)``. Answers are cached per model instance.
+        """
+        custom = getattr(self, "custom_get_token_ids", None)  # a field of LangChain's BaseLanguageModel
+        if custom is not None:
+            return list(custom(text))
+        if self._tokenizer is None or self._tokenizer.model != self.model:
+            self._tokenizer = ServerTokenizer(self.connection.post, self.model)
+        return self._tokenizer.encode(text)
 
     @property
     def _identifying_params(self) -> dict[str, Any]:

@@ -23,6 +23,7 @@ import httpx
 from parrot.errors import ConnectionError as ParrotConnectionError
 from parrot.errors import ParrotError, error_from_response, error_from_transport
 from parrot.protocol import ErrorResponse
+from parrot.urls import server_root
 
 __all__ = ["RETRY_STATUSES", "ServerConnection", "backoff_delay", "with_attempts"]
 
@@ -57,7 +58,8 @@ def _retryable(error: ParrotError) -> bool:
 
 
 class ServerConnection:
-    """Requests to one Parrot server (``base_url``), sync or async, retried ``max_retries`` times.
+    """Requests to one Parrot server (``base_url``, its root or its ``/v1``), sync or async, retried
+    ``max_retries`` times.
 
     ``timeout`` (seconds, None for none) bounds each attempt's connect, each read and each write; a
     non-streaming generation must finish within it. ``headers`` go with every request. ``client`` /
@@ -74,11 +76,9 @@ class ServerConnection:
         client: httpx.Client | None = None,
         async_client: httpx.AsyncClient | None = None,
     ) -> None:
-        if not base_url.startswith(("http://", "https://")):
-            raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}")
         if max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {max_retries}")
-        self.base_url = base_url.rstrip("/")
+        self.base_url = server_root(base_url, what="base_url")
         self.timeout = timeout
         self.max_retries = max_retries
         self.headers = dict(headers or {})

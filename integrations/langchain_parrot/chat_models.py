@@ -54,13 +54,17 @@ class ChatParrot(ParrotModelBase, BaseChatModel):
     """Chat model on a Parrot server's OpenAI-compatible chat endpoint.
 
     Setup: a running server (``python -m server``) or ``server.launch()``; ``base_url`` points at it (env
-    ``PARROT_BASE_URL``). Key arguments: ``model`` (default: the server's), ``temperature`` (default 0,
+    ``PARROT_BASE_URL``), as ``http://host:9000`` or, as OpenAI-style clients take it, ``http://host:9000/v1``.
+    Key arguments: ``model`` (default: the server's), ``temperature`` (default 0,
     greedy), ``max_tokens`` (None: until EOS or the window's end), ``stop``, ``top_p``, ``top_k``,
     ``seed``, ``timeout`` and ``max_retries`` (transport errors and 429/502/503/504 are retried with
     backoff; a server that stays down raises `parrot.ConnectionError` naming the URL).
 
     ``batch`` sends its inputs concurrently; ``stream`` yields tokens as the engine generates them;
     responses carry ``usage_metadata`` and ``response_metadata`` (``model_name``, ``finish_reason``).
+    Token counts (``get_num_tokens``, ``get_num_tokens_from_messages``, ``trim_messages(...,
+    token_counter=chat)``) use the server's tokenizer. Sampling values the engine would refuse
+    (``temperature=-1``, ``top_p=0``, ``max_tokens=0``) raise at construction.
     The server has no tool calling, structured output via tools, or image inputs.
 
     `compile_chain` renders this model's chat prompts server-side with the model's chat template, which the

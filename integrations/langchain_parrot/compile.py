@@ -31,10 +31,12 @@ Where a compiled chain differs from the original (same server, greedy decoding: 
 * a compiled model step needs ``max_tokens`` (the server reserves prompt + max_tokens per call; used
   directly, ``None`` means "up to the context window"): `CompileError` otherwise;
 * a chat model's ``AIMessage`` carries its content only — no usage or response metadata;
-* a parser that fails on the server (invalid JSON or XML) and a key that is missing from a server-side
-  lookup fail the output variable: `parrot.VariableFailedError` (with the parser's message) instead of
-  LangChain's ``OutputParserException`` / ``KeyError`` (a missing `RunnablePick` key is None in LangChain);
-  pydantic validation runs on the client and raises LangChain's own error;
+* a parser that fails on the server (invalid JSON or XML, a regex that does not match) raises
+  `ServerParserError`: LangChain's ``OutputParserException``, with the refused text as ``llm_output`` (as
+  far as the server quotes it: its first 200 characters), and also the `parrot.VariableFailedError` of the
+  output; a key that is missing from a server-side lookup stays a `parrot.VariableFailedError` instead of
+  LangChain's ``KeyError`` (a missing `RunnablePick` key is None in LangChain); pydantic validation runs
+  on the client and raises LangChain's own error;
 * callbacks see one run for the whole compiled chain (client-side steps still report their own).
 """
 
@@ -237,7 +239,7 @@ def compile_chain(
         raise CompileError(f"compile_chain takes a LangChain Runnable, got {type(runnable).__name__}")
     builder = _Builder(chat_format)
     step = builder.build(runnable)
-    urls = sorted({m.base_url.rstrip("/") for m in builder.models})
+    urls = sorted({m.base_url for m in builder.models})  # server roots: ".../v1" is the same server
     if len(urls) > 1:
         raise CompileError(
             f"the chain's Parrot models are on different servers ({', '.join(urls)}): a compiled chain "

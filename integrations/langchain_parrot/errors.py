@@ -2,20 +2,29 @@
 
 Errors about the service itself (server down, timeouts, HTTP status codes, failed variables) are the
 `parrot` client's own typed errors (`parrot.errors`), raised unchanged or with the URL and the number of
-attempts added; the classes here are about what a LangChain chain asks for that cannot be done.
+attempts added; the classes here are about what a LangChain chain asks for that cannot be done — and
+`ServerParserError`, an output parser failing server-side, which must be LangChain's
+``OutputParserException`` for LangChain's retry and fallback machinery to recognise it.
 """
 
 from __future__ import annotations
 
+import ast
+import re
 from collections.abc import Iterable
+
+from langchain_core.exceptions import OutputParserException
+from parrot.errors import VariableFailedError
 
 __all__ = [
     "ClientSideStepWarning",
     "CompileError",
     "MissingVariableError",
     "ParrotLangChainError",
+    "ServerParserError",
     "UnsupportedInputError",
     "UnsupportedParserError",
+    "server_parser_error",
 ]
 
 
@@ -60,3 +69,65 @@ class MissingVariableError(ParrotLangChainError, KeyError):
 class ClientSideStepWarning(UserWarning):
     """Part of a compiled chain runs on the client (named in the message): values it needs from earlier
     model steps are fetched first, a client round trip the rest of the chain does not pay."""
+
+
+class ServerParserError(OutputParserException, VariableFailedError):
+    """An output parser of a compiled chain failed on the server (its transform refused the model's text).
+
+    LangChain's `OutputParserException` — what the same parser raises in the uncompiled chain, so
+    ``with_retry(retry_if_exception_type=(OutputParserException,))``, ``with_fallbacks`` and agents'
+    parsing-error handling apply — and still the `parrot.VariableFailedError` of the failed variable
+    (``var_id``, the server's ``reason``). ``llm_output`` is the text the parser refused, ``transform``
+    the server-side transform (``"json"``, ``"xml"``, ``"regex"``...). The server quotes at most the
+    first 200 characters of that text in its message: ``llm_output_complete`` is False when it was cut.
+    """
+
+    default_type = "output_parser"
+
+    def __init__(
+        self,
+        failure: VariableFailedError,
+        *,
+        transform: str,
+        llm_output: str,
+        llm_output_complete: bool,
+    ) -> None:
+        VariableFailedError.__init__(self, failure.message, var_id=failure.var_id, reason=failure.reason)
+        note = "" if llm_output_complete else " (llm_output holds only the start the server quoted)"
+        # Last, so that str() and args are LangChain's form of the message (with its troubleshooting link).
+        OutputParserException.__init__(self, failure.message + note, llm_output=llm_output)
+        self.transform = transform
+        self.llm_output_complete = llm_output_complete
+
+
+# "<type> transform failed: <why> in|on|does not match <repr of the text>[... (<n> chars)]": how the
+# server's transforms (server/serve/transforms.py) describe a parser refusing its input, quoting the text
+# with repr() and cutting it after 200 characters. Key-path lookups and limits end otherwise: not parse
+# failures of the model's text, they stay `VariableFailedError`s.
+_TRANSFORM_FAILED = re.compile(r"(?P<transform>\w+) transform failed: ")
+_QUOTED_TEXT = re.compile(
+    r"(?: in | on | does not match )"
+    r"(?P<text>'(?:[^'\\\n]|\\.)*'|\"(?:[^\"\\\n]|\\.)*\")"
+    r"(?P<cut>\.\.\. \(\d+ chars\))?$"
+)
+
+
+def server_parser_error(failure: VariableFailedError) -> ServerParserError | None:
+    """The `ServerParserError` for ``failure`` when it is (or comes from, upstream) a server-side parser
+    refusing a model's text; None for any other failure."""
+    reason = failure.reason or ""
+    found = _TRANSFORM_FAILED.search(reason)
+    if found is None:
+        return None
+    # The quote runs to the end of the message, so the first match is it (a quote in the explanation
+    # before it cannot span to the end); literal_eval turns repr()'s escapes back into the text.
+    quoted = _QUOTED_TEXT.search(reason, found.end())
+    if quoted is None:
+        return None
+    try:
+        text = ast.literal_eval(quoted["text"])
+    except (ValueError, SyntaxError):
+        return None
+    return ServerParserError(
+        failure, transform=found["transform"], llm_output=str(text), llm_output_complete=quoted["cut"] is None
+    )

@@ -35,7 +35,8 @@ class ParrotLLM(ParrotModelBase, BaseLLM):
     Arguments as `ChatParrot` (``base_url``, ``model``, ``temperature`` default 0, ``max_tokens`` None:
     until EOS or the window's end, ``stop``, ``top_p``, ``top_k``, ``seed``, ``timeout``,
     ``max_retries``). Results carry ``finish_reason`` in each generation's info and the token usage in
-    ``llm_output["token_usage"]``; ``stream`` yields text as the engine generates it.
+    ``llm_output["token_usage"]``; ``stream`` yields text as the engine generates it; ``get_num_tokens``
+    counts with the server's tokenizer.
     """
 
     @property

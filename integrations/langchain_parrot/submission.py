@@ -13,8 +13,10 @@ Two things are decided only then, when every use of every output is known:
 
 A step that needs a value on the client (an opaque Python step, or a prompt that must be rendered
 locally) calls `Submission.resolve`: the calls that value depends on are sent first, as they are, and the
-value is fetched (one round trip). All I/O is left to the driver (`langchain_parrot.runner`): this code
-yields `Fetch` requests and receives the values, so one implementation serves sync and async runs.
+value is fetched (one round trip). A fetched value whose parser failed on the server raises
+`ServerParserError` (LangChain's ``OutputParserException``, with the model's text). All I/O is left to
+the driver (`langchain_parrot.runner`): this code yields `Fetch` requests and receives the values, so one
+implementation serves sync and async runs.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 import parrot as P
 from parrot.protocol import Criteria
 
+from langchain_parrot.errors import server_parser_error
 from langchain_parrot.values import (
     Pending,
     PendingCall,
@@ -168,7 +171,15 @@ class Submission:
                 owners.append(p.call)
         external: dict[int, Any] = {}
         if wanted:
-            got = yield Fetch(wanted, self.criteria)
+            try:
+                got = yield Fetch(wanted, self.criteria)
+            except P.VariableFailedError as e:
+                # A parser that failed server-side is LangChain's OutputParserException, as it would be
+                # in the chain run by LangChain: retry and fallback policies written for it apply.
+                parser_error = server_parser_error(e)
+                if parser_error is None:
+                    raise
+                raise parser_error from e
             for owner, value in zip(owners, got, strict=True):
                 if isinstance(owner, PendingCall):
                     owner.raw, owner.fetched = value, True

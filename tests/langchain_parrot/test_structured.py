@@ -29,7 +29,14 @@ from langchain_core.output_parsers import (
 )
 from langchain_core.prompts import ChatPromptTemplate
 from langchain_core.runnables import RunnablePick
-from langchain_parrot import TINY_MODEL_DIR, ChatFormat, ChatParrot, ClientSideStepWarning, compile_chain
+from langchain_parrot import (
+    TINY_MODEL_DIR,
+    ChatFormat,
+    ChatParrot,
+    ClientSideStepWarning,
+    ServerParserError,
+    compile_chain,
+)
 from langchain_parrot.messages import to_wire_messages
 from parrot.protocol import EngineStats
 from pydantic import BaseModel
@@ -154,8 +161,14 @@ class ScriptedEngine:
         pass
 
 
+# Longer than the 200 characters of a model's text that the server quotes in a transform's error.
+RAMBLE = "I would rather not write any JSON today, thank you. " * 6
+
+
 def script(prompt: str) -> str:
-    """The scripted model: a JSON plan, an XML card, a pydantic-shaped answer, or an essay."""
+    """The scripted model: a JSON plan, an XML card, a pydantic-shaped answer, a ramble, or an essay."""
+    if "Ramble" in prompt:
+        return RAMBLE
     if "Plan an essay" in prompt:
         return 'Here you go:\n```json\n{"topic": "parrots", "audience": "kids", "length": 3}\n```'
     if "XML card" in prompt:
@@ -293,3 +306,15 @@ def test_submit_returns_the_servers_parsed_value(chat: ChatParrot, served_script
         assert set(variables) == {"plan", "audience"}
         assert variables["audience"].get() == "kids"
         assert variables["plan"].get()["length"] == 3
+
+
+def test_a_long_refused_output_comes_back_as_far_as_the_server_quotes_it(chat: ChatParrot) -> None:
+    chain = prompt("Ramble about {x}") | chat | JsonOutputParser()
+    with pytest.raises(OutputParserException) as theirs:
+        chain.invoke({"x": "birds"})
+    with pytest.raises(ServerParserError, match="only the start") as ours:
+        compile_chain(chain).invoke({"x": "birds"})
+    assert theirs.value.llm_output == RAMBLE.strip()
+    # The server's message quotes the first 200 characters (the rest needs a server change: see
+    # ServerParserError); what came back is exact, and flagged as cut.
+    assert ours.value.llm_output == RAMBLE[:200] and not ours.value.llm_output_complete
