@@ -22,7 +22,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from fastapi import APIRouter
@@ -55,19 +55,36 @@ from server.engine.detokenize import IncrementalDetokenizer
 from server.engine.engine import GenerationStream, LLMEngine
 from server.engine.errors import EngineError
 from server.engine.request import GenerateResult
-from server.engine.sampling import SamplingParams
+from server.engine.sampling import MAX_LOGPROBS, GuidedDecoding, SamplingParams
+from server.openai_logprobs import chat_logprobs, completion_logprobs
+from server.openai_tools import (
+    ToolRequestError,
+    calls_schema,
+    chosen_functions,
+    functions_of,
+    guided_for_request,
+    parse_tool_calls,
+    render_messages,
+    with_tool_preamble,
+)
 from server.serve.errors import ModelNotFoundError
 from server.serve.output_lengths import LengthEstimate
 
 # OpenAI's own default; a client that wants greedy output passes ``temperature=0``.
 DEFAULT_TEMPERATURE = 1.0
+MAX_N = 16  # choices per prompt (each is a generate of its own)
 
 
 class OpenAIAPIError(Exception):
-    """An error of the OpenAI layer itself (not the engine's); answered with its status and type."""
+    """An error of the OpenAI layer itself (not the engine's); answered with its status and type, and the
+    request field at fault (``param``) where one is."""
 
     http_status: int = 400
     error_type: str = "invalid_request_error"
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class UnsupportedOptionError(OpenAIAPIError):
@@ -234,7 +251,8 @@ def create_openai_router(backend: OpenAIBackend) -> APIRouter:
             _reject_unsupported(req)
             engine = backend.engine_for(req.model)
             prompts = _completion_prompts(engine, req.prompt)
-            sampling = _sampling(req, req.max_tokens, engine, prompts)
+            guided = _guided(req.response_format, req.structured_outputs)
+            sampling = _sampling(req, req.max_tokens, engine, prompts, guided, req.logprobs)
             return await _serve(backend, engine, prompts, sampling, req, chat=False)
         except (EngineError, OpenAIAPIError) as e:
             return _error(e)
@@ -248,12 +266,22 @@ def create_openai_router(backend: OpenAIBackend) -> APIRouter:
         try:
             _reject_unsupported(req)
             engine = backend.engine_for(req.model)
-            prompts = [_chat_prompt(engine, req)]
+            tools = _chat_tools(req)
+            prompts = [_chat_prompt(engine, req, tools)]
             max_tokens = (
                 req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             )
-            sampling = _sampling(req, max_tokens, engine, prompts)
-            return await _serve(backend, engine, prompts, sampling, req, chat=True)
+            guided = _guided(req.response_format, req.structured_outputs)
+            if tools is not None and tools.guide is not None:
+                if guided is not None:
+                    raise OpenAIAPIError(
+                        "a required tool call and response_format both constrain the answer: send one",
+                        "tool_choice",
+                    )
+                guided = tools.guide
+            logprobs = (req.top_logprobs or 0) if req.logprobs else None
+            sampling = _sampling(req, max_tokens, engine, prompts, guided, logprobs)
+            return await _serve(backend, engine, prompts, sampling, req, chat=True, tools=tools)
         except (EngineError, OpenAIAPIError) as e:
             return _error(e)
 
@@ -284,40 +312,73 @@ def create_openai_router(backend: OpenAIBackend) -> APIRouter:
 
 # ------------------------------------------------------------------------------------------ requests
 def _error(e: EngineError | OpenAIAPIError) -> JSONResponse:
-    return error_response(e.http_status, e.error_type, str(e))
+    param = e.param if isinstance(e, OpenAIAPIError) else None
+    return error_response(e.http_status, e.error_type, str(e), param=param, code=e.error_type)
 
 
 # option name -> the values that mean "not used" (anything else is rejected with a 400)
 _UNUSED: dict[str, tuple[object, ...]] = {
-    "n": (None, 1),
     "echo": (None, False),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "best_of": (None, 1),
     "suffix": (None, ""),
     "presence_penalty": (None, 0.0),
     "frequency_penalty": (None, 0.0),
     "logit_bias": (None, {}),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
 }
 
 
-def _reject_unsupported(req: BaseModel) -> None:
-    """Raise `UnsupportedOptionError` for the first option set to a value this server cannot honour."""
+def _reject_unsupported(req: OpenAICompletionRequest | OpenAIChatCompletionRequest) -> None:
+    """Raise `UnsupportedOptionError` for the first option set to a value this server cannot honour, and
+    `OpenAIAPIError` for an out-of-range ``n`` or ``logprobs``."""
     for name, unused in _UNUSED.items():
         if name not in type(req).model_fields:
             continue
         value = getattr(req, name)
-        if name == "logprobs" and value is not None and value is not False:  # `logprobs=0` asks for some too
-            unused = ()
         if value not in unused:
-            hint = " (send one request per sample)" if name == "n" else ""
-            raise UnsupportedOptionError(f"{name}={value!r} is not supported by this server{hint}")
-    fmt = getattr(req, "response_format", None)
-    if fmt is not None and fmt.get("type", "text") != "text":
-        raise UnsupportedOptionError(f"response_format {fmt.get('type')!r} is not supported (only 'text')")
+            raise UnsupportedOptionError(f"{name}={value!r} is not supported by this server", name)
+    if req.n is not None and not 1 <= req.n <= MAX_N:
+        raise OpenAIAPIError(f"n must be in [1, {MAX_N}], got {req.n}", "n")
+    top = req.logprobs if isinstance(req, OpenAICompletionRequest) else req.top_logprobs
+    name = "logprobs" if isinstance(req, OpenAICompletionRequest) else "top_logprobs"
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise OpenAIAPIError(f"{name} must be in [0, {MAX_LOGPROBS}], got {top}", name)
+    if isinstance(req, OpenAIChatCompletionRequest) and req.top_logprobs and not req.logprobs:
+        raise OpenAIAPIError("top_logprobs needs logprobs=true", "top_logprobs")
+    if req.stream and req.logprobs is not None and req.logprobs is not False:
+        raise UnsupportedOptionError(
+            "logprobs are returned only without streaming; send stream=false", "logprobs"
+        )
+
+
+def _guided(
+    response_format: dict[str, Any] | None, structured_outputs: dict[str, Any] | None
+) -> GuidedDecoding | None:
+    try:
+        return guided_for_request(response_format, structured_outputs)
+    except ToolRequestError as e:
+        raise OpenAIAPIError(str(e), e.param) from None
+
+
+@dataclass(frozen=True)
+class _ChatTools:
+    """A chat request's functions and how its answer is read: constrained to a list of calls (``guide``),
+    or free text that may hold calls."""
+
+    functions: dict[str, dict[str, Any]]
+    guide: GuidedDecoding | None
+
+
+def _chat_tools(req: OpenAIChatCompletionRequest) -> _ChatTools | None:
+    try:
+        functions = functions_of(req.tools)
+        mode, names = chosen_functions(functions, req.tool_choice)
+    except ToolRequestError as e:
+        raise OpenAIAPIError(str(e), e.param) from None
+    if mode == "none":
+        return None
+    parallel = req.parallel_tool_calls is not False
+    return _ChatTools(functions, calls_schema(functions, names, parallel) if mode == "required" else None)
 
 
 def _completion_prompts(
@@ -341,13 +402,20 @@ def _completion_prompts(
     return out
 
 
-def _chat_prompt(engine: LLMEngine, req: OpenAIChatCompletionRequest) -> list[int]:
-    """The messages rendered by the tokenizer's chat template, then encoded without adding BOS again."""
-    messages = [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages
-    ]
+def _chat_prompt(engine: LLMEngine, req: OpenAIChatCompletionRequest, tools: _ChatTools | None) -> list[int]:
+    """The messages rendered by the tokenizer's chat template, then encoded without adding BOS again; the
+    tools offered through the template where it takes them, else in a system message."""
+    messages = render_messages(req.messages)
+    extra: dict[str, Any] = {}
+    if tools is not None:
+        if "tools" in (getattr(engine.tokenizer, "chat_template", None) or ""):
+            extra["tools"] = [{"type": "function", "function": fn} for fn in tools.functions.values()]
+        else:
+            messages = with_tool_preamble(messages, tools.functions)
     try:
-        text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = engine.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False, **extra
+        )
     except Exception as e:  # jinja errors: a template that refuses these messages (e.g. role order)
         raise InvalidPromptError(f"the chat template cannot render these messages: {e}") from e
     ids: list[int] = engine.tokenizer.encode(text, add_special_tokens=False)
@@ -361,6 +429,8 @@ def _sampling(
     max_tokens: int | None,
     engine: LLMEngine,
     prompts: list[list[int]],
+    guided: GuidedDecoding | None = None,
+    logprobs: int | None = None,
 ) -> SamplingParams:
     """Engine sampling parameters; no ``max_tokens`` means up to the end of the context window, or of the KV
     cache where that is smaller. A request whose prompt and ``max_tokens`` cannot fit the KV cache even
@@ -370,6 +440,13 @@ def _sampling(
     cache_tokens = stats.blocks_total * stats.block_size
     if max_tokens is None:
         max_tokens = max(1, min(engine.max_model_len, cache_tokens) - longest)
+    elif longest < engine.max_model_len and longest + max_tokens > engine.max_model_len:
+        raise OpenAIAPIError(
+            f"this model's context window is {engine.max_model_len} tokens, but {longest + max_tokens} were "
+            f"asked for ({longest} in the prompt, {max_tokens} in max_tokens): lower max_tokens to at most "
+            f"{engine.max_model_len - longest}",
+            "max_tokens",
+        )
     # (a prompt over the context window is the engine's 413 prompt_too_long, the more precise answer)
     if longest < engine.max_model_len and longest + max_tokens > cache_tokens:
         raise OpenAIAPIError(
@@ -386,6 +463,8 @@ def _sampling(
         seed=req.seed,
         stop=stop,
         ignore_eos=bool(req.ignore_eos),
+        guided=guided,
+        logprobs=logprobs,
     )
 
 
@@ -397,6 +476,7 @@ class _Job:
     context_id: int
     prompt: list[int]
     length: LengthEstimate | None  # its predicted output length, if the backend predicts
+    sampling: SamplingParams
     stream: GenerationStream | None = None
     output: list[int] | None = None  # its generated tokens, once it completed
 
@@ -412,8 +492,10 @@ async def _serve(
     sampling: SamplingParams,
     req: OpenAICompletionRequest | OpenAIChatCompletionRequest,
     chat: bool,
+    tools: _ChatTools | None = None,
 ) -> JSONResponse | StreamingResponse:
-    """Fill a fresh context per prompt, generate from each, answer (or stream); contexts are always freed.
+    """Fill a fresh context per prompt and choice (``n`` per prompt), generate from each, answer (or
+    stream); contexts are always freed.
 
     A streaming answer starts only once every generate has produced its first token, so that bad input
     still answers with a status code rather than an error event inside a 200 stream. Until then nothing
@@ -422,7 +504,7 @@ async def _serve(
     """
     for attempt in itertools.count(1):
         try:
-            return await _serve_on(backend, engine, prompts, sampling, req, chat)
+            return await _serve_on(backend, engine, prompts, sampling, req, chat, tools)
         except EngineError as e:
             if not await backend.retry_elsewhere(engine, e, attempt):
                 raise
@@ -437,10 +519,13 @@ async def _serve_on(
     sampling: SamplingParams,
     req: OpenAICompletionRequest | OpenAIChatCompletionRequest,
     chat: bool,
+    tools: _ChatTools | None,
 ) -> JSONResponse | StreamingResponse:
     """`_serve` on one engine."""
     jobs = [
-        _Job(backend.open_context(engine), p, backend.estimate_length(engine, p, sampling)) for p in prompts
+        _Job(backend.open_context(engine), p, backend.estimate_length(engine, p, sampling), _nth(sampling, k))
+        for p in prompts
+        for k in range(req.n or 1)
     ]
     release = _Release(backend, engine, jobs, req.cache_salt)
     handed_off = False
@@ -453,7 +538,7 @@ async def _serve_on(
         )
         for j in jobs:
             j.stream = engine.submit_generate(
-                j.context_id, sampling, stream=bool(req.stream), priority=_priority(req, j)
+                j.context_id, j.sampling, stream=bool(req.stream), priority=_priority(req, j)
             )
         meta = _Meta(
             id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
@@ -465,15 +550,16 @@ async def _serve_on(
             for j, r in zip(jobs, results, strict=True):
                 j.output = r.token_ids
             usage = _usage(jobs, results)
+            tokenizer = engine.tokenizer
             body: BaseModel = (
-                _chat_response(meta, results, usage)
+                _chat_response(meta, results, usage, tokenizer, tools)
                 if chat
-                else _text_response(meta, results, usage, jobs if _with_ids(req) else None)
+                else _text_response(meta, results, usage, tokenizer, jobs if _with_ids(req) else None)
             )
             return JSONResponse(body.model_dump())
         firsts = [await _first_token(j.stream) for j in jobs if j.stream is not None]
         include_usage = req.stream_options is not None and req.stream_options.include_usage
-        events = _stream_events(release, firsts, sampling, meta, chat, include_usage, _with_ids(req))
+        events = _stream_events(release, firsts, sampling, meta, chat, include_usage, _with_ids(req), tools)
         handed_off = True
         # Started here, so that its `finally` (which frees the contexts) runs even if the client is gone
         # before the response begins: asyncio closes a started async generator when it is collected.
@@ -482,6 +568,12 @@ async def _serve_on(
     finally:
         if not handed_off:
             await release()
+
+
+def _nth(sampling: SamplingParams, k: int) -> SamplingParams:
+    """The sampling of a prompt's ``k``-th choice: a seeded request seeds each choice apart (seed + k), so
+    that ``n`` seeded samples differ and still reproduce."""
+    return sampling if k == 0 or sampling.seed is None else replace(sampling, seed=sampling.seed + k)
 
 
 def _with_ids(req: OpenAICompletionRequest | OpenAIChatCompletionRequest) -> bool:
@@ -574,7 +666,7 @@ def _usage(jobs: list[_Job], results: list[GenerateResult]) -> OpenAIUsage:
 
 
 def _text_response(
-    meta: _Meta, results: list[GenerateResult], usage: OpenAIUsage, jobs: list[_Job] | None
+    meta: _Meta, results: list[GenerateResult], usage: OpenAIUsage, tokenizer: Any, jobs: list[_Job] | None
 ) -> OpenAICompletionResponse:
     """The answer; with ``jobs`` (return_token_ids), each choice carries its prompt's and answer's ids."""
     choices = [
@@ -582,6 +674,7 @@ def _text_response(
             index=i,
             text=r.text,
             finish_reason=r.finish_reason,
+            logprobs=None if r.logprobs is None else completion_logprobs(tokenizer, r.logprobs),
             token_ids=None if jobs is None else r.token_ids,
             prompt_token_ids=None if jobs is None else jobs[i].prompt,
         )
@@ -593,17 +686,29 @@ def _text_response(
 
 
 def _chat_response(
-    meta: _Meta, results: list[GenerateResult], usage: OpenAIUsage
+    meta: _Meta, results: list[GenerateResult], usage: OpenAIUsage, tokenizer: Any, tools: _ChatTools | None
 ) -> OpenAIChatCompletionResponse:
-    choices = [
-        OpenAIChatChoice(
-            index=i, message=OpenAIAssistantMessage(content=r.text), finish_reason=r.finish_reason
-        )
-        for i, r in enumerate(results)
-    ]
+    choices = []
+    for i, r in enumerate(results):
+        message, finish = _assistant_message(r, tools)
+        logprobs = None if r.logprobs is None else chat_logprobs(tokenizer, r.logprobs)
+        choices.append(OpenAIChatChoice(index=i, message=message, finish_reason=finish, logprobs=logprobs))
     return OpenAIChatCompletionResponse(
         id=meta.id, created=meta.created, model=meta.model, choices=choices, usage=usage
     )
+
+
+def _assistant_message(
+    result: GenerateResult, tools: _ChatTools | None
+) -> tuple[OpenAIAssistantMessage, str]:
+    """The assistant's message and finish reason: with tools, the calls it made are ``tool_calls``."""
+    if tools is None:
+        return OpenAIAssistantMessage(content=result.text), result.finish_reason
+    content, calls = parse_tool_calls(result.text, tools.functions, constrained=tools.guide is not None)
+    if not calls:  # e.g. a constrained list cut short by max_tokens: the text as it is
+        return OpenAIAssistantMessage(content=result.text), result.finish_reason
+    finish = "tool_calls" if result.finish_reason == "stop" else result.finish_reason
+    return OpenAIAssistantMessage(content=content, tool_calls=calls), finish
 
 
 async def _prepend(head: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
@@ -624,8 +729,10 @@ async def _stream_events(
     chat: bool,
     include_usage: bool,
     with_ids: bool = False,
+    tools: _ChatTools | None = None,
 ) -> AsyncIterator[str]:
     """The SSE body: each choice's deltas in turn (all generates run concurrently in the engine).
+    With tools, a choice is sent whole once complete: only then is it known to be calls or text.
 
     Deltas come from `IncrementalDetokenizer`, so a stop string is never sent; the last chunk of a choice
     carries its ``finish_reason``. With ``with_ids`` (completions' return_token_ids), each chunk carries
@@ -656,6 +763,12 @@ async def _stream_events(
             prompt_ids = job.prompt
             if chat:
                 yield _sse(_chat_role_chunk(meta, index))
+            if tools is not None:
+                result = await job.stream.result()
+                job.output = result.token_ids
+                results.append(result)
+                yield _sse(_chat_whole_chunk(meta, index, *_assistant_message(result, tools)))
+                continue
             if first is not None:
                 pending.append(first)
                 if delta := detok.push(first):
@@ -705,6 +818,19 @@ def _text_chunk(
         choices=[OpenAICompletionChoice.model_validate(choice)],
     )
     return _sse(body.model_dump_json(exclude={"usage"}))
+
+
+def _chat_whole_chunk(meta: _Meta, index: int, message: OpenAIAssistantMessage, finish: str) -> str:
+    """A whole streamed answer in one chunk: its content or its tool calls (each with its index)."""
+    calls = None
+    if message.tool_calls:
+        calls = [{"index": k, **c.model_dump()} for k, c in enumerate(message.tool_calls)]
+    delta = OpenAIChatDelta(content=message.content, tool_calls=calls)
+    choice = OpenAIChatChunkChoice.model_validate({"index": index, "delta": delta, "finish_reason": finish})
+    body = OpenAIChatCompletionChunk(id=meta.id, created=meta.created, model=meta.model, choices=[choice])
+    data = body.model_dump(exclude={"usage"})
+    data["choices"][0]["delta"] = delta.model_dump(exclude_none=True)
+    return json.dumps(data)
 
 
 def _chat_role_chunk(meta: _Meta, index: int) -> str:

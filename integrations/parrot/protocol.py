@@ -24,12 +24,32 @@ class _Strict(BaseModel):
 class ErrorBody(BaseModel):
     type: str
     message: str
+    # As OpenAI's error objects: the request field at fault, and a machine-readable code.
+    param: str | None = None
+    code: str | None = None
     # In the answer to a batch: the index of the operation that failed (the ones before it were applied).
     op_index: int | None = None
 
 
 class ErrorResponse(BaseModel):
     error: ErrorBody
+
+
+class GuidedConfig(_Strict):
+    """Constrained decoding: the output must match a JSON Schema (``value``: the schema as JSON text), be a
+    JSON object (no value), match a regex, be one of ``value``'s strings (``choice``), or be a sentence of
+    an EBNF grammar with start rule ``root``. The engine masks every token that would break it."""
+
+    kind: Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+    value: str | list[str] | None = None
+
+
+class TokenLogprobConfig(BaseModel):
+    """A generated token's log-probability and its ``top`` alternatives as [token id, logprob] pairs."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = Field(default_factory=list)
 
 
 class SamplingConfig(_Strict):
@@ -43,6 +63,9 @@ class SamplingConfig(_Strict):
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
+    guided: GuidedConfig | None = None
+    # Each generated token's log-probability, with its top this many alternatives (0: the token's only).
+    logprobs: int | None = Field(default=None, ge=0, le=20)
 
 
 # ----------------------------------------------------------------------------------------- engine API
@@ -101,6 +124,7 @@ class EngineGenerateResponse(BaseModel):
     finish_reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
+    logprobs: list[TokenLogprobConfig] | None = None  # when the sampling asked for them
 
 
 class EngineStreamChunk(BaseModel):
@@ -814,6 +838,12 @@ class _OpenAISamplingRequest(_OpenAIRequest):
     # (lower starts sooner: the server's engines with scheduling="sjf"; aging bounds every wait). Without
     # it the server predicts the output length and uses that.
     priority: float | None = Field(default=None, allow_inf_nan=False)
+    # ``{"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema", "strict"}}``:
+    # JSON output by constrained decoding (the engine masks tokens that would break it).
+    response_format: dict[str, object] | None = None
+    # Extension (as vLLM's): exactly one of ``json`` (a schema), ``json_object``, ``regex``, ``choice`` or
+    # ``grammar`` (EBNF, start rule ``root``).
+    structured_outputs: dict[str, object] | None = None
 
 
 class OpenAICompletionRequest(_OpenAISamplingRequest):
@@ -840,15 +870,31 @@ class OpenAITextPart(_OpenAIRequest):
     text: str
 
 
-class OpenAIChatMessage(_OpenAIRequest):
-    """One chat message; ``developer`` is treated as ``system``, and list content is joined text parts."""
+class OpenAIFunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[OpenAITextPart]
+
+class OpenAIToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: OpenAIFunctionCall
+
+
+class OpenAIChatMessage(_OpenAIRequest):
+    """One chat message; ``developer`` is treated as ``system``, and list content is joined text parts.
+    An assistant message may carry ``tool_calls`` (and no content); a ``tool`` message answers one."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[OpenAITextPart] | None = None
     name: str | None = None
+    tool_calls: list[OpenAIToolCall] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         """The content as one string."""
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
@@ -866,8 +912,8 @@ class OpenAIChatCompletionRequest(_OpenAISamplingRequest):
     top_logprobs: int | None = None
     tools: list[dict[str, object]] | None = None
     tool_choice: str | dict[str, object] | None = None
+    parallel_tool_calls: bool | None = None
     functions: list[dict[str, object]] | None = None
-    response_format: dict[str, object] | None = None
 
 
 class OpenAIUsage(BaseModel):
@@ -876,11 +922,21 @@ class OpenAIUsage(BaseModel):
     total_tokens: int
 
 
+class OpenAICompletionLogprobs(BaseModel):
+    """A completion choice's ``logprobs``: per token its text, log-probability, the top alternatives
+    (text -> logprob) and its offset in the choice's text."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class OpenAICompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: FinishReason | None = None
-    logprobs: None = None
+    logprobs: OpenAICompletionLogprobs | None = None
     token_ids: list[int] | None = None  # with return_token_ids
     prompt_token_ids: list[int] | None = None  # with return_token_ids (streamed: in the first chunk)
 
@@ -898,14 +954,32 @@ class OpenAICompletionResponse(BaseModel):
 
 class OpenAIAssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[OpenAIToolCall] | None = None
+
+
+class OpenAITopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class OpenAITokenLogprob(OpenAITopLogprob):
+    top_logprobs: list[OpenAITopLogprob]
+
+
+class OpenAIChatLogprobs(BaseModel):
+    content: list[OpenAITokenLogprob]
+
+
+ChatFinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class OpenAIChatChoice(BaseModel):
     index: int
     message: OpenAIAssistantMessage
-    finish_reason: FinishReason
-    logprobs: None = None
+    finish_reason: ChatFinishReason
+    logprobs: OpenAIChatLogprobs | None = None
 
 
 class OpenAIChatCompletionResponse(BaseModel):
@@ -918,16 +992,18 @@ class OpenAIChatCompletionResponse(BaseModel):
 
 
 class OpenAIChatDelta(BaseModel):
-    """A streamed message piece: ``role`` in the first chunk, then ``content``; both absent in the last."""
+    """A streamed message piece: ``role`` in the first chunk, then ``content`` (or ``tool_calls``); both
+    absent in the last."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, object]] | None = None
 
 
 class OpenAIChatChunkChoice(BaseModel):
     index: int
     delta: OpenAIChatDelta
-    finish_reason: FinishReason | None = None
+    finish_reason: ChatFinishReason | None = None
     logprobs: None = None
 
 

@@ -13,6 +13,7 @@ import json
 import tempfile
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +48,18 @@ from server.security import cluster_token_guard, install_auth_handler
 MAX_ENGINE_BODY_BYTES = 64 * 1024 * 1024
 
 
-def error_response(status: int, error_type: str, message: str, op_index: int | None = None) -> JSONResponse:
-    body = ErrorResponse(error=ErrorBody(type=error_type, message=message, op_index=op_index))
+def error_response(
+    status: int,
+    error_type: str,
+    message: str,
+    op_index: int | None = None,
+    *,
+    param: str | None = None,
+    code: str | None = None,
+) -> JSONResponse:
+    body = ErrorResponse(
+        error=ErrorBody(type=error_type, message=message, op_index=op_index, param=param, code=code)
+    )
     return JSONResponse(body.model_dump(exclude_none=True), status_code=status)
 
 
@@ -185,6 +196,7 @@ def _response(context_id: int, result: GenerateResult) -> EngineGenerateResponse
         finish_reason=result.finish_reason,
         prompt_tokens=result.prompt_tokens,
         completion_tokens=len(result.token_ids),
+        logprobs=None if result.logprobs is None else [asdict(lp) for lp in result.logprobs],
     )
 
 

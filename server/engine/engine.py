@@ -38,6 +38,7 @@ from server.engine.errors import (
     UnknownContextError,
 )
 from server.engine.generating import GeneratesBySubmit
+from server.engine.guided import CompiledGrammar, GrammarCompiler, Guide, mask_logits
 from server.engine.kv_exchange import KVExchange
 from server.engine.loader import build_model, load_checkpoint
 from server.engine.model import LlamaForCausalLM
@@ -45,7 +46,7 @@ from server.engine.model_names import DEFAULT_MODEL, TINY_MODEL
 from server.engine.model_runner import KVCache, ModelRunner
 from server.engine.remote_kv import KVLease, KVSourceLostError, RemotePrefix, RemoteRows
 from server.engine.request import FinishReason, GenerateResult, Request
-from server.engine.sampling import SamplingParams, make_generator, sample
+from server.engine.sampling import SamplingParams, make_generator, sample, token_logprobs
 from server.engine.scheduler import ScheduledChunk, Scheduler
 from server.engine.step_features import StepRecord, step_features
 from server.engine.step_timing import StepTiming
@@ -118,6 +119,15 @@ class _Submit:
     parent_len: int | None = None  # fork from the parent's first this many tokens; None: all of them
     priority: float | None = None  # its place in the waiting queue under "sjf" (lower: sooner)
     remote: RemotePrefix | None = None  # a new context's leading KV, held by another engine
+    grammar: CompiledGrammar | None = None  # a guided generate's grammar, once compiled
+
+
+@dataclass
+class _Compiled:
+    """A guided generate's grammar came back from the compiler thread (or failed to compile)."""
+
+    submit: _Submit
+    error: BaseException | None
 
 
 @dataclass
@@ -253,6 +263,8 @@ class LLMEngine(KVExchange, GeneratesBySubmit):
         self._runner = runner
         self._requests: dict[_Sink, Request] = {}
         self._deferred: list[_Submit] = []  # forks waiting for a busy parent to finish
+        self._compiling: set[_Sink] = set()  # guided generates whose grammar is being compiled
+        self._grammars = GrammarCompiler(tokenizer, self.vocab_size, self.eos_token_ids)
         self._commands: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._stalled = False
         self._dead: BaseException | None = None
@@ -420,6 +432,7 @@ class LLMEngine(KVExchange, GeneratesBySubmit):
         if self._thread.is_alive():
             self._commands.put(None)
             self._thread.join()
+        self._grammars.shutdown()
 
     def __enter__(self) -> LLMEngine:
         return self
@@ -497,9 +510,16 @@ class LLMEngine(KVExchange, GeneratesBySubmit):
     def _handle(self, cmd: object) -> None:
         if isinstance(cmd, _Submit):
             try:
-                self._submit(cmd)
+                if cmd.sampling is not None and cmd.sampling.guided is not None and cmd.grammar is None:
+                    self._compile(cmd)
+                else:
+                    self._submit(cmd)
             except EngineError as e:
                 cmd.sink.finish(None, e)
+        elif isinstance(cmd, _Compiled):
+            if cmd.submit.sink in self._compiling:  # else it was aborted meanwhile
+                self._compiling.discard(cmd.submit.sink)
+                self._handle(cmd.submit) if cmd.error is None else cmd.submit.sink.finish(None, cmd.error)
         elif isinstance(cmd, _Call):
             try:
                 cmd.sink.finish(cmd.fn())
@@ -515,8 +535,25 @@ class LLMEngine(KVExchange, GeneratesBySubmit):
             req = self._requests.get(cmd.sink)
             if req is not None:
                 self._finish(req, error=RequestAbortedError("the request was cancelled"))
+            elif cmd.sink in self._compiling:
+                self._compiling.discard(cmd.sink)
+                cmd.sink.finish(None, RequestAbortedError("the request was cancelled"))
             else:
                 self._deferred = [d for d in self._deferred if d.sink is not cmd.sink]
+
+    def _compile(self, cmd: _Submit) -> None:
+        """Send a guided generate's constraint to the compiler thread; it comes back as `_Compiled`."""
+        assert cmd.sampling is not None and cmd.sampling.guided is not None
+        cmd.sampling.validate(self.vocab_size)
+        self._compiling.add(cmd.sink)
+
+        def done(grammar: CompiledGrammar | None, error: BaseException | None) -> None:
+            if error is not None and not isinstance(error, EngineError):
+                error = EngineError(f"guided decoding failed to compile: {error!r}")
+            # No `_post`: after a shutdown, `_fail_all` has already answered this request.
+            self._commands.put(_Compiled(replace(cmd, grammar=grammar), error))
+
+        self._grammars.submit(cmd.sampling.guided, done)
 
     def _submit(self, cmd: _Submit) -> None:
         kind = "fill" if cmd.sampling is None else "generate"
@@ -652,6 +689,8 @@ class LLMEngine(KVExchange, GeneratesBySubmit):
         if cmd.sampling is not None:
             req.generator = make_generator(cmd.sampling)
             req.prompt_tokens = len(ctx.token_ids)
+            req.guide = None if cmd.grammar is None else Guide(cmd.grammar)
+            req.logprobs = None if cmd.sampling.logprobs is None else []
         ctx.busy = True
         self._requests[cmd.sink] = req
         self._scheduler.add(req)
@@ -743,27 +782,40 @@ class LLMEngine(KVExchange, GeneratesBySubmit):
             ctx = req.context
             req.decoding = True
             req.output_ids.append(token)
+            if req.guide is not None:
+                req.guide.accept(token)
             ctx.token_ids.append(token)
             ctx.last_hidden = None
             if req.on_token is not None:
                 req.on_token(token)
             reason, text = self._finish_reason(req, token)
             if reason is not None:
-                self._finish(
-                    req, result=GenerateResult(list(req.output_ids), text, reason, req.prompt_tokens)
-                )
+                self._finish(req, result=req.result(text, reason))
 
     def _next_tokens(self, reqs: list[Request], hidden: torch.Tensor) -> list[int]:
-        """The token each generate samples next, from its last hidden state."""
-        logits = self._runner.logits(hidden)
-        return sample(logits, [r.sampling for r in reqs], [r.generator for r in reqs])  # type: ignore[misc]
+        """The token each generate samples next, from its last hidden state (under its grammar's mask,
+        if guided); the requests that asked get each token's log-probabilities."""
+        logits = self._runner.logits(hidden).float()
+        wanting = [i for i, r in enumerate(reqs) if r.logprobs is not None]
+        raw = logits[wanting] if wanting else None  # a copy: the mask below writes into `logits`
+        tokens = sample(
+            mask_logits(logits, [r.guide for r in reqs]),
+            [r.sampling for r in reqs],  # type: ignore[misc]
+            [r.generator for r in reqs],
+        )
+        if raw is not None:
+            tops = [reqs[i].sampling.logprobs or 0 for i in wanting]  # type: ignore[union-attr]
+            for i, lp in zip(wanting, token_logprobs(raw, [tokens[i] for i in wanting], tops), strict=True):
+                reqs[i].logprobs.append(lp)  # type: ignore[union-attr]
+        return tokens
 
     def _finish_reason(self, req: Request, token: int) -> tuple[FinishReason | None, str]:
         sp = req.sampling
         assert sp is not None
         reason: FinishReason | None = None
         text: str | None = None
-        if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids):
+        ended = token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids)
+        if ended or (req.guide is not None and req.guide.finished):
             reason = "stop"
         elif sp.stop:
             text = self._detokenize(req.output_ids)
@@ -786,10 +838,7 @@ class LLMEngine(KVExchange, GeneratesBySubmit):
         """Nothing fits: end the oldest decoding generate as "length" (cache full). True if one ended."""
         for req in self._scheduler.running:
             if req.decoding and req.sampling is not None:
-                text = self._detokenize(req.output_ids)
-                self._finish(
-                    req, result=GenerateResult(list(req.output_ids), text, "length", req.prompt_tokens)
-                )
+                self._finish(req, result=req.result(self._detokenize(req.output_ids), "length"))
                 return True
         return False
 
@@ -808,6 +857,9 @@ class LLMEngine(KVExchange, GeneratesBySubmit):
         for cmd in self._deferred:
             cmd.sink.finish(None, error)
         self._deferred = []
+        for sink in self._compiling:
+            sink.finish(None, error)
+        self._compiling.clear()
         while True:
             try:
                 cmd = self._commands.get_nowait()

@@ -10,7 +10,8 @@ from typing import Literal
 import torch
 
 from server.engine.context import Context
-from server.engine.sampling import SamplingParams
+from server.engine.guided import Guide
+from server.engine.sampling import SamplingParams, TokenLogprob
 
 FinishReason = Literal["stop", "length"]
 _request_ids = itertools.count()
@@ -24,6 +25,7 @@ class GenerateResult:
     text: str
     finish_reason: FinishReason
     prompt_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the sampling asked for them
 
 
 @dataclass(eq=False)
@@ -48,7 +50,14 @@ class Request:
     # Lower starts sooner when the engine orders its waiting queue shortest-first (``scheduling="sjf"``,
     # `server.engine.ordering`); the manager sends the predicted output length. None: an average request.
     priority: float | None = None
+    guide: Guide | None = None  # a guided generate's grammar state
+    logprobs: list[TokenLogprob] | None = None  # each token's, when the sampling asked for them
 
     @property
     def is_generate(self) -> bool:
         return self.sampling is not None
+
+    def result(self, text: str, reason: FinishReason) -> GenerateResult:
+        """What this generate answers, ending now with ``text`` and ``reason``."""
+        logprobs = None if self.logprobs is None else list(self.logprobs)
+        return GenerateResult(list(self.output_ids), text, reason, self.prompt_tokens, logprobs)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 import torch
 
@@ -12,6 +15,73 @@ from server.engine.errors import InvalidSamplingParamsError
 # What `torch.Generator.manual_seed` takes (a signed or unsigned 64-bit integer); beyond it, it raises.
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 _TINY = torch.finfo(torch.float32).tiny
+# A client's constraint is bounded before anything compiles it: the grammar compiler's time and memory grow
+# with the constraint's size (and with the vocabulary, which is fixed).
+MAX_GUIDE_CHARS = 32_768
+MAX_CHOICES = 256
+MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs allows
+
+GuidedKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+
+
+@dataclass(frozen=True)
+class GuidedDecoding:
+    """A constraint on a generate's output, enforced by masking every token that would break it.
+
+    ``value`` by ``kind``: ``json_schema`` a JSON Schema (as JSON text), ``json_object`` None (any JSON
+    object), ``regex`` a pattern, ``choice`` the strings allowed (one of them, exactly), ``grammar`` an EBNF
+    grammar whose start rule is ``root`` (xgrammar's, as vLLM and SGLang take it).
+    """
+
+    kind: GuidedKind
+    value: str | tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.value, list):
+            object.__setattr__(self, "value", tuple(self.value))
+
+    def validate(self) -> None:
+        """Raise `InvalidSamplingParamsError` for a malformed or oversized constraint (before compiling)."""
+        if self.kind not in get_args(GuidedKind):
+            raise InvalidSamplingParamsError(
+                f"guided decoding kind must be one of {list(get_args(GuidedKind))}, got {self.kind!r}"
+            )
+        if self.kind == "json_object":
+            if self.value is not None:
+                raise InvalidSamplingParamsError("guided json_object takes no value")
+            return
+        if self.kind == "choice":
+            if not isinstance(self.value, tuple) or not self.value:
+                raise InvalidSamplingParamsError("guided choice needs a non-empty list of strings")
+            if len(self.value) > MAX_CHOICES:
+                raise InvalidSamplingParamsError(f"guided choice allows at most {MAX_CHOICES} strings")
+            if any(not isinstance(c, str) or not c for c in self.value):
+                raise InvalidSamplingParamsError("guided choice strings must be non-empty strings")
+            size = sum(len(c) for c in self.value)
+        else:
+            if not isinstance(self.value, str) or not self.value:
+                raise InvalidSamplingParamsError(f"guided {self.kind} needs a non-empty string")
+            size = len(self.value)
+        if size > MAX_GUIDE_CHARS:
+            raise InvalidSamplingParamsError(
+                f"guided {self.kind} is {size} characters; at most {MAX_GUIDE_CHARS} are accepted"
+            )
+        if self.kind == "json_schema":
+            try:
+                schema = json.loads(self.value)  # type: ignore[arg-type]
+            except ValueError as e:
+                raise InvalidSamplingParamsError(f"guided json_schema is not valid JSON: {e}") from None
+            if not isinstance(schema, dict | bool):
+                raise InvalidSamplingParamsError("guided json_schema must be a JSON object (a JSON Schema)")
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log-probability under the model, and the ``top`` likeliest tokens' (id, logprob)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -26,6 +96,12 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    guided: GuidedDecoding | None = None  # constrained decoding (`server.engine.guided`); None: free
+    logprobs: int | None = None  # report each token's log-probability and its top this many; None: not
+
+    def __post_init__(self) -> None:
+        if isinstance(self.guided, Mapping):  # from a wire model's dump
+            object.__setattr__(self, "guided", GuidedDecoding(**self.guided))
 
     def validate(self, vocab_size: int) -> None:
         """Raise `InvalidSamplingParamsError` naming the first bad field."""
@@ -50,6 +126,15 @@ class SamplingParams:
             raise InvalidSamplingParamsError(
                 f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})"
             )
+        if self.logprobs is not None and not (
+            isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise InvalidSamplingParamsError(
+                f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (top alternatives per token), "
+                f"got {self.logprobs!r}"
+            )
+        if self.guided is not None:
+            self.guided.validate()
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:
@@ -90,4 +175,21 @@ def sample(
             sorted_probs = sorted_probs.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         out[i] = int(torch.multinomial(probs, 1, generator=generators[i]).item())
+    return out
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], tops: list[int]) -> list[TokenLogprob]:
+    """Each row's sampled token's log-probability and its ``tops[i]`` most likely alternatives, from the
+    model's own distribution (before temperature, top-p/k or a grammar's mask, as vLLM reports them)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device).unsqueeze(1)).squeeze(1).tolist()
+    k = max(tops, default=0)
+    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+    out = []
+    for i, (token, lp) in enumerate(zip(tokens, chosen, strict=True)):
+        top: tuple[tuple[int, float], ...] = ()
+        if tops[i] and top_ids is not None and top_values is not None:
+            ids, values = top_ids[i, : tops[i]].tolist(), top_values[i, : tops[i]].tolist()
+            top = tuple(zip(ids, values, strict=True))
+        out.append(TokenLogprob(token, lp, top))
     return out

@@ -135,6 +135,12 @@ class DisaggregatedGeneration(TaskStream):
     async def _generate(self, emit: Emit) -> GenerateResult:
         context_id, sampling, parent_context_id, parent_len, options = self._args
         prefill, decode = self._engine.prefill, self._engine.decode
+        if sampling.guided is not None:
+            # A grammar's state lives with the engine sampling under it: a guided generate runs where it
+            # starts (its prompt's KV is there), not split across the two.
+            return await prefill.generate(
+                context_id, sampling, parent_context_id, parent_len=parent_len, **options
+            )
         first = await prefill.generate(
             context_id, replace(sampling, max_tokens=1), parent_context_id, parent_len=parent_len, **options
         )
@@ -163,7 +169,8 @@ class DisaggregatedGeneration(TaskStream):
             await asyncio.shield(_release(decode, reader, rest, prefill, lease))
         tokens = first.token_ids + tail.token_ids
         text = _text(self._engine, tokens, sampling)
-        return GenerateResult(tokens, text, tail.finish_reason, first.prompt_tokens)
+        logprobs = None if first.logprobs is None else first.logprobs + (tail.logprobs or [])
+        return GenerateResult(tokens, text, tail.finish_reason, first.prompt_tokens, logprobs)
 
 
 async def _release(

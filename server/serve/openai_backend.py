@@ -38,11 +38,13 @@ from server.engine.errors import (
     ContextExistsError,
     EngineDeadError,
     InvalidRequestError,
+    InvalidSamplingParamsError,
     PromptTooLongError,
     TokenOutOfVocabError,
     UnknownContextError,
 )
 from server.engine.generating import GeneratesBySubmit
+from server.engine.guided import structured_outputs
 from server.engine.request import GenerateResult
 from server.engine.sampling import SamplingParams
 from server.serve.openai_backend_http import (
@@ -345,6 +347,13 @@ class OpenAIBackendEngine(GeneratesBySubmit):
             body["ignore_eos"] = True
         if priority is not None and self.config.priority:
             body["priority"] = round(priority)  # vLLM's is an integer, lower first, as ours
+        if sampling.guided is not None:
+            body["structured_outputs"] = structured_outputs(sampling.guided)
+        if sampling.logprobs is not None:
+            raise InvalidSamplingParamsError(
+                f"logprobs are not relayed through an OpenAI-compatible backend ({self.url}); ask that "
+                "server directly, or serve the model on Parrot's own engine"
+            )
         return body
 
     def _http(self) -> httpx.AsyncClient:

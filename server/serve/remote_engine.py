@@ -23,6 +23,7 @@ import asyncio
 import json
 import logging
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -46,7 +47,7 @@ from transformers import AutoTokenizer  # at import: its lazy import in threads 
 from server.engine.errors import ContextBusyError, EngineDeadError, EngineError
 from server.engine.generating import GeneratesBySubmit
 from server.engine.request import GenerateResult
-from server.engine.sampling import SamplingParams
+from server.engine.sampling import SamplingParams, TokenLogprob
 from server.serve.task_stream import Emit, TaskStream
 
 __all__ = ["RemoteEngine", "RemoteEngineError", "RemoteGenerationStream"]
@@ -230,9 +231,7 @@ class RemoteGenerationStream(TaskStream):
                         raise RemoteEngineError(error.message, _status_of(error.type), error.type)
                     if "finish_reason" in event:
                         final = EngineGenerateResponse.model_validate(event)
-                        return GenerateResult(
-                            final.token_ids, final.text, final.finish_reason, final.prompt_tokens
-                        )
+                        return result_of(final)
                     emit(EngineStreamChunk.model_validate(event).token_id)
             raise EngineDeadError(f"engine {engine.name} at {engine.url} ended a generate without a result")
         except httpx.TransportError as e:
@@ -240,7 +239,20 @@ class RemoteGenerationStream(TaskStream):
 
 
 def _sampling_fields(sampling: SamplingParams) -> dict[str, Any]:
-    return {name: getattr(sampling, name) for name in SamplingConfig.model_fields}
+    fields = {name: getattr(sampling, name) for name in SamplingConfig.model_fields}
+    if sampling.guided is not None:
+        fields["guided"] = asdict(sampling.guided)
+    return fields
+
+
+def result_of(response: EngineGenerateResponse) -> GenerateResult:
+    """An engine API's generate answer as the engine's own result."""
+    logprobs = None
+    if response.logprobs is not None:
+        logprobs = [TokenLogprob(lp.token_id, lp.logprob, tuple(lp.top)) for lp in response.logprobs]
+    return GenerateResult(
+        response.token_ids, response.text, response.finish_reason, response.prompt_tokens, logprobs
+    )
 
 
 async def _call(

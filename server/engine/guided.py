@@ -1,0 +1,187 @@
+"""Constrained decoding: a grammar compiled once per constraint, a matcher per request, and the token mask
+it puts on the logits before sampling (xgrammar, the grammar library vLLM and SGLang use).
+
+Compiling walks the whole vocabulary, so it runs on a thread of its own, never on the engine loop; its cost
+is bounded by the constraint's size (`GuidedDecoding.validate`). Matching is incremental: filling one
+request's mask costs microseconds per token (`benchmarks/guided_decoding.py` measures it).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from server.engine.errors import InvalidSamplingParamsError
+from server.engine.sampling import GuidedDecoding
+
+try:
+    import xgrammar as xgr
+except ImportError:  # the `server` extra installs it; a clear error when a guided request arrives
+    xgr = None
+
+# JSON without free whitespace between tokens: a small model left free to emit whitespace can loop on it
+# until max_tokens, which would cut the JSON short (vLLM offers the same as "disable any whitespace").
+_JSON_LAYOUT: dict[str, Any] = {"any_whitespace": False}
+
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[17:28:00] file.cc:83: " before xgrammar's reason
+CompiledGrammar = Any  # xgrammar.CompiledGrammar (xgrammar is optional at import time)
+Compiled = Callable[[CompiledGrammar | None, BaseException | None], None]
+
+
+# xgrammar's character classes for one character of a bounded and of an unbounded string, and ours.
+_STRING_CHARS = (r'[^\"\\\r\n]', r'[^\0-\x1f\"\\\r\n]')
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n\uD800-\uDFFF]'
+
+# vLLM's `structured_outputs` keys (its OpenAI extension) for each kind of constraint.
+_VLLM_KEYS: dict[str, str] = {
+    "json_schema": "json",
+    "json_object": "json_object",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "grammar",
+}
+
+
+def structured_outputs(guided: GuidedDecoding) -> dict[str, Any]:
+    """``guided`` as vLLM's ``structured_outputs`` request field (which Parrot's own `/v1` reads too)."""
+    value: Any = True if guided.kind == "json_object" else guided.value
+    if guided.kind == "json_schema":
+        value = json.loads(guided.value)  # type: ignore[arg-type]
+    elif guided.kind == "choice":
+        value = list(guided.value)  # type: ignore[arg-type]
+    return {_VLLM_KEYS[guided.kind]: value}
+
+
+def guided_from_structured_outputs(fields: dict[str, Any]) -> GuidedDecoding:
+    """The constraint a vLLM ``structured_outputs`` field asks for; exactly one of its keys must be set."""
+    given = {k: v for k, v in fields.items() if v not in (None, False)}
+    kinds = {vllm: ours for ours, vllm in _VLLM_KEYS.items()}
+    unknown = sorted(set(given) - set(kinds))
+    if unknown or len(given) != 1:
+        raise InvalidSamplingParamsError(
+            f"structured_outputs takes exactly one of {sorted(kinds)}"
+            + (f"; {unknown} are not supported" if unknown else f", got {sorted(given) or 'none'}")
+        )
+    key, value = next(iter(given.items()))
+    kind = kinds[key]
+    if kind == "json_schema" and not isinstance(value, str):
+        value = json.dumps(value)
+    guided = GuidedDecoding(kind, None if kind == "json_object" else value)  # type: ignore[arg-type]
+    guided.validate()
+    return guided
+
+
+def json_grammar(schema: str) -> str:
+    """The EBNF grammar of JSON text valid under ``schema``, its strings held to what JSON and UTF-8 allow.
+
+    xgrammar's own grammar lets a string's character be a raw control character (in a length-bounded
+    string) or a UTF-16 surrogate encoded as UTF-8 (in any string): neither is valid JSON text, and a small
+    model does pick such byte tokens.
+    """
+    grammar = str(xgr.Grammar.from_json_schema(schema, **_JSON_LAYOUT))
+    for lenient in _STRING_CHARS:
+        grammar = grammar.replace(lenient, _JSON_STRING_CHAR)
+    return grammar
+
+
+def choice_grammar(choices: Iterable[str]) -> str:
+    """An EBNF grammar whose only sentences are ``choices`` (JSON string escapes are xgrammar's too)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+class GrammarCompiler:
+    """Compiles `GuidedDecoding` constraints for one tokenizer on a worker thread; xgrammar caches each
+    compiled grammar, so a constraint sent again (every request of one schema) compiles once."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int]) -> None:
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._stop_token_ids = sorted(stop_token_ids)
+        self._compiler: Any = None
+        self._lock = threading.Lock()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+
+    def submit(self, guided: GuidedDecoding, done: Compiled) -> None:
+        """Compile ``guided`` off the caller's thread; ``done(grammar, error)`` runs on the worker."""
+
+        def run() -> None:
+            try:
+                grammar = self.compile(guided)
+            except BaseException as e:  # a library failure fails this request, not the worker
+                done(None, e)
+            else:
+                done(grammar, None)
+
+        self._executor.submit(run)
+
+    def compile(self, guided: GuidedDecoding) -> CompiledGrammar:
+        """The compiled grammar of ``guided``; a constraint the library refuses is
+        `InvalidSamplingParamsError`."""
+        guided.validate()
+        compiler = self._get_compiler()
+        try:
+            if guided.kind in ("json_schema", "json_object"):
+                schema = guided.value if guided.kind == "json_schema" else '{"type": "object"}'
+                return compiler.compile_grammar(json_grammar(schema))  # type: ignore[arg-type]
+            if guided.kind == "regex":
+                return compiler.compile_regex(guided.value)
+            if guided.kind == "choice":
+                return compiler.compile_grammar(choice_grammar(guided.value))  # type: ignore[arg-type]
+            return compiler.compile_grammar(guided.value)
+        except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's parse errors for a bad constraint
+            reason = _LOG_PREFIX.sub("", str(e)).strip()
+            raise InvalidSamplingParamsError(f"guided {guided.kind} cannot be compiled: {reason}") from None
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def _get_compiler(self) -> Any:
+        with self._lock:
+            if self._compiler is None:
+                if xgr is None:
+                    raise InvalidSamplingParamsError(
+                        "guided decoding needs the xgrammar package: pip install 'parrot-serve[server]'"
+                    )
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self._tokenizer, vocab_size=self._vocab_size, stop_token_ids=self._stop_token_ids
+                )
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+            return self._compiler
+
+
+class Guide:
+    """One request's place in its grammar: which tokens may come next, and whether it is complete."""
+
+    def __init__(self, grammar: CompiledGrammar) -> None:
+        self._matcher = xgr.GrammarMatcher(grammar)
+
+    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, token_id: int) -> None:
+        """Advance past a sampled token (sampled under this guide's mask, so the grammar allows it)."""
+        if not self._matcher.accept_token(token_id):
+            raise InvalidSamplingParamsError(f"token {token_id} breaks the request's grammar")
+
+    @property
+    def finished(self) -> bool:
+        """The grammar is complete and its stop token was taken: nothing may follow."""
+        return bool(self._matcher.is_terminated())
+
+
+def mask_logits(logits: torch.Tensor, guides: list[Guide | None]) -> torch.Tensor:
+    """``logits`` ([N, vocab], float32) with every token a row's guide forbids set to -inf, in place."""
+    rows = [i for i, g in enumerate(guides) if g is not None]
+    if not rows:
+        return logits
+    bitmask = xgr.allocate_token_bitmask(len(guides), logits.shape[-1])
+    for i in rows:
+        guides[i].fill_mask(bitmask, i)  # type: ignore[union-attr]
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
+    return logits

@@ -1,0 +1,52 @@
+"""Log-probabilities in OpenAI's two answer shapes, from the engine's per-token `TokenLogprob` records."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from parrot.protocol import (
+    OpenAIChatLogprobs,
+    OpenAICompletionLogprobs,
+    OpenAITokenLogprob,
+    OpenAITopLogprob,
+)
+
+from server.engine.sampling import TokenLogprob
+
+
+def completion_logprobs(tokenizer: Any, logprobs: list[TokenLogprob]) -> OpenAICompletionLogprobs:
+    """``/v1/completions``' legacy shape: parallel lists, the top alternatives as text -> logprob."""
+    tokens = [_text(tokenizer, lp.token_id) for lp in logprobs]
+    offsets, at = [], 0
+    for token in tokens:
+        offsets.append(at)
+        at += len(token)
+    return OpenAICompletionLogprobs(
+        tokens=tokens,
+        token_logprobs=[lp.logprob for lp in logprobs],
+        top_logprobs=[{_text(tokenizer, t): v for t, v in lp.top} for lp in logprobs],
+        text_offset=offsets,
+    )
+
+
+def chat_logprobs(tokenizer: Any, logprobs: list[TokenLogprob]) -> OpenAIChatLogprobs:
+    """``/v1/chat/completions``' shape: per token its text, bytes, logprob and top alternatives."""
+    return OpenAIChatLogprobs(
+        content=[
+            OpenAITokenLogprob(
+                **_top(tokenizer, lp.token_id, lp.logprob).model_dump(),
+                top_logprobs=[_top(tokenizer, t, v) for t, v in lp.top],
+            )
+            for lp in logprobs
+        ]
+    )
+
+
+def _top(tokenizer: Any, token_id: int, logprob: float) -> OpenAITopLogprob:
+    text = _text(tokenizer, token_id)
+    return OpenAITopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+
+
+def _text(tokenizer: Any, token_id: int) -> str:
+    # A byte-level token that is part of a multi-byte character decodes to U+FFFD, as in vLLM's answers.
+    return str(tokenizer.decode([token_id]))

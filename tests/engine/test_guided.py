@@ -1,0 +1,259 @@
+"""Constrained decoding in the engine (xgrammar masks) and per-token log-probabilities.
+
+Validity is checked by libraries we did not write (`jsonschema`, `re`), log-probabilities against Hugging
+Face's own forward pass on the same weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import jsonschema
+import pytest
+import torch
+from parrot.protocol import EngineGenerateResponse
+
+from server.engine import EngineConfig, LLMEngine, SamplingParams
+from server.engine.api import create_engine_app
+from server.engine.errors import InvalidSamplingParamsError, RequestAbortedError
+from server.engine.guided import choice_grammar, guided_from_structured_outputs, structured_outputs
+from server.engine.sampling import MAX_GUIDE_CHARS, GuidedDecoding
+from server.serve.remote_engine import result_of
+from tests.engine.conftest import _hf_model, prompts
+
+_ids = itertools.count(10_000)
+
+# Bounded everywhere (string lengths, array sizes, number ranges): a random model must still finish it.
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
+        "address": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 10},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
+            "required": ["city", "zip"],
+            "additionalProperties": False,
+        },
+        "active": {"type": "boolean"},
+    },
+    "required": ["name", "age", "role", "tags", "address", "active"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Iterator[LLMEngine]:
+    eng = LLMEngine.from_pretrained("tiny", EngineConfig(num_kv_blocks=512))
+    yield eng
+    eng.shutdown()
+
+
+async def _generate(engine: LLMEngine, prompt: str, sampling: SamplingParams) -> tuple[str, str, list[int]]:
+    cid = next(_ids)
+    await engine.fill(cid, engine.tokenizer.encode(prompt))
+    try:
+        r = await engine.generate(cid, sampling)
+    finally:
+        await engine.free_context(cid)
+    return r.text, r.finish_reason, r.token_ids
+
+
+async def test_json_schema_output_validates_on_every_sample(tiny: LLMEngine) -> None:
+    guided = GuidedDecoding("json_schema", json.dumps(PERSON))
+    samples = await asyncio.gather(
+        *[
+            _generate(
+                tiny, f"Person {i}:", SamplingParams(max_tokens=300, temperature=1.0, seed=i, guided=guided)
+            )
+            for i in range(20)
+        ]
+    )
+    for text, reason, _ in samples:
+        assert reason == "stop", text
+        jsonschema.validate(json.loads(text), PERSON)  # control characters in strings would fail here
+    assert len({text for text, _, _ in samples}) > 10  # sampled, not one fixed answer
+
+
+@pytest.mark.parametrize(
+    ("guided", "check"),
+    [
+        (
+            GuidedDecoding("regex", r"[A-Z][a-z]{2,6}-\d{3}"),
+            lambda t: re.fullmatch(r"[A-Z][a-z]{2,6}-\d{3}", t),
+        ),
+        (GuidedDecoding("choice", ("yes", "no", "maybe so")), lambda t: t in ("yes", "no", "maybe so")),
+        (
+            GuidedDecoding("grammar", 'root ::= [a-c]{1,4} "=" [0-9]{1,2}'),
+            lambda t: re.fullmatch(r"[a-c]{1,4}=\d{1,2}", t),
+        ),
+    ],
+    ids=["regex", "choice", "grammar"],
+)
+async def test_each_kind_of_constraint_holds(tiny: LLMEngine, guided: GuidedDecoding, check: object) -> None:
+    for seed in range(3):
+        text, reason, _ = await _generate(
+            tiny, "Answer:", SamplingParams(max_tokens=40, temperature=1.0, seed=seed, guided=guided)
+        )
+        assert reason == "stop" and check(text), text  # type: ignore[operator]
+
+
+async def test_json_object_starts_an_object_and_closes_valid_when_it_stops(tiny: LLMEngine) -> None:
+    text, reason, _ = await _generate(
+        tiny, "JSON:", SamplingParams(max_tokens=60, guided=GuidedDecoding("json_object"))
+    )
+    assert text.startswith("{")
+    if reason == "stop":  # a random model may write one key until max_tokens; what it closes is valid
+        assert isinstance(json.loads(text), dict)
+
+
+async def test_unconstrained_requests_batched_with_guided_ones_are_unchanged(tiny: LLMEngine) -> None:
+    plain = SamplingParams(max_tokens=12, ignore_eos=True)
+    alone = await _generate(tiny, "The weather today", plain)
+    guided = SamplingParams(max_tokens=30, guided=GuidedDecoding("regex", r"\d{1,20}"))
+    together = await asyncio.gather(
+        _generate(tiny, "The weather today", plain), *[_generate(tiny, f"n{i}", guided) for i in range(3)]
+    )
+    assert together[0] == alone
+    assert all(re.fullmatch(r"\d{1,20}", t) for t, _, _ in together[1:])
+
+
+@pytest.mark.parametrize(
+    ("guided", "message"),
+    [
+        (GuidedDecoding("regex", "((("), "cannot be compiled"),
+        (GuidedDecoding("json_schema", "{not json"), "not valid JSON"),
+        (GuidedDecoding("json_schema", "[1, 2]"), "must be a JSON object"),
+        (GuidedDecoding("choice", ()), "non-empty list"),
+        (GuidedDecoding("choice", ("a", "")), "non-empty strings"),
+        (GuidedDecoding("regex", "a" * (MAX_GUIDE_CHARS + 1)), f"at most {MAX_GUIDE_CHARS}"),
+        (GuidedDecoding("json_object", "x"), "takes no value"),
+        (GuidedDecoding("grammar", "root ::= undefined_rule"), "cannot be compiled"),
+        (GuidedDecoding("yaml", "a"), "kind must be one of"),  # type: ignore[arg-type]
+    ],
+)
+async def test_a_bad_constraint_fails_its_request_only(
+    tiny: LLMEngine, guided: GuidedDecoding, message: str
+) -> None:
+    with pytest.raises(InvalidSamplingParamsError, match=message):
+        await _generate(tiny, "x", SamplingParams(max_tokens=4, guided=guided))
+    assert tiny.stats().running == 0
+    text, _, _ = await _generate(tiny, "still serving", SamplingParams(max_tokens=3, ignore_eos=True))
+    assert text
+
+
+async def test_a_guided_request_cancelled_while_its_grammar_compiles_frees_everything(
+    tiny: LLMEngine,
+) -> None:
+    cid = next(_ids)
+    await tiny.fill(cid, tiny.tokenizer.encode("Cancel me"))
+    schema = json.dumps({"type": "object", "properties": {f"k{i}": {"type": "integer"} for i in range(40)}})
+    stream = tiny.submit_generate(
+        cid, SamplingParams(max_tokens=50, guided=GuidedDecoding("json_schema", schema))
+    )
+    stream.cancel()
+    with pytest.raises(RequestAbortedError):
+        await stream.result()
+    await tiny.free_context(cid)
+    for _ in range(100):
+        if tiny.stats().running == 0 and tiny.stats().contexts == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert tiny.stats().running == 0 and tiny.stats().contexts == 0
+
+
+def test_choice_grammar_escapes_quotes_and_backslashes() -> None:
+    assert choice_grammar(['say "hi"', "a\\b"]) == r'root ::= "say \"hi\"" | "a\\b"'
+
+
+def test_structured_outputs_round_trip_and_refusals() -> None:
+    for guided in (
+        GuidedDecoding("json_schema", json.dumps(PERSON)),
+        GuidedDecoding("json_object"),
+        GuidedDecoding("regex", "a+"),
+        GuidedDecoding("choice", ("x", "y")),
+        GuidedDecoding("grammar", 'root ::= "a"'),
+    ):
+        back = guided_from_structured_outputs(structured_outputs(guided))
+        assert back.kind == guided.kind
+        assert (json.loads(back.value) if guided.kind == "json_schema" else back.value) == (  # type: ignore[arg-type]
+            PERSON if guided.kind == "json_schema" else guided.value
+        )
+    with pytest.raises(InvalidSamplingParamsError, match="exactly one of"):
+        guided_from_structured_outputs({"regex": "a", "choice": ["a"]})
+    with pytest.raises(InvalidSamplingParamsError, match="not supported"):
+        guided_from_structured_outputs({"structural_tag": "x"})
+
+
+async def test_logprobs_equal_hugging_face_log_softmax(engine: LLMEngine, gqa_model: Path) -> None:
+    prompt = prompts(1, seed=41)[0]
+    cid = next(_ids)
+    await engine.fill(cid, prompt)
+    result = await engine.generate(cid, SamplingParams(max_tokens=5, ignore_eos=True, logprobs=3))
+    await engine.free_context(cid)
+    assert result.logprobs is not None and len(result.logprobs) == 5
+    model = _hf_model(gqa_model)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + result.token_ids])).logits[0].float()
+    reference = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+    for step, lp in enumerate(result.logprobs):
+        assert lp.token_id == result.token_ids[step]
+        assert lp.logprob == pytest.approx(reference[step, lp.token_id].item(), abs=1e-4)
+        values, ids = reference[step].topk(3)
+        assert [t for t, _ in lp.top] == ids.tolist()  # greedy: the token is the top one
+        assert [v for _, v in lp.top] == pytest.approx(values.tolist(), abs=1e-4)
+
+
+async def test_logprobs_report_the_model_not_the_mask(tiny: LLMEngine) -> None:
+    cid = next(_ids)
+    await tiny.fill(cid, tiny.tokenizer.encode("Pick:"))
+    guided = GuidedDecoding("choice", ("zebra",))
+    r = await tiny.generate(cid, SamplingParams(max_tokens=10, guided=guided, logprobs=0))
+    await tiny.free_context(cid)
+    assert r.text == "zebra" and r.logprobs is not None and len(r.logprobs) == len(r.token_ids)
+    assert all(lp.top == () and lp.logprob < 0 for lp in r.logprobs)  # forced tokens keep the model's odds
+
+
+async def test_guided_decoding_and_logprobs_over_the_engine_api(tiny: LLMEngine) -> None:
+    transport = httpx.ASGITransport(app=create_engine_app(tiny, cluster_token="t"))
+    async with httpx.AsyncClient(
+        transport=transport, base_url="http://engine", headers={"Authorization": "Bearer t"}
+    ) as client:
+        cid = next(_ids)
+        await client.post("/fill", json={"context_id": cid, "text": "Number:"})
+        sampling = {"max_tokens": 20, "guided": {"kind": "regex", "value": r"\d{2,4}"}, "logprobs": 2}
+        for stream in (False, True):
+            r = await client.post(
+                "/generate",
+                json={
+                    "context_id": next(_ids),
+                    "parent_context_id": cid,
+                    "sampling": sampling,
+                    "stream": stream,
+                },
+            )
+            assert r.status_code == 200
+            body = (
+                r.json()
+                if not stream
+                else json.loads(r.text.strip().split("\n\n")[-2].removeprefix("data: "))
+            )
+            result = result_of(EngineGenerateResponse.model_validate(body))
+            assert re.fullmatch(r"\d{2,4}", result.text)
+            assert result.logprobs is not None and all(len(lp.top) == 2 for lp in result.logprobs)
+        bad = {"max_tokens": 5, "guided": {"kind": "regex", "value": "((("}}
+        r = await client.post(
+            "/generate", json={"context_id": next(_ids), "parent_context_id": cid, "sampling": bad}
+        )
+        assert r.status_code == 400 and "cannot be compiled" in r.json()["error"]["message"]
