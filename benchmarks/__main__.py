@@ -12,9 +12,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import output_root
 from benchmarks.experiments import EXPERIMENTS, Experiment
-from benchmarks.report import DOCS_DIR, write_report
-from benchmarks.runner import RESULTS_DIR, RunOptions, load_records, run_all, select
+from benchmarks.report import write_report
+from benchmarks.runner import RunOptions, load_records, run_all, select
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -35,8 +36,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     run.add_argument("--timeout", type=float, default=3600.0, help="seconds one experiment may take")
     for p in (run, sub.add_parser("report", help="re-render docs/benchmarks.md from the results")):
-        p.add_argument("--results", type=Path, default=RESULTS_DIR, help="results folder")
-        p.add_argument("--docs", type=Path, default=DOCS_DIR, help="folder of the page and its img/")
+        # Defaults under the current directory (the checkout's root, run from there), not the package's.
+        p.add_argument(
+            "--results",
+            type=Path,
+            default=output_root() / "benchmarks" / "results",
+            help="results folder (default: %(default)s)",
+        )
+        p.add_argument(
+            "--docs",
+            type=Path,
+            default=output_root() / "docs",
+            help="folder of the page and its img/ (default: %(default)s)",
+        )
     sub.add_parser("list", help="the experiments, their paper figures and backends")
     return parser.parse_args(argv)
 

@@ -26,7 +26,16 @@ from workload_text import stdlib_text  # the workload text, here for the benchma
 
 Config = TypeVar("Config")
 
+# Where this code lives: the checkout (git reads its commit there, the experiments run from there), or
+# site-packages when installed as a wheel — never where results are written (`output_root`).
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def output_root() -> Path:
+    """Where results (``benchmarks/results/``) and the page (``docs/``) go unless told otherwise: the
+    current directory — the checkout's root when run from there, as the README does; an installed package's
+    own folder would be site-packages."""
+    return Path.cwd()
 
 
 # ----------------------------------------------------------------------------------------------- machine

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from benchmarks.common import REPO_ROOT, machine_info, write_json
+from benchmarks.common import REPO_ROOT, machine_info, output_root, write_json
 from benchmarks.experiments import EXPERIMENTS, Experiment, by_name
 
 Size = Literal["full", "quick", "tiny"]
-RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+RESULTS_DIR = output_root() / "benchmarks" / "results"  # `--results` changes it
 SIZE_FLAGS: dict[Size, tuple[str, ...]] = {"full": (), "quick": ("--quick",), "tiny": ()}
 
 
@@ -115,9 +115,10 @@ def _model_config(model: str) -> dict[str, Any]:
 
 def run_one(experiment: Experiment, options: RunOptions, machine: dict[str, Any]) -> dict[str, Any]:
     """Run one experiment's script; return (and write) its record, failed or not."""
-    options.results_dir.mkdir(parents=True, exist_ok=True)
-    json_path = options.results_dir / f"{experiment.name}.payload.json"
-    log_path = options.results_dir / f"{experiment.name}.log"
+    results_dir = options.results_dir.resolve()  # the script runs in REPO_ROOT: a relative path would move
+    results_dir.mkdir(parents=True, exist_ok=True)
+    json_path = results_dir / f"{experiment.name}.payload.json"
+    log_path = results_dir / f"{experiment.name}.log"
     json_path.unlink(missing_ok=True)
     argv = command(experiment, options, json_path)
     started = datetime.datetime.now(datetime.UTC)
@@ -165,7 +166,7 @@ def run_one(experiment: Experiment, options: RunOptions, machine: dict[str, Any]
         record["payload"] = json.loads(json_path.read_text())
         json_path.unlink()
     record["ok"] = "error" not in record
-    write_json(options.results_dir / f"{experiment.name}.json", record)
+    write_json(results_dir / f"{experiment.name}.json", record)
     return record
 
 

@@ -10,8 +10,8 @@ engine with the same token ids.
 The server publishes each model's chat template in its ``GET /v1/models`` card, so `ChatFormat.from_card`
 (what `ChatParrot` uses when given no ``chat_format``) renders with it — sandboxed Jinja, set up as
 `transformers` sets up its own — and needs no local copy of the tokenizer. A tokenizer you have works too:
-`ChatFormat.from_pretrained` (a local Hugging Face folder; `TINY_MODEL_DIR` is the embedded "tiny" model in
-a source checkout) or `ChatFormat.from_tokenizer` (a tokenizer object).
+`ChatFormat.from_pretrained` (a local Hugging Face folder; `TINY_MODEL_DIR` is the embedded "tiny" model of
+the installed service) or `ChatFormat.from_tokenizer` (a tokenizer object).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +27,18 @@ from langchain_parrot.errors import UnsupportedInputError
 
 __all__ = ["TINY_MODEL_DIR", "ChatFormat"]
 
-TINY_MODEL_DIR = Path(__file__).resolve().parents[2] / "server" / "engine" / "tiny"
-"""The folder of the embedded "tiny" model's tokenizer (in a source checkout of Parrot serve)."""
+
+def _tiny_model_dir() -> Path:
+    # Located in the installed `server` package (a wheel's site-packages or a checkout) by find_spec, which
+    # runs no code: importing `server.engine.tiny` would import torch; this adapter never loads the service.
+    spec = find_spec("server")
+    if spec is None or not spec.submodule_search_locations:  # no service installed: a checkout's layout
+        return Path(__file__).resolve().parents[2] / "server" / "engine" / "tiny"
+    return Path(next(iter(spec.submodule_search_locations))) / "engine" / "tiny"
+
+
+TINY_MODEL_DIR = _tiny_model_dir()
+"""The folder of the embedded "tiny" model's tokenizer (in the installed Parrot serve)."""
 
 # Contents a transparent chat template inserts verbatim; a template that strips or rewrites message
 # contents changes them (then a value produced server-side cannot be dropped into the rendered text as is).
