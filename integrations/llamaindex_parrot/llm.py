@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import llama_index.core.instrumentation as instrument
 import parrot as P
@@ -31,7 +31,7 @@ from llama_index.core.base.llms.types import (
     LLMMetadata,
     MessageRole,
 )
-from llama_index.core.bridge.pydantic import Field
+from llama_index.core.bridge.pydantic import Field, PrivateAttr, field_validator, model_validator
 from llama_index.core.indices.prompt_helper import PromptHelper
 from llama_index.core.instrumentation.events.llm import (
     LLMPredictEndEvent,
@@ -46,9 +46,12 @@ from llama_index.core.program.llm_program import LLMTextCompletionProgram
 from llama_index.core.prompts import BasePromptTemplate
 from llama_index.core.types import Model, PydanticProgramMode, TokenAsyncGen, TokenGen
 from parrot.protocol import SamplingConfig
+from parrot.sampling import checked
+from parrot.tokens import ServerTokenizer
+from parrot.urls import BASE_URL_ENV, DEFAULT_BASE_URL, server_root
 
 from llamaindex_parrot.completions import OpenAIEndpoint, chat_body, choice_text, completion_body, delta_text
-from llamaindex_parrot.server_info import served_model
+from llamaindex_parrot.server_info import ServedModel, served_model
 from llamaindex_parrot.unrendered import UnrenderedCall, Value, unrender
 
 __all__ = ["ParrotLLM"]
@@ -63,27 +66,40 @@ DEFAULT_MAX_TOKENS = 256
 
 
 class ParrotLLM(LLM):
-    """A LlamaIndex LLM on a Parrot server (``base_url``, e.g. ``server.launch(...).url``).
+    """A LlamaIndex LLM on a Parrot server (``api_base``, e.g. ``server.launch(...).url``).
 
-    ``model`` names the served model (None: the server's choice). ``context_window`` defaults to the
-    server's; a smaller one packs prompts for a smaller window. Unless both are given, the LLM asks the
-    server once, at construction (``GET /v1/engines``: an unreachable server raises
-    `parrot.ConnectionError` naming the URL, a window over the server's raises `ValueError`).
+    ``api_base`` (first positional argument; ``base_url`` is an alias; default ``$PARROT_BASE_URL``, else
+    ``http://127.0.0.1:9000``) is the server's root or, as LlamaIndex's ``OpenAILike`` takes it, its
+    ``/v1``. ``model`` names the served model (None: the server's choice). ``context_window`` defaults to
+    the server's; a smaller one packs prompts for a smaller window. Constructing the LLM sends nothing:
+    unless both are given, the LLM asks the server once, on first use of `metadata` or `prompt_helper`
+    (``GET /v1/models``: an unreachable server raises `parrot.ConnectionError` naming the URL, an unknown
+    model or a window over the server's raises `ValueError`).
     ``max_tokens`` is the output length of every call and the ``num_output`` LlamaIndex reserves for it.
-    Sampling defaults to greedy (``temperature=0``), so outputs are reproducible.
+    Sampling defaults to greedy (``temperature=0``), so outputs are reproducible; values the engine would
+    refuse (``temperature=-1``, ``top_p=0``, ``max_tokens=0``) raise at construction.
 
     ``unrendered=False`` makes ``predict`` & co. render on the client and send one ``/v1/completions``
     request per call, like any OpenAI-style LLM (the request-centric baseline of the benchmarks).
-    ``tokenizer`` (``text -> token ids``, e.g. `llamaindex_parrot.load_tokenizer`) is what
-    `prompt_helper` counts with; use the engine's so LlamaIndex packs prompts by the server's tokens.
+    ``tokenizer`` is what `prompt_helper` counts with: ``"server"`` for the served model's own tokenizer
+    (the server's ``POST /tokenize``, answers cached), a ``text -> token ids`` function (e.g.
+    `llamaindex_parrot.load_tokenizer` on the model's files), or None for LlamaIndex's global tokenizer.
     ``timeout`` bounds each HTTP request, ``get_timeout`` the wait for a call's value (None: no bound).
     ``api_key`` (default: ``$PARROT_API_KEY``) is sent to a server whose OpenAI routes require one.
     """
 
-    base_url: str = Field(description="The Parrot server's base URL, e.g. http://127.0.0.1:9000.")
+    api_base: str = Field(
+        default_factory=lambda: os.environ.get(BASE_URL_ENV) or DEFAULT_BASE_URL,
+        validate_default=True,
+        description="The Parrot server, e.g. http://127.0.0.1:9000 (or .../v1); kept as its root.",
+    )
     model: str | None = Field(default=None, description="The served model to use (None: the server's).")
-    model_name: str = Field(default="parrot", description="The model's name as the server reports it.")
-    context_window: int = Field(gt=0, description="Tokens of prompt plus output the model takes.")
+    model_name: str | None = Field(
+        default=None, description="The model's name as the server reports it (None: asked on first use)."
+    )
+    context_window: int | None = Field(
+        default=None, gt=0, description="Tokens of prompt plus output (None: the server's, on first use)."
+    )
     max_tokens: int = Field(default=DEFAULT_MAX_TOKENS, gt=0, description="Tokens generated per call.")
     temperature: float = Field(default=0.0, ge=0.0, description="Sampling temperature; 0 is greedy.")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
@@ -99,59 +115,96 @@ class ParrotLLM(LLM):
     )
     get_timeout: float | None = Field(default=600.0, description="Seconds to wait for a call's value.")
     unrendered: bool = Field(default=True, description="Send prompt templates unrendered (semantic calls).")
-    tokenizer: Callable[[str], list] | None = Field(
+    tokenizer: Callable[[str], list] | Literal["server"] | None = Field(
         default=None, exclude=True, description="Token counter for LlamaIndex's prompt packing."
     )
 
-    def __init__(self, base_url: str, *, context_window: int | None = None, **kwargs: Any) -> None:
-        if not base_url.startswith(("http://", "https://")):
-            raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}")
-        base_url = base_url.rstrip("/")
-        model = kwargs.get("model")
-        if context_window is None or model is None:
-            api_key = kwargs.get("api_key", os.environ.get("PARROT_API_KEY") or None)
-            served = served_model(base_url, model, kwargs.get("timeout", 60.0), api_key)
-            if context_window is None:
-                context_window = served.context_window
-            elif context_window > served.context_window:
-                raise ValueError(
-                    f"context_window={context_window} is over the {served.context_window} tokens that "
-                    f"{served.name!r} takes at {base_url}: pass at most {served.context_window}"
-                )
-            kwargs.setdefault("model_name", served.name)
-        else:
-            kwargs.setdefault("model_name", model)
-        super().__init__(base_url=base_url, context_window=context_window, **kwargs)
+    _served: tuple[tuple[str, str | None], ServedModel] | None = PrivateAttr(default=None)
+    _server_tokenizer: ServerTokenizer | None = PrivateAttr(default=None)
+
+    def __init__(self, api_base: str | None = None, *, base_url: str | None = None, **kwargs: Any) -> None:
+        if api_base is not None and base_url is not None and server_root(api_base) != server_root(base_url):
+            raise ValueError(
+                f"api_base={api_base!r} and base_url={base_url!r} name different servers: give one of them"
+            )
+        url = api_base if api_base is not None else base_url
+        if url is not None:
+            kwargs["api_base"] = url
+        super().__init__(**kwargs)
+
+    @field_validator("api_base")
+    @classmethod
+    def _server_root(cls, url: str) -> str:
+        return server_root(url, what="api_base")
+
+    @model_validator(mode="after")
+    def _check_sampling(self) -> ParrotLLM:
+        # The Field bounds cover the numbers; seeds and stop strings the engine refuses are caught here.
+        self.sampling()
+        return self
 
     @classmethod
     def class_name(cls) -> str:
         return "ParrotLLM"
 
     @property
+    def base_url(self) -> str:
+        """The server's root URL (`api_base`; the name the parrot client and LangChain use)."""
+        return self.api_base
+
+    def served(self) -> ServedModel:
+        """The model this LLM calls and its context window. Unless both ``model`` and ``context_window``
+        were given, the server is asked on first use, once per server and model. Raises
+        `parrot.ConnectionError` for an unreachable server and `ValueError` for a model it does not serve
+        or a ``context_window`` over the model's."""
+        if self.model is not None and self.context_window is not None:
+            return ServedModel(self.model, self.context_window)  # nothing to ask
+        key = (self.api_base, self.model)  # a `model_copy` may point elsewhere: its own answer
+        if self._served is None or self._served[0] != key:
+            self._served = (key, served_model(self.api_base, self.model, self.timeout, self.api_key))
+        served = self._served[1]
+        if self.context_window is not None and self.context_window > served.context_window:
+            raise ValueError(
+                f"context_window={self.context_window} is over the {served.context_window} tokens that "
+                f"{served.name!r} takes at {self.api_base}: pass at most {served.context_window}"
+            )
+        return served
+
+    @property
     def metadata(self) -> LLMMetadata:
-        """The server's context window and model; ``num_output`` is ``max_tokens``. Not a chat model:
-        LlamaIndex picks its text prompts, which `predict` sends unrendered."""
+        """The server's context window and model (see `served`); ``num_output`` is ``max_tokens``. Not a
+        chat model: LlamaIndex picks its text prompts, which `predict` sends unrendered."""
+        served = self.served()
         return LLMMetadata(
-            context_window=self.context_window,
+            context_window=self.context_window or served.context_window,
             num_output=self.max_tokens,
             is_chat_model=False,
             is_function_calling_model=False,
-            model_name=self.model_name,
+            model_name=self.model_name or served.name,
         )
 
     @property
     def _endpoint(self) -> OpenAIEndpoint:
         # Built on use (it holds no connection), so a `model_copy` with another URL or timeout is right.
-        return OpenAIEndpoint(self.base_url, self.timeout, self.api_key)
+        return OpenAIEndpoint(self.api_base, self.timeout, self.api_key)
+
+    def tokenize(self, text: str) -> list[int]:
+        """The token ids of ``text`` under the served model's tokenizer (``POST /tokenize``, no special
+        tokens; answers cached): what ``tokenizer="server"`` counts with."""
+        if self._server_tokenizer is None or self._server_tokenizer.model != self.model:
+            self._server_tokenizer = ServerTokenizer(self._endpoint.post, self.model)
+        return self._server_tokenizer.encode(text)
 
     def prompt_helper(self, **kwargs: Any) -> PromptHelper:
         """LlamaIndex's `PromptHelper` for this LLM: its window and output length, counting tokens with
-        ``tokenizer`` (LlamaIndex's global tokenizer when None). ``kwargs`` go to
-        `PromptHelper.from_llm_metadata` (``chunk_overlap_ratio``, ``chunk_size_limit``, ...)."""
-        return PromptHelper.from_llm_metadata(self.metadata, tokenizer=self.tokenizer, **kwargs)
+        ``tokenizer`` (the server's for ``"server"``, LlamaIndex's global tokenizer when None). ``kwargs``
+        go to `PromptHelper.from_llm_metadata` (``chunk_overlap_ratio``, ``chunk_size_limit``, ...)."""
+        tokenizer = self.tokenize if self.tokenizer == "server" else self.tokenizer
+        return PromptHelper.from_llm_metadata(self.metadata, tokenizer=tokenizer, **kwargs)
 
     def sampling(self, **overrides: Any) -> SamplingConfig:
-        """The sampling of a call: this LLM's settings with per-call ``overrides`` (see SAMPLING_OPTIONS)."""
+        """The sampling of a call: this LLM's settings with per-call ``overrides`` (see SAMPLING_OPTIONS).
+        Raises `ValueError` for a value the engine would refuse, before anything is sent."""
         if unknown := sorted(set(overrides) - set(SAMPLING_OPTIONS)):
             raise TypeError(
                 f"ParrotLLM does not take {unknown}; per-call options are {list(SAMPLING_OPTIONS)}"
@@ -160,7 +213,7 @@ class ParrotLLM(LLM):
         options.update(overrides)
         if isinstance(options["stop"], str):
             options["stop"] = [options["stop"]]
-        return SamplingConfig(**options)
+        return checked(SamplingConfig(**options), where="ParrotLLM: ")
 
     # ------------------------------------------------------------------------------- unrendered calls
     def unrendered_call(
@@ -174,7 +227,7 @@ class ParrotLLM(LLM):
         )
 
     def _session(self) -> P.Session:
-        return P.Session(self.base_url, timeout=self.timeout)
+        return P.Session(self.api_base, timeout=self.timeout)
 
     def _run(self, call: UnrenderedCall, sampling: SamplingConfig) -> str:
         with self._session():

@@ -2,8 +2,9 @@
 
 LlamaIndex decides how many chunks fit in a prompt by counting tokens (`PromptHelper`, the node
 splitters); by default it counts with tiktoken's GPT-3.5 encoding. Counting with the engine's own
-tokenizer makes those decisions match what the server will actually fill. The server does not publish its
-tokenizer over HTTP, so give the file (for the embedded "tiny" model: ``server.engine.tiny.TOKENIZER_DIR``).
+tokenizer makes those decisions match what the server will actually fill. `ParrotLLM(tokenizer="server")`
+asks the server itself (``POST /tokenize``, one request per new text); this reads the model's own file
+instead, with no request at all (for the embedded "tiny" model: ``server.engine.tiny.TOKENIZER_DIR``).
 """
 
 from __future__ import annotations

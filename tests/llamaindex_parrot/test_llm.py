@@ -150,6 +150,8 @@ async def test_astructured_predict_parses_a_json_answer(llm: ParrotLLM, prompts:
 
 
 def test_missing_variable_sends_nothing(llm: ParrotLLM, traffic: Traffic) -> None:
+    assert llm.metadata.context_window  # the model card, read once on first use (LlamaIndex reads it)
+    traffic.take()
     with pytest.raises(MissingTemplateVariableError, match="query_str"):
         llm.predict(DEFAULT_TEXT_QA_PROMPT_SEL, context_str="only the context")
     assert not traffic.take()
@@ -162,9 +164,11 @@ def test_unknown_sampling_option_is_refused(llm: ParrotLLM) -> None:
 
 def test_unreachable_server_is_named_quickly(dead_url: str) -> None:
     started = time.perf_counter()
+    lazy = ParrotLLM(dead_url)  # constructing asks the server nothing
     with pytest.raises(P.ConnectionError, match=dead_url):
-        ParrotLLM(dead_url)
-    offline = ParrotLLM(dead_url, model="tiny", context_window=512)  # asks the server nothing
+        lazy.metadata  # noqa: B018 - the first use asks for the model card
+    offline = ParrotLLM(dead_url, model="tiny", context_window=512)  # never needs to ask
+    assert offline.metadata.context_window == 512
     with pytest.raises(P.ConnectionError, match=dead_url):
         offline.predict(DEFAULT_TEXT_QA_PROMPT_SEL, **QA)
     with pytest.raises(P.ConnectionError, match=dead_url):
@@ -172,11 +176,11 @@ def test_unreachable_server_is_named_quickly(dead_url: str) -> None:
     assert time.perf_counter() - started < 10
 
 
-def test_unknown_model_and_oversized_window_are_refused(served: LaunchedServer) -> None:
+def test_unknown_model_and_oversized_window_are_refused_on_first_use(served: LaunchedServer) -> None:
     with pytest.raises(ValueError, match=r"does not serve model 'gpt-4'.*'tiny'"):
-        ParrotLLM(served.url, model="gpt-4")
+        ParrotLLM(served.url, model="gpt-4").metadata  # noqa: B018 - the first use asks the server
     with pytest.raises(ValueError, match="context_window=9000 is over the 4096 tokens"):
-        ParrotLLM(served.url, context_window=9000)
+        ParrotLLM(served.url, context_window=9000).prompt_helper()
     assert ParrotLLM(served.url, context_window=1000).metadata.model_name == "tiny"
 
 

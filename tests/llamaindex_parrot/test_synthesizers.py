@@ -190,6 +190,8 @@ def test_streaming_gives_the_answer(small_llm: ParrotLLM, chunks: list[str]) -> 
 
 
 def test_empty_nodes(small_llm: ParrotLLM, traffic: Traffic) -> None:
+    assert small_llm.metadata.context_window  # the model card, read once on first use
+    traffic.take()
     for cls in (ParrotRefine, ParrotCompactAndRefine, ParrotTreeSummarize):
         with pytest.raises(EmptyNodesError, match="no nodes"):
             cls(llm=small_llm).synthesize(QUERY, [])
