@@ -24,8 +24,8 @@ from langchain_core.utils import from_env, secret_from_env
 from parrot.protocol import SamplingConfig
 from parrot.sampling import check_sampling
 from parrot.tokens import ServerTokenizer
-from parrot.urls import BASE_URL_ENV, DEFAULT_BASE_URL, server_root
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, field_validator, model_validator
+from parrot.urls import BASE_URL_ENV, DEFAULT_BASE_URL, ServerURL
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, model_validator
 
 from langchain_parrot._http import ServerConnection
 
@@ -93,7 +93,7 @@ class ParrotModelBase(BaseModel):
 
     model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
 
-    base_url: str = Field(
+    base_url: ServerURL = Field(
         default_factory=from_env(BASE_URL_ENV, default=DEFAULT_BASE_URL), validate_default=True
     )
     """The Parrot server (env ``PARROT_BASE_URL``; default ``http://127.0.0.1:9000``): its root or, as
@@ -129,23 +129,9 @@ class ParrotModelBase(BaseModel):
     _connection: ServerConnection | None = PrivateAttr(default=None)
     _tokenizer: ServerTokenizer | None = PrivateAttr(default=None)
 
-    @field_validator("base_url")
-    @classmethod
-    def _server_root(cls, url: str) -> str:
-        # One spelling of the server, whichever the user gave: requests, `compile_chain`'s "one server"
-        # check and serialization all see the same root.
-        return server_root(url, what="base_url")
-
     @model_validator(mode="after")
     def _check_sampling(self) -> ParrotModelBase:
-        check_sampling(
-            max_tokens=self.max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            seed=self.seed,
-            stop=self.stop,
-        )
+        self.call_params()  # the fields as a call without arguments takes them: checked there
         return self
 
     @property
@@ -191,16 +177,9 @@ class ParrotModelBase(BaseModel):
             stop=list(stop if stop is not None else (self.stop or [])),
             ignore_eos=given.get("ignore_eos", self.ignore_eos),
         )
-        # A bound or per-call value (``.bind(temperature=-1)``) is refused before any request goes out.
-        check_sampling(
-            max_tokens=params.max_tokens,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k,
-            seed=params.seed,
-            stop=params.stop,
-            where=f"{type(self).__name__}: ",
-        )
+        # Refused before any request goes out: a field's value when the model is made, a bound or per-call
+        # one (``.bind(temperature=-1)``) when it is called.
+        check_sampling(params, where=f"{type(self).__name__}: ")
         return params
 
     def get_token_ids(self, text: str) -> list[int]:

@@ -31,7 +31,7 @@ from llama_index.core.base.llms.types import (
     LLMMetadata,
     MessageRole,
 )
-from llama_index.core.bridge.pydantic import Field, PrivateAttr, field_validator, model_validator
+from llama_index.core.bridge.pydantic import Field, PrivateAttr, model_validator
 from llama_index.core.indices.prompt_helper import PromptHelper
 from llama_index.core.instrumentation.events.llm import (
     LLMPredictEndEvent,
@@ -46,9 +46,9 @@ from llama_index.core.program.llm_program import LLMTextCompletionProgram
 from llama_index.core.prompts import BasePromptTemplate
 from llama_index.core.types import Model, PydanticProgramMode, TokenAsyncGen, TokenGen
 from parrot.protocol import SamplingConfig
-from parrot.sampling import checked
+from parrot.sampling import check_sampling
 from parrot.tokens import ServerTokenizer
-from parrot.urls import BASE_URL_ENV, DEFAULT_BASE_URL, server_root
+from parrot.urls import BASE_URL_ENV, DEFAULT_BASE_URL, ServerURL, server_root
 
 from llamaindex_parrot.completions import OpenAIEndpoint, chat_body, choice_text, completion_body, delta_text
 from llamaindex_parrot.server_info import ServedModel, served_model
@@ -88,7 +88,7 @@ class ParrotLLM(LLM):
     ``api_key`` (default: ``$PARROT_API_KEY``) is sent to a server whose OpenAI routes require one.
     """
 
-    api_base: str = Field(
+    api_base: ServerURL = Field(
         default_factory=lambda: os.environ.get(BASE_URL_ENV) or DEFAULT_BASE_URL,
         validate_default=True,
         description="The Parrot server, e.g. http://127.0.0.1:9000 (or .../v1); kept as its root.",
@@ -131,11 +131,6 @@ class ParrotLLM(LLM):
         if url is not None:
             kwargs["api_base"] = url
         super().__init__(**kwargs)
-
-    @field_validator("api_base")
-    @classmethod
-    def _server_root(cls, url: str) -> str:
-        return server_root(url, what="api_base")
 
     @model_validator(mode="after")
     def _check_sampling(self) -> ParrotLLM:
@@ -213,7 +208,9 @@ class ParrotLLM(LLM):
         options.update(overrides)
         if isinstance(options["stop"], str):
             options["stop"] = [options["stop"]]
-        return checked(SamplingConfig(**options), where="ParrotLLM: ")
+        config = SamplingConfig(**options)
+        check_sampling(config, where="ParrotLLM: ")
+        return config
 
     # ------------------------------------------------------------------------------- unrendered calls
     def unrendered_call(

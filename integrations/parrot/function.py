@@ -25,7 +25,7 @@ from parrot.protocol import (
     parse_template,
     placeholder_names,
 )
-from parrot.sampling import checked
+from parrot.sampling import check_sampling
 from parrot.session import current_session
 from parrot.variable import Variable
 
@@ -201,7 +201,7 @@ class SemanticFunction:
                 sampling[name] = SamplingConfig.model_validate({**base.model_dump(), **override})
         # Refused here, at definition, rather than by the engine when a `get` finally runs the call.
         for name, config in sampling.items():
-            checked(config, where=f"semantic function {self.name}(), output {name!r}: ")
+            check_sampling(config, where=f"semantic function {self.name}(), output {name!r}: ")
         return sampling
 
     def _input_spec(self, name: str, value: Any) -> tuple[PlaceholderSpec, Variable | None]:

@@ -13,45 +13,25 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from parrot.protocol import SamplingConfig
-
-__all__ = ["SEED_RANGE", "check_sampling", "checked"]
+__all__ = ["SEED_RANGE", "check_sampling"]
 
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
 """The seeds the engine takes (what ``torch.Generator.manual_seed`` accepts: a 64-bit integer)."""
 
+_CHECKED = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 
-def check_sampling(
-    *,
-    max_tokens: int | None = None,
-    temperature: float | None = None,
-    top_p: float | None = None,
-    top_k: int | None = None,
-    seed: int | None = None,
-    stop: Sequence[str] | None = None,
-    where: str = "",
-) -> None:
-    """Raise `ValueError` naming the first parameter the engine would refuse (None: not given, not checked).
 
-    ``where`` prefixes the message (e.g. ``"ChatParrot: "``) so the error names what was being defined.
+def check_sampling(params: object, *, where: str = "") -> None:
+    """Raise `ValueError` naming the first sampling parameter of ``params`` the engine would refuse.
+
+    ``params`` is a `parrot.protocol.SamplingConfig` or anything with its attributes (a LangChain model's
+    fields, a call's resolved parameters); an attribute that is missing or None is not given, and not
+    checked. ``where`` prefixes the message (e.g. ``"ChatParrot: "``) so the error names what was being
+    defined.
     """
-    problem = _problem(max_tokens, temperature, top_p, top_k, seed, stop)
+    problem = _problem(*(getattr(params, name, None) for name in _CHECKED))
     if problem is not None:
         raise ValueError(f"{where}{problem}")
-
-
-def checked(config: SamplingConfig, where: str = "") -> SamplingConfig:
-    """``config`` after `check_sampling` of its fields (for chaining)."""
-    check_sampling(
-        max_tokens=config.max_tokens,
-        temperature=config.temperature,
-        top_p=config.top_p,
-        top_k=config.top_k,
-        seed=config.seed,
-        stop=config.stop,
-        where=where,
-    )
-    return config
 
 
 def _problem(

@@ -4,14 +4,17 @@ OpenAI-style clients are configured with the API's base, ``http://host:9000/v1``
 off the server root (``/v1/sessions``, ``/v1/chat/completions``, but also ``/tokenize`` and ``/health``,
 which are not under ``/v1``). `server_root` accepts both spellings, with or without a trailing slash, and
 returns the root every client here appends its paths to. It is the one place the `parrot` client and the
-LangChain and LlamaIndex adapters check and normalise a URL.
+LangChain and LlamaIndex adapters check and normalise a URL (`ServerURL` for their pydantic fields).
 """
 
 from __future__ import annotations
 
+from typing import Annotated
 from urllib.parse import urlsplit
 
-__all__ = ["BASE_URL_ENV", "DEFAULT_BASE_URL", "server_root"]
+from pydantic import AfterValidator
+
+__all__ = ["BASE_URL_ENV", "DEFAULT_BASE_URL", "ServerURL", "server_root"]
 
 DEFAULT_BASE_URL = "http://127.0.0.1:9000"
 """Where the adapters look for a server when given no URL (``python -m server``'s default port)."""
@@ -42,3 +45,8 @@ def server_root(url: str, *, what: str = "the server URL") -> str:
     if path.endswith(_API_PREFIX):
         path = path[: -len(_API_PREFIX)].rstrip("/")
     return f"{parts.scheme}://{parts.netloc}{path}"
+
+
+ServerURL = Annotated[str, AfterValidator(server_root)]
+"""A pydantic field type for a server URL: checked and kept as its root (`server_root`), so that requests,
+comparisons and serialization all see one spelling of the server."""

@@ -60,7 +60,7 @@ def test_a_chain_over_both_spellings_is_one_server(served: LaunchedServer, chat_
 
 
 def test_a_bad_base_url_fails_at_construction() -> None:
-    with pytest.raises(ValueError, match="base_url must start with http:// or https://"):
+    with pytest.raises(ValueError, match=r"(?s)base_url.*must start with http:// or https://"):
         ChatParrot(base_url="parrot.invalid:9000")
 
 
