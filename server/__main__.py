@@ -23,6 +23,8 @@ from typing import Any
 
 from server.cli import (
     DefaultsHelpFormatter,
+    add_listen_args,
+    add_memory_args,
     bind_listener,
     exit_if_extra_missing,
     exit_with_error,
@@ -132,8 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="ARG",
         help="an argument for each vLLM server (repeat: --ray-vllm-arg=--dtype --ray-vllm-arg=bfloat16)",
     )
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    p.add_argument("--port", type=int, default=9000, help="port to listen on (0: a free one, logged)")
+    add_listen_args(p, port=9000)
     p.add_argument("--session-ttl", type=float, default=600.0, help="seconds an idle session is kept")
     p.add_argument(
         "--drain-timeout",
@@ -141,15 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         default=30.0,
         help="on SIGTERM: new sessions and calls get 503; running steps get this long to finish",
     )
-    p.add_argument(
-        "--num-kv-blocks", type=int, default=None, help="KV blocks per engine (default: what fits its memory)"
-    )
-    p.add_argument(
-        "--dtype",
-        default=None,
-        choices=["float32", "float16", "bfloat16"],
-        help="weights and activations (default: per device, see EngineConfig.dtype)",
-    )
+    add_memory_args(p)
     p.add_argument(
         "--max-running-tokens",
         type=int,

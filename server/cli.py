@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 __all__ = [
     "USAGE_ERROR",
     "DefaultsHelpFormatter",
+    "add_listen_args",
+    "add_memory_args",
     "bind_listener",
     "exit_if_extra_missing",
     "exit_with_error",
@@ -74,6 +76,25 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
         if not action.option_strings or nothing or "default" in text:
             return text
         return f"{text} (default: %(default)s)"
+
+
+def add_listen_args(parser: argparse.ArgumentParser, port: int) -> None:
+    """``--host`` and ``--port`` (default ``port``), which `bind_listener` binds."""
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    parser.add_argument("--port", type=int, default=port, help="port to listen on (0: a free one, logged)")
+
+
+def add_memory_args(parser: argparse.ArgumentParser) -> None:
+    """``--num-kv-blocks`` and ``--dtype``: each engine's KV cache size and number format."""
+    parser.add_argument(
+        "--num-kv-blocks", type=int, default=None, help="KV cache blocks of each engine (default: what fits)"
+    )
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "float16", "bfloat16"],
+        help="weights and activations (default: per device, see EngineConfig.dtype)",
+    )
 
 
 def bind_listener(prog: str, host: str, port: int) -> socket.socket:

@@ -17,7 +17,15 @@ import functools
 import logging
 import sys
 
-from server.cli import DefaultsHelpFormatter, bind_listener, exit_with_error, program_name, serve
+from server.cli import (
+    DefaultsHelpFormatter,
+    add_listen_args,
+    add_memory_args,
+    bind_listener,
+    exit_with_error,
+    program_name,
+    serve,
+)
 from server.engine.config import ENGINE_ROLES, EngineConfig
 from server.engine.engine import LLMEngine
 from server.engine.manager_link import ManagerLink
@@ -33,18 +41,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog=_prog(), description=__doc__.split("\n")[0], formatter_class=DefaultsHelpFormatter
     )
     p.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    p.add_argument("--port", type=int, default=9100, help="port to listen on (0: a free one, logged)")
+    add_listen_args(p, port=9100)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument(
-        "--dtype",
-        default=None,
-        choices=["float32", "float16", "bfloat16"],
-        help="weights and activations (default: per device, see EngineConfig.dtype)",
-    )
-    p.add_argument(
-        "--num-kv-blocks", type=int, default=None, help="KV cache blocks (default: what fits its memory)"
-    )
+    add_memory_args(p)
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument(
         "--max-num-batched-tokens", type=int, default=2048, help="tokens one step computes at most"
