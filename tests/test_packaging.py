@@ -17,6 +17,7 @@ import textwrap
 from pathlib import Path
 
 import httpx
+import parrot as P
 import pytest
 
 from server.security import CLUSTER_TOKEN_ENV
@@ -118,7 +119,7 @@ def test_the_wheel_not_the_checkout_is_imported(venv: Venv, elsewhere: Path) -> 
 
 def test_the_console_script_serves_the_tiny_model(venv: Venv, elsewhere: Path) -> None:
     """``parrot-serve --model tiny --port 0`` from a folder whose own ``server.py`` `python -m server` would
-    run instead: the script serves, on the port it logs."""
+    run instead: the script serves, on the port it logs, and its worker processes (transforms) start too."""
     (elsewhere / "server.py").write_text("raise SystemExit('the wrong server.py ran')\n")
     log = elsewhere / "server.log"
     with log.open("w") as out:
@@ -136,6 +137,13 @@ def test_the_console_script_serves_the_tiny_model(venv: Venv, elsewhere: Path) -
         r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 4
+        say = P.SemanticFunction.from_template(
+            "Say: {{output:o}}",
+            sampling=P.SamplingConfig(max_tokens=4, ignore_eos=True),
+            transforms={"o": [P.transforms.strip()]},
+        )
+        with P.Session(url, timeout=60):
+            assert isinstance(say().get(), str)  # the transform worker process did not import server.py
     finally:
         stop(proc)
 

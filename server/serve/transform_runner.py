@@ -31,6 +31,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
+from pathlib import Path
 from typing import IO, Any
 
 from parrot.protocol import TransformSpec
@@ -54,6 +55,7 @@ DEFAULT_WORKERS = 2
 # and not charged to any transform's time limit.
 WORKER_START_TIMEOUT_S = 60.0
 _READ_CHUNK = 1 << 16
+_PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder holding `server` (site-packages, a checkout)
 
 
 class _Worker:
@@ -62,6 +64,9 @@ class _Worker:
     def __init__(self, start_timeout_s: float) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "server.serve.transform_runner"],
+            # `-m` puts the working directory first on sys.path: run where our own `server` package is, so
+            # that a `server.py` in the user's directory (which `parrot-serve` is immune to) is not imported.
+            cwd=_PACKAGE_ROOT,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             # Its own session: a Ctrl-C meant for the server does not kill workers mid-transform; they
