@@ -7,6 +7,7 @@ This module imports nothing but pydantic, so a client install stays light.
 from __future__ import annotations
 
 import difflib
+import json
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -276,11 +277,14 @@ class TransformSpec(_Strict):
     pattern: str | None = None
     group: StrictInt | StrictStr | None = None  # strict: a bool or "1" is not a group number
     findall: bool = False
+    # ``json`` only: a JSON Schema the output is generated under (constrained decoding), so the text it
+    # parses is valid by construction. It must be the output's first transform.
+    json_schema: dict[str, object] | None = None
 
     # Which options each transform accepts; a ClassVar so it is not a wire field.
     OPTIONS: ClassVar[dict[str, frozenset[str]]] = {
         "strip": frozenset(),
-        "json": frozenset({"key"}),
+        "json": frozenset({"key", "json_schema"}),
         "csv_list": frozenset(),
         "regex": frozenset({"pattern", "group", "findall"}),
         "numbered_list": frozenset(),
@@ -291,7 +295,9 @@ class TransformSpec(_Strict):
 
     @model_validator(mode="after")
     def _check_options(self) -> TransformSpec:
-        given = {name for name in ("key", "pattern", "group") if getattr(self, name) is not None}
+        given = {
+            name for name in ("key", "pattern", "group", "json_schema") if getattr(self, name) is not None
+        }
         if self.findall:
             given.add("findall")
         allowed = self.OPTIONS[self.type]
@@ -667,7 +673,35 @@ def check_call(template: str, placeholders: Sequence[PlaceholderSpec]) -> list[T
                 f"output {name!r} asks for var_id {spec.var_id!r}: a variable id is 1-64 characters among "
                 "A-Z a-z 0-9 _ -"
             )
+        else:
+            _check_schema_transform(name, spec)
     return pieces
+
+
+def schema_guide(transforms: Sequence[TransformSpec]) -> GuidedConfig | None:
+    """The constraint an output's ``json`` transform with a schema puts on its generation, if it has one."""
+    schema = next((t.json_schema for t in transforms if t.json_schema is not None), None)
+    return None if schema is None else GuidedConfig(kind="json_schema", value=json.dumps(schema))
+
+
+def _check_schema_transform(name: str, spec: PlaceholderSpec) -> None:
+    """A schema'd ``json`` transform constrains the output text itself: it comes first (after ``strip`` at
+    most, which keeps JSON valid), and the output's sampling brings no other constraint."""
+    at = next((i for i, t in enumerate(spec.transforms) if t.json_schema is not None), None)
+    if at is None:
+        return
+    if any(t.type != "strip" for t in spec.transforms[:at]) or any(
+        t.json_schema is not None for t in spec.transforms[at + 1 :]
+    ):
+        raise CallError(
+            f"output {name!r}: a json transform with a schema constrains the generated text, so it must be "
+            "the output's first transform (after strip at most), and its only schema"
+        )
+    if spec.sampling is not None and spec.sampling.guided is not None:
+        raise CallError(
+            f"output {name!r} has both a json transform with a schema and guided sampling: keep one "
+            "constraint"
+        )
 
 
 # ------------------------------------------------------------------------------- sessions and variables

@@ -8,6 +8,10 @@ as LangChain's prompt templates render it).
 
 from __future__ import annotations
 
+from typing import Any
+
+from pydantic import BaseModel
+
 from parrot.protocol import TransformSpec
 
 __all__ = ["csv_list", "json", "markdown_list", "numbered_list", "regex", "render", "strip", "xml"]
@@ -18,9 +22,16 @@ def strip() -> TransformSpec:
     return TransformSpec(type="strip")
 
 
-def json(key: str | None = None) -> TransformSpec:
-    """Parse JSON (markdown-fence tolerant); ``key`` is an optional dotted path into it (``"a.b.0"``)."""
-    return TransformSpec(type="json", key=key)
+def json(key: str | None = None, schema: dict[str, Any] | type[BaseModel] | None = None) -> TransformSpec:
+    """Parse JSON (markdown-fence tolerant); ``key`` is an optional dotted path into it (``"a.b.0"``).
+
+    With ``schema`` (a JSON Schema, or a pydantic model class), the output is generated under it by
+    constrained decoding, so the text parsed is valid JSON of that schema by construction; such a transform
+    must come first for its output.
+    """
+    if isinstance(schema, type) and issubclass(schema, BaseModel):
+        schema = schema.model_json_schema()
+    return TransformSpec(type="json", key=key, json_schema=schema)
 
 
 def csv_list() -> TransformSpec:

@@ -35,6 +35,7 @@ from parrot.protocol import (
     TemplateText,
     TransformSpec,
     check_call,
+    schema_guide,
 )
 
 __all__ = [
@@ -178,6 +179,8 @@ def build_call(
         if piece.role == "output":
             # A private copy: the IR outlives the request and must not change if the request object does.
             sampling = spec.sampling.model_copy() if spec.sampling is not None else SamplingConfig()
+            if (guide := schema_guide(spec.transforms)) is not None:  # check_call: the only constraint
+                sampling.guided = guide
             gen = Gen(var_ids_for_outputs[piece.name], piece.name, sampling, tuple(spec.transforms))
             steps.append(Step(len(steps), tuple(fills), gen))
             fills = []

@@ -333,7 +333,7 @@ def test_error_message_truncates_long_text() -> None:
     ("spec", "says"),
     [
         ({"type": "eval"}, "Input should be 'strip', 'json'"),
-        ({"type": "json", "pattern": "x"}, "'json' does not take option(s) ['pattern'] (it takes: key)"),
+        ({"type": "json", "pattern": "x"}, "'json' does not take option(s) ['pattern'] (it takes: json_schema, key)"),
         ({"type": "strip", "key": "a"}, "transform 'strip' does not take option(s) ['key'] (it takes: none)"),
         ({"type": "csv_list", "findall": True}, "does not take option(s) ['findall']"),
         ({"type": "json", "bogus": 1}, "Extra inputs are not permitted"),
