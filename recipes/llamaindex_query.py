@@ -71,9 +71,10 @@ def main() -> None:
                 context_window=args.context_window,
                 tokenizer=tokenizer,
             )
+            model_name = llm.metadata.model_name  # the first contact with the server (the class is lazy)
         except P.ConnectionError as e:
             raise SystemExit(f"error: {e}") from None
-        print(f"model {llm.metadata.model_name} at {served.url}\nquestion: {args.question}\n")
+        print(f"model {model_name} at {served.url}\nquestion: {args.question}\n")
         for mode in ("tree_summarize", "refine"):
             synthesizer = get_response_synthesizer(llm, mode)
             engine = index.as_query_engine(llm=llm, response_synthesizer=synthesizer)
