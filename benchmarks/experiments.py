@@ -324,6 +324,25 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         default_model="smollm2",
     ),
     Experiment(
+        name="guided_decoding",
+        title="Constrained decoding: the grammar mask's cost per token",
+        figure="—",
+        paper="issue 21: measure the mask's cost per token (xgrammar, as vLLM and SGLang use it)",
+        metrics=(
+            Metric("mask_us_b1", "mask per row and token, batch 1", unit=" us"),
+            Metric("throughput_ratio_b1", "decode tok/s, JSON-schema guided / free, batch 1"),
+            Metric("throughput_ratio_b16", "decode tok/s, JSON-schema guided / free, batch 16"),
+        ),
+        backend="engine",
+        engines=1,
+        conditions=(
+            "the model below on our engine (bfloat16 on a CPU with native bf16), one process; a JSON schema "
+            "(title, steps, minutes) against free decoding with EOS ignored, interleaved repeats, medians"
+        ),
+        takes_model=True,
+        default_model="smollm2",
+    ),
+    Experiment(
         name="multi_turn_pd",
         title="Mutel: multi-turn chat with prefill/decode disaggregation and attention parallelism",
         figure="Mutel Fig. 2",
