@@ -124,12 +124,13 @@ def calls_schema(functions: dict[str, dict[str, Any]], names: list[str], paralle
 
 def tool_system_prompt(functions: dict[str, dict[str, Any]]) -> str:
     """The Hermes-format tool preamble for a chat template that does not take ``tools`` itself."""
-    signatures = "\n".join(json.dumps({"type": "function", "function": fn}) for fn in functions.values())
+    signatures = json.dumps(list(functions.values()))
     return (
-        "You are a function calling AI model. You may call one or more functions to assist with the user "
-        f"query. The functions available are:\n<tools>\n{signatures}\n</tools>\n"
-        "To call functions, answer only with a JSON list inside tags, like:\n"
-        '<tool_call>[{"name": "<function name>", "arguments": {<its arguments>}}]</tool_call>'
+        "You can call functions. Given the user's question and the functions below, decide whether one or "
+        "more function calls answer it. If none fits, or a required argument is missing, answer in plain "
+        f"text instead.\n\nThe functions you can call:\n<tools>{signatures}</tools>\n\n"
+        "To call functions, answer with nothing but the calls, in this format:\n"
+        '<tool_call>[{"name": "function_name", "arguments": {"argument": "value"}}]</tool_call>'
     )
 
 
