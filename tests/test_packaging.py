@@ -2,9 +2,10 @@
 same, its console scripts included, and an install without an extra says in one line what to install.
 
 The wheel is built from a copy of this checkout (so that no ``build/`` lands in it) and installed with
-``--no-deps`` into a fresh virtualenv that sees this interpreter's packages (torch & co. are not installed
-again). Everything then runs from a temporary folder outside the checkout, with the venv's own interpreter
-and scripts: the installed package, never the checkout, must be what is imported and what finds its data.
+``--no-deps`` into a fresh virtualenv that also sees this interpreter's packages, as with
+``--system-site-packages`` (torch & co. are not installed again). Everything then runs from a temporary
+folder outside the checkout, with the venv's own interpreter and scripts: the installed package, never the
+checkout, must be what is imported and what finds its data.
 """
 
 from __future__ import annotations
@@ -76,12 +77,15 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> Venv:
     )
     (wheel,) = (root / "dist").glob("parrot_serve-*.whl")
     path = root / "venv"
-    subprocess.run(
-        [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(path)],
-        check=True,
-        timeout=120,
-    )
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True, timeout=120)
     venv = Venv(path, root)
+    # The venv sees this interpreter's packages after its own, as --system-site-packages would — but those
+    # of this interpreter whether it is the system's or itself a venv's (then the flag would skip them).
+    # addsitedir also runs their .pth files, the editable install's included: the venv must win over it.
+    ours = [entry for entry in sys.path if entry.endswith(("site-packages", "dist-packages"))]
+    (venv.site_packages / "parent_packages.pth").write_text(
+        "".join(f"import site; site.addsitedir({entry!r})\n" for entry in ours)
+    )
     subprocess.run(
         [*pip, "--python", str(venv.python), "install", "--no-deps", "-q", str(wheel)],
         check=True,
