@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import Iterator
 
 import httpx
@@ -40,6 +41,19 @@ REVIEW = P.SemanticFunction.from_template(
     SYSTEM + "Document: {{input:doc}}\nVerdict:{{output:verdict}}",
     name="review",
     sampling=P.SamplingConfig(max_tokens=4, temperature=0.0, ignore_eos=True),
+)
+
+COLOUR = {
+    "type": "object",
+    "properties": {"colour": {"enum": ["red", "blue"]}},
+    "required": ["colour"],
+    "additionalProperties": False,
+}
+PICK = P.SemanticFunction.from_template(
+    "Pick a colour as JSON: {{output:c}}",
+    name="pick",
+    sampling=P.SamplingConfig(max_tokens=40, temperature=0.0),
+    transforms={"c": [P.transforms.json(schema=COLOUR)]},
 )
 
 
@@ -380,3 +394,25 @@ def test_a_backend_behind_an_api_key(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv(BACKEND_KEY_ENV, "sesame")
         with launch("tiny", engines=0, openai_backends=[guarded.url]) as front, P.Session(front.url):
             assert STORY(topic="a harbour")[0].get()
+
+
+def test_structured_output_is_relayed_to_the_backend_and_logprobs_refused(
+    front: LaunchedServer, backend: LaunchedServer
+) -> None:
+    """A constraint travels as vLLM's ``structured_outputs``: through the front, the same constrained
+    answer as from the backend itself; a schema'd Semantic Variable output too."""
+    body = {
+        "messages": [{"role": "user", "content": "Pick a colour."}],
+        "max_tokens": 40,
+        "temperature": 0.0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": COLOUR}},
+    }
+    answers = [
+        httpx.post(f"{s.url}/v1/chat/completions", json=body, timeout=60).json() for s in (front, backend)
+    ]
+    assert answers[0]["choices"][0]["message"] == answers[1]["choices"][0]["message"]
+    assert json.loads(answers[0]["choices"][0]["message"]["content"])["colour"] in ("red", "blue")
+    with P.Session(front.url):
+        assert PICK().get()["colour"] in ("red", "blue")
+    refused = httpx.post(f"{front.url}/v1/chat/completions", json={**body, "logprobs": True}, timeout=60)
+    assert refused.status_code == 400 and "not relayed" in refused.json()["error"]["message"]
