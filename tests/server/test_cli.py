@@ -139,3 +139,28 @@ def test_health_is_200_with_an_engine_in_service_and_503_without() -> None:
         one.manager._failed.add(0)  # as after the engine's first failure: out of placement
         r = httpx.get(f"{one.url}/health")
         assert r.status_code == 503 and "of 1: failed, draining or silent" in r.json()["error"]["message"]
+
+
+def test_an_engine_on_port_0_registers_the_port_it_bound(tmp_path: Path) -> None:
+    """``python -m server.engine --port 0 --manager URL``: the manager calls the engine back on the port the
+    engine really bound, and its /health turns 200 once the engine is in service."""
+    token = "t" * 32
+    log = tmp_path / "engine.log"
+    with launch("tiny", engines=0, cluster_token=token) as manager:
+        assert httpx.get(f"{manager.url}/health").status_code == 503
+        command = [sys.executable, "-m", "server.engine", "--model", "tiny", "--port", "0"]
+        with log.open("w") as out:
+            proc = subprocess.Popen(
+                [*command, "--manager", manager.url],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, CLUSTER_TOKEN_ENV: token},
+                cwd=ROOT,
+            )
+        try:
+            url = served_url(proc, log)
+            wait_healthy(proc, manager.url)  # 200: the engine registered and serves
+            (engine,) = httpx.get(f"{manager.url}/v1/engines", headers=manager.cluster_headers).json()
+            assert engine["url"] == url and engine["alive"]
+        finally:
+            stop(proc)
