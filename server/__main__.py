@@ -263,8 +263,8 @@ def main(argv: list[str] | None = None) -> int:
 def _engines(
     args: argparse.Namespace, p: argparse.ArgumentParser, prog: str, config: EngineConfig
 ) -> list[Any]:
-    """The OpenAI backends (connected and checked) and the in-process engines (their model loaded). An
-    unreachable backend, or a model that is not there or cannot run, is one line and exit status 2."""
+    """The OpenAI backends (connected and checked) and the in-process engines (their model loaded). A backend
+    that cannot serve is argparse's error; a model that is not there or cannot run, one line; both exit 2."""
     try:
         backend_configs = [
             OpenAIBackendConfig(
