@@ -48,6 +48,9 @@ _VLLM_KEYS: dict[str, str] = {
 }
 
 
+_COMPACT = "disable_any_whitespace"
+
+
 def structured_outputs(guided: GuidedDecoding) -> dict[str, Any]:
     """``guided`` as vLLM's ``structured_outputs`` request field (which Parrot's own `/v1` reads too)."""
     value: Any = True if guided.kind == "json_object" else guided.value
@@ -55,12 +58,16 @@ def structured_outputs(guided: GuidedDecoding) -> dict[str, Any]:
         value = json.loads(guided.value)  # type: ignore[arg-type]
     elif guided.kind == "choice":
         value = list(guided.value)  # type: ignore[arg-type]
-    return {_VLLM_KEYS[guided.kind]: value}
+    fields: dict[str, Any] = {_VLLM_KEYS[guided.kind]: value}
+    if guided.kind in ("json_schema", "json_object"):
+        fields[_COMPACT] = True  # vLLM's default lets whitespace run on (a small model loops on it)
+    return fields
 
 
 def guided_from_structured_outputs(fields: dict[str, Any]) -> GuidedDecoding:
     """The constraint a vLLM ``structured_outputs`` field asks for; exactly one of its keys must be set."""
-    given = {k: v for k, v in fields.items() if v not in (None, False)}
+    # JSON is always laid out compactly here, which is what vLLM's `disable_any_whitespace` asks for.
+    given = {k: v for k, v in fields.items() if v not in (None, False) and k != _COMPACT}
     kinds = {vllm: ours for ours, vllm in _VLLM_KEYS.items()}
     unknown = sorted(set(given) - set(kinds))
     if unknown or len(given) != 1:
