@@ -55,48 +55,22 @@ from server.engine.detokenize import IncrementalDetokenizer
 from server.engine.engine import GenerationStream, LLMEngine
 from server.engine.errors import EngineError
 from server.engine.request import GenerateResult
-from server.engine.sampling import MAX_LOGPROBS, GuidedDecoding, SamplingParams
+from server.engine.sampling import SamplingParams
 from server.openai_logprobs import chat_logprobs, completion_logprobs
-from server.openai_tools import (
-    ToolRequestError,
-    calls_schema,
-    chosen_functions,
-    functions_of,
-    guided_for_request,
-    parse_tool_calls,
-    render_messages,
-    with_tool_preamble,
+from server.openai_requests import (
+    ChatTools,
+    InvalidPromptError,
+    OpenAIAPIError,
+    chat_prompt,
+    chat_tools,
+    completion_prompts,
+    guided_of,
+    reject_unsupported,
+    sampling_for,
 )
+from server.openai_tools import parse_tool_calls
 from server.serve.errors import ModelNotFoundError
 from server.serve.output_lengths import LengthEstimate
-
-# OpenAI's own default; a client that wants greedy output passes ``temperature=0``.
-DEFAULT_TEMPERATURE = 1.0
-MAX_N = 16  # choices per prompt (each is a generate of its own)
-
-
-class OpenAIAPIError(Exception):
-    """An error of the OpenAI layer itself (not the engine's); answered with its status and type, and the
-    request field at fault (``param``) where one is."""
-
-    http_status: int = 400
-    error_type: str = "invalid_request_error"
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-class UnsupportedOptionError(OpenAIAPIError):
-    """A request option that would change the result but is not supported (n > 1, echo, logprobs...)."""
-
-    error_type = "unsupported_option"
-
-
-class InvalidPromptError(OpenAIAPIError):
-    """A prompt that cannot be served as given (empty, or no messages to render)."""
-
-    error_type = "invalid_prompt"
 
 
 class OpenAIBackend(Protocol):
@@ -248,11 +222,11 @@ def create_openai_router(backend: OpenAIBackend) -> APIRouter:
     )
     async def completions(req: OpenAICompletionRequest) -> JSONResponse | StreamingResponse:
         try:
-            _reject_unsupported(req)
+            reject_unsupported(req)
             engine = backend.engine_for(req.model)
-            prompts = _completion_prompts(engine, req.prompt)
-            guided = _guided(req.response_format, req.structured_outputs)
-            sampling = _sampling(req, req.max_tokens, engine, prompts, guided, req.logprobs)
+            prompts = completion_prompts(engine, req.prompt)
+            guided = guided_of(req.response_format, req.structured_outputs)
+            sampling = sampling_for(req, req.max_tokens, engine, prompts, guided, req.logprobs)
             return await _serve(backend, engine, prompts, sampling, req, chat=False)
         except (EngineError, OpenAIAPIError) as e:
             return _error(e)
@@ -264,14 +238,14 @@ def create_openai_router(backend: OpenAIBackend) -> APIRouter:
     )
     async def chat_completions(req: OpenAIChatCompletionRequest) -> JSONResponse | StreamingResponse:
         try:
-            _reject_unsupported(req)
+            reject_unsupported(req)
             engine = backend.engine_for(req.model)
-            tools = _chat_tools(req)
-            prompts = [_chat_prompt(engine, req, tools)]
+            tools = chat_tools(req)
+            prompts = [chat_prompt(engine, req, tools)]
             max_tokens = (
                 req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             )
-            guided = _guided(req.response_format, req.structured_outputs)
+            guided = guided_of(req.response_format, req.structured_outputs)
             if tools is not None and tools.guide is not None:
                 if guided is not None:
                     raise OpenAIAPIError(
@@ -280,7 +254,7 @@ def create_openai_router(backend: OpenAIBackend) -> APIRouter:
                     )
                 guided = tools.guide
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
-            sampling = _sampling(req, max_tokens, engine, prompts, guided, logprobs)
+            sampling = sampling_for(req, max_tokens, engine, prompts, guided, logprobs)
             return await _serve(backend, engine, prompts, sampling, req, chat=True, tools=tools)
         except (EngineError, OpenAIAPIError) as e:
             return _error(e)
@@ -317,157 +291,6 @@ def _error(e: EngineError | OpenAIAPIError) -> JSONResponse:
 
 
 # option name -> the values that mean "not used" (anything else is rejected with a 400)
-_UNUSED: dict[str, tuple[object, ...]] = {
-    "echo": (None, False),
-    "best_of": (None, 1),
-    "suffix": (None, ""),
-    "presence_penalty": (None, 0.0),
-    "frequency_penalty": (None, 0.0),
-    "logit_bias": (None, {}),
-    "functions": (None, []),
-}
-
-
-def _reject_unsupported(req: OpenAICompletionRequest | OpenAIChatCompletionRequest) -> None:
-    """Raise `UnsupportedOptionError` for the first option set to a value this server cannot honour, and
-    `OpenAIAPIError` for an out-of-range ``n`` or ``logprobs``."""
-    for name, unused in _UNUSED.items():
-        if name not in type(req).model_fields:
-            continue
-        value = getattr(req, name)
-        if value not in unused:
-            raise UnsupportedOptionError(f"{name}={value!r} is not supported by this server", name)
-    if req.n is not None and not 1 <= req.n <= MAX_N:
-        raise OpenAIAPIError(f"n must be in [1, {MAX_N}], got {req.n}", "n")
-    top = req.logprobs if isinstance(req, OpenAICompletionRequest) else req.top_logprobs
-    name = "logprobs" if isinstance(req, OpenAICompletionRequest) else "top_logprobs"
-    if top is not None and not 0 <= top <= MAX_LOGPROBS:
-        raise OpenAIAPIError(f"{name} must be in [0, {MAX_LOGPROBS}], got {top}", name)
-    if isinstance(req, OpenAIChatCompletionRequest) and req.top_logprobs and not req.logprobs:
-        raise OpenAIAPIError("top_logprobs needs logprobs=true", "top_logprobs")
-    if req.stream and req.logprobs is not None and req.logprobs is not False:
-        raise UnsupportedOptionError(
-            "logprobs are returned only without streaming; send stream=false", "logprobs"
-        )
-
-
-def _guided(
-    response_format: dict[str, Any] | None, structured_outputs: dict[str, Any] | None
-) -> GuidedDecoding | None:
-    try:
-        return guided_for_request(response_format, structured_outputs)
-    except ToolRequestError as e:
-        raise OpenAIAPIError(str(e), e.param) from None
-
-
-@dataclass(frozen=True)
-class _ChatTools:
-    """A chat request's functions and how its answer is read: constrained to a list of calls (``guide``),
-    or free text that may hold calls."""
-
-    functions: dict[str, dict[str, Any]]
-    guide: GuidedDecoding | None
-
-
-def _chat_tools(req: OpenAIChatCompletionRequest) -> _ChatTools | None:
-    try:
-        functions = functions_of(req.tools)
-        mode, names = chosen_functions(functions, req.tool_choice)
-    except ToolRequestError as e:
-        raise OpenAIAPIError(str(e), e.param) from None
-    if mode == "none":
-        return None
-    parallel = req.parallel_tool_calls is not False
-    return _ChatTools(functions, calls_schema(functions, names, parallel) if mode == "required" else None)
-
-
-def _completion_prompts(
-    engine: LLMEngine, prompt: str | list[str] | list[int] | list[list[int]]
-) -> list[list[int]]:
-    """Token ids of each prompt: texts are encoded with special tokens added (BOS), like vLLM does."""
-    if isinstance(prompt, str):
-        batch: list[Any] = [prompt]
-    elif not prompt:
-        raise InvalidPromptError("prompt is an empty list")
-    elif isinstance(prompt[0], int):
-        batch = [prompt]
-    else:
-        batch = list(prompt)
-    out: list[list[int]] = []
-    for i, p in enumerate(batch):
-        ids = engine.tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p)
-        if not ids:
-            raise InvalidPromptError(f"prompt {i} has no tokens")
-        out.append(ids)
-    return out
-
-
-def _chat_prompt(engine: LLMEngine, req: OpenAIChatCompletionRequest, tools: _ChatTools | None) -> list[int]:
-    """The messages rendered by the tokenizer's chat template, then encoded without adding BOS again; the
-    tools offered through the template where it takes them, else in a system message."""
-    messages = render_messages(req.messages)
-    extra: dict[str, Any] = {}
-    if tools is not None:
-        if "tools" in (getattr(engine.tokenizer, "chat_template", None) or ""):
-            extra["tools"] = [{"type": "function", "function": fn} for fn in tools.functions.values()]
-        else:
-            messages = with_tool_preamble(messages, tools.functions)
-    try:
-        text = engine.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False, **extra
-        )
-    except Exception as e:  # jinja errors: a template that refuses these messages (e.g. role order)
-        raise InvalidPromptError(f"the chat template cannot render these messages: {e}") from e
-    ids: list[int] = engine.tokenizer.encode(text, add_special_tokens=False)
-    if not ids:
-        raise InvalidPromptError("the rendered chat prompt has no tokens")
-    return ids
-
-
-def _sampling(
-    req: OpenAICompletionRequest | OpenAIChatCompletionRequest,
-    max_tokens: int | None,
-    engine: LLMEngine,
-    prompts: list[list[int]],
-    guided: GuidedDecoding | None = None,
-    logprobs: int | None = None,
-) -> SamplingParams:
-    """Engine sampling parameters; no ``max_tokens`` means up to the end of the context window, or of the KV
-    cache where that is smaller. A request whose prompt and ``max_tokens`` cannot fit the KV cache even
-    alone is refused: generating would stop short where the cache ends, an answer cut with HTTP 200."""
-    longest = max(len(p) for p in prompts)
-    stats = engine.stats()
-    cache_tokens = stats.blocks_total * stats.block_size
-    if max_tokens is None:
-        max_tokens = max(1, min(engine.max_model_len, cache_tokens) - longest)
-    elif longest < engine.max_model_len and longest + max_tokens > engine.max_model_len:
-        raise OpenAIAPIError(
-            f"this model's context window is {engine.max_model_len} tokens, but {longest + max_tokens} were "
-            f"asked for ({longest} in the prompt, {max_tokens} in max_tokens): lower max_tokens to at most "
-            f"{engine.max_model_len - longest}",
-            "max_tokens",
-        )
-    # (a prompt over the context window is the engine's 413 prompt_too_long, the more precise answer)
-    if longest < engine.max_model_len and longest + max_tokens > cache_tokens:
-        raise OpenAIAPIError(
-            f"the prompt ({longest} tokens) and max_tokens ({max_tokens}) need {longest + max_tokens} tokens "
-            f"of KV cache, which holds {cache_tokens} ({stats.blocks_total} blocks of {stats.block_size}): "
-            "lower max_tokens or shorten the prompt"
-        )
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=DEFAULT_TEMPERATURE if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=req.top_k or 0,
-        seed=req.seed,
-        stop=stop,
-        ignore_eos=bool(req.ignore_eos),
-        guided=guided,
-        logprobs=logprobs,
-    )
-
-
 # ------------------------------------------------------------------------------------------ serving
 @dataclass
 class _Job:
@@ -492,7 +315,7 @@ async def _serve(
     sampling: SamplingParams,
     req: OpenAICompletionRequest | OpenAIChatCompletionRequest,
     chat: bool,
-    tools: _ChatTools | None = None,
+    tools: ChatTools | None = None,
 ) -> JSONResponse | StreamingResponse:
     """Fill a fresh context per prompt and choice (``n`` per prompt), generate from each, answer (or
     stream); contexts are always freed.
@@ -519,7 +342,7 @@ async def _serve_on(
     sampling: SamplingParams,
     req: OpenAICompletionRequest | OpenAIChatCompletionRequest,
     chat: bool,
-    tools: _ChatTools | None,
+    tools: ChatTools | None,
 ) -> JSONResponse | StreamingResponse:
     """`_serve` on one engine."""
     jobs = [
@@ -686,7 +509,7 @@ def _text_response(
 
 
 def _chat_response(
-    meta: _Meta, results: list[GenerateResult], usage: OpenAIUsage, tokenizer: Any, tools: _ChatTools | None
+    meta: _Meta, results: list[GenerateResult], usage: OpenAIUsage, tokenizer: Any, tools: ChatTools | None
 ) -> OpenAIChatCompletionResponse:
     choices = []
     for i, r in enumerate(results):
@@ -698,9 +521,7 @@ def _chat_response(
     )
 
 
-def _assistant_message(
-    result: GenerateResult, tools: _ChatTools | None
-) -> tuple[OpenAIAssistantMessage, str]:
+def _assistant_message(result: GenerateResult, tools: ChatTools | None) -> tuple[OpenAIAssistantMessage, str]:
     """The assistant's message and finish reason: with tools, the calls it made are ``tool_calls``."""
     if tools is None:
         return OpenAIAssistantMessage(content=result.text), result.finish_reason
@@ -729,7 +550,7 @@ async def _stream_events(
     chat: bool,
     include_usage: bool,
     with_ids: bool = False,
-    tools: _ChatTools | None = None,
+    tools: ChatTools | None = None,
 ) -> AsyncIterator[str]:
     """The SSE body: each choice's deltas in turn (all generates run concurrently in the engine).
     With tools, a choice is sent whole once complete: only then is it known to be calls or text.

@@ -519,7 +519,10 @@ class LLMEngine(KVExchange, GeneratesBySubmit):
         elif isinstance(cmd, _Compiled):
             if cmd.submit.sink in self._compiling:  # else it was aborted meanwhile
                 self._compiling.discard(cmd.submit.sink)
-                self._handle(cmd.submit) if cmd.error is None else cmd.submit.sink.finish(None, cmd.error)
+                if cmd.error is None:
+                    self._handle(cmd.submit)
+                else:
+                    cmd.submit.sink.finish(None, cmd.error)
         elif isinstance(cmd, _Call):
             try:
                 cmd.sink.finish(cmd.fn())
