@@ -32,11 +32,12 @@ Where a compiled chain differs from the original (same server, greedy decoding: 
   directly, ``None`` means "up to the context window"): `CompileError` otherwise;
 * a chat model's ``AIMessage`` carries its content only — no usage or response metadata;
 * a parser that fails on the server (invalid JSON or XML, a regex that does not match) raises
-  `ServerParserError`: LangChain's ``OutputParserException``, with the refused text as ``llm_output`` (as
-  far as the server quotes it: its first 200 characters), and also the `parrot.VariableFailedError` of the
-  output; a key that is missing from a server-side lookup stays a `parrot.VariableFailedError` instead of
-  LangChain's ``KeyError`` (a missing `RunnablePick` key is None in LangChain); pydantic validation runs
-  on the client and raises LangChain's own error;
+  `ServerParserError`: LangChain's ``OutputParserException``, with the whole refused text as
+  ``llm_output`` (the server sends it with the failure, also for an output downstream of the failed
+  parser), and also the `parrot.VariableFailedError` of the output; a key that is missing from a
+  server-side lookup stays a `parrot.VariableFailedError` instead of LangChain's ``KeyError`` (a missing
+  `RunnablePick` key is None in LangChain); pydantic validation runs on the client and raises LangChain's
+  own error;
 * callbacks see one run for the whole compiled chain (client-side steps still report their own).
 """
 

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 
 from langchain_core.exceptions import OutputParserException
 from parrot.errors import VariableFailedError
+from parrot.protocol import TRANSFORM_FAILED
 
 __all__ = [
     "ClientSideStepWarning",
@@ -77,9 +78,11 @@ class ServerParserError(OutputParserException, VariableFailedError):
     LangChain's `OutputParserException` — what the same parser raises in the uncompiled chain, so
     ``with_retry(retry_if_exception_type=(OutputParserException,))``, ``with_fallbacks`` and agents'
     parsing-error handling apply — and still the `parrot.VariableFailedError` of the failed variable
-    (``var_id``, the server's ``reason``). ``llm_output`` is the text the parser refused, ``transform``
-    the server-side transform (``"json"``, ``"xml"``, ``"regex"``...). The server quotes at most the
-    first 200 characters of that text in its message: ``llm_output_complete`` is False when it was cut.
+    (``var_id``, the server's ``reason`` and ``error_type``). ``llm_output`` is the text the parser
+    refused, whole, as the server sends it (the variable's ``llm_output``); ``transform`` the server-side
+    transform (``"json"``, ``"xml"``, ``"regex"``...). ``llm_output_complete`` is False only when the server
+    did not send the text — one over its bound (64 Ki characters), or a server older than the field — and
+    ``llm_output`` is then the start its message quotes (200 characters).
     """
 
     default_type = "output_parser"
@@ -92,7 +95,14 @@ class ServerParserError(OutputParserException, VariableFailedError):
         llm_output: str,
         llm_output_complete: bool,
     ) -> None:
-        VariableFailedError.__init__(self, failure.message, var_id=failure.var_id, reason=failure.reason)
+        VariableFailedError.__init__(
+            self,
+            failure.message,
+            var_id=failure.var_id,
+            reason=failure.reason,
+            error_type=failure.error_type,
+            llm_output=llm_output,
+        )
         note = "" if llm_output_complete else " (llm_output holds only the start the server quoted)"
         # Last, so that str() and args are LangChain's form of the message (with its troubleshooting link).
         OutputParserException.__init__(self, failure.message + note, llm_output=llm_output)
@@ -100,9 +110,10 @@ class ServerParserError(OutputParserException, VariableFailedError):
         self.llm_output_complete = llm_output_complete
 
 
-# "<type> transform failed: <why> in|on|does not match <repr of the text>[... (<n> chars)]": how the
-# server's transforms (server/serve/transforms.py) describe a parser refusing its input, quoting the text
-# with repr() and cutting it after 200 characters. Key-path lookups and limits end otherwise: not parse
+# "<type> transform failed: <why>": how the server's transforms (server/serve/transforms.py) begin their
+# messages, which name the transform. When the server does not send the refused text (one over its bound, or
+# an older server), a parser's refusal ends "in|on|does not match <repr of the text>[... (<n> chars)]",
+# quoting the text with repr() cut after 200 characters; key-path lookups and limits end otherwise: not parse
 # failures of the model's text, they stay `VariableFailedError`s.
 _TRANSFORM_FAILED = re.compile(r"(?P<transform>\w+) transform failed: ")
 _QUOTED_TEXT = re.compile(
@@ -114,11 +125,20 @@ _QUOTED_TEXT = re.compile(
 
 def server_parser_error(failure: VariableFailedError) -> ServerParserError | None:
     """The `ServerParserError` for ``failure`` when it is (or comes from, upstream) a server-side parser
-    refusing a model's text; None for any other failure."""
+    refusing a model's text; None for any other failure.
+
+    The server sends the refused text as data (``failure.llm_output``, for the failed output and everything
+    downstream of it). Without it, the text is read back from the start the message quotes."""
+    if failure.error_type is not None and failure.error_type != TRANSFORM_FAILED:
+        return None  # the server says what failed, and it was not a transform
     reason = failure.reason or ""
     found = _TRANSFORM_FAILED.search(reason)
     if found is None:
         return None
+    if failure.llm_output is not None:
+        return ServerParserError(
+            failure, transform=found["transform"], llm_output=failure.llm_output, llm_output_complete=True
+        )
     # The quote runs to the end of the message, so the first match is it (a quote in the explanation
     # before it cannot span to the end); literal_eval turns repr()'s escapes back into the text.
     quoted = _QUOTED_TEXT.search(reason, found.end())

@@ -104,14 +104,28 @@ class VariableFailedError(ParrotError):
     """The variable failed on the server (its producer, a transform, or an upstream variable failed).
 
     ``message`` names the variable and gives the server's explanation, ``reason`` is that explanation
-    alone (the variable's ``error`` as the server sent it); ``var_id`` the failed variable.
+    alone (the variable's ``error`` as the server sent it); ``var_id`` the failed variable. ``error_type``
+    is the server's type of the root cause (``"transform_failed"``, ``"engine_failed"``...; the same for a
+    variable that failed because an input did) and ``llm_output`` the model's whole text when a transform
+    refused to parse it, here or upstream (see `parrot.protocol.GetVariableResponse`); both None when the
+    server did not send them.
     """
 
     default_type = "variable_failed"
 
-    def __init__(self, message: str, *, var_id: str | None = None, reason: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        var_id: str | None = None,
+        reason: str | None = None,
+        error_type: str | None = None,
+        llm_output: str | None = None,
+    ) -> None:
         self.var_id = var_id
         self.reason = reason
+        self.error_type = error_type
+        self.llm_output = llm_output
         super().__init__(message)
 
 

@@ -765,10 +765,25 @@ class GetVariableQuery(_Strict):
     timeout: float | None = Field(default=None, ge=0)
 
 
+# `GetVariableResponse.error_type` of a variable whose output transform failed (a parser refused the text,
+# a key path missing from the parsed value...): the one type a client reads ``llm_output`` under.
+TRANSFORM_FAILED = "transform_failed"
+
+
 class GetVariableResponse(BaseModel):
     """A variable's state: ``value`` is set when ``status == "ready"``, ``error`` when ``"failed"``.
 
     A value is text; ``kind == "json"`` says it is the JSON text of a structured value (from a transform).
+
+    A failed variable also says why as data. ``error_type`` is the type of the root cause — the same for a
+    variable that failed because an input did: `TRANSFORM_FAILED` (a transform failed on the output),
+    ``"transform_limit"`` (a transform over its time or size bound), an engine's error type
+    (``"engine_failed"``, ``"prompt_too_long"``...), ``"request_too_large"``, ``"no_engine"``,
+    ``"model_not_found"``, ``"cancelled"`` (the session went), ``"internal_error"``. ``llm_output`` is,
+    when a transform's parser refused the model's text (invalid JSON or XML, a regex that does not match),
+    that whole text — which ``error`` quotes only the start of; None otherwise, and for a text over the
+    server's bound (64 Ki characters: whole or absent, never cut). Both are None from a server older than
+    these fields.
     """
 
     var_id: str
@@ -776,6 +791,8 @@ class GetVariableResponse(BaseModel):
     value: str | None = None
     kind: ValueKind = "text"
     error: str | None = None
+    error_type: str | None = None
+    llm_output: str | None = None
 
 
 # ------------------------------------------------------------------------------------------------ batches

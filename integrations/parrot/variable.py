@@ -79,7 +79,8 @@ class Variable:
         ``criteria`` (`LATENCY` or `THROUGHPUT`) tells the server what the application wants from this
         variable, which drives how its producers are scheduled. ``timeout`` is in seconds (None: wait
         as long as it takes). Raises `VariableFailedError` with the server's message if the variable
-        failed, `GetTimeoutError` if it is still pending after ``timeout``. For sync sessions.
+        failed (its ``error_type``, and its ``llm_output`` when a transform refused the model's text),
+        `GetTimeoutError` if it is still pending after ``timeout``. For sync sessions.
         """
         return self._session._get(self, criteria, timeout)
 
@@ -106,14 +107,19 @@ class Variable:
 
     def _result(self) -> Any:
         """The value of a settled variable, or its failure raised."""
-        assert self._settled is not None
-        if self._settled.status == "failed":
-            reason = self._settled.error or "no reason given"
+        settled = self._settled
+        assert settled is not None
+        if settled.status == "failed":
+            reason = settled.error or "no reason given"
             raise VariableFailedError(
-                f"{self._describe()} failed: {reason}", var_id=self._var_id, reason=reason
+                f"{self._describe()} failed: {reason}",
+                var_id=self._var_id,
+                reason=reason,
+                error_type=settled.error_type,
+                llm_output=settled.llm_output,
             )
-        value = self._settled.value or ""
-        return json.loads(value) if self._settled.kind == "json" else value
+        value = settled.value or ""
+        return json.loads(value) if settled.kind == "json" else value
 
     def _describe(self) -> str:
         return f"variable {self._var_id!r}" + (f" ({self._name!r})" if self._name else "")

@@ -42,6 +42,7 @@ from parrot.protocol import Criteria
 
 from server.serve.ir import CallIR, Step, VarFill, input_vars
 from server.serve.variables import (
+    STEP_FAILED,
     StepId,
     UnknownVariableError,
     Variable,
@@ -316,7 +317,7 @@ class SessionGraph:
             self._producer[out] = node
         self._pending_per_call[call.call_id] = len(nodes)
 
-        first_failure: tuple[StepNode, str] | None = None
+        first_failure: tuple[StepNode, Variable] | None = None  # the earliest step with a failed input
         for node in nodes:
             previous = nodes[node.id.index - 1] if node.id.index > 0 else None
             node.missing = 1 if previous is not None else 0
@@ -330,7 +331,7 @@ class SessionGraph:
                     if producer is not None:
                         node.depth = max(node.depth, producer.depth + 1)
                 elif var.status == "failed" and first_failure is None:
-                    first_failure = (node, _downstream_error(var.error))
+                    first_failure = (node, var)
         if nodes[0].missing == 0:  # later steps wait for their previous step at least
             self._make_ready(nodes[0])
         if adopted:
@@ -348,7 +349,9 @@ class SessionGraph:
 
         if first_failure is not None:
             # The earliest step with a failed input fails; its later steps and their consumers follow.
-            self._fail_from(first_failure[0], first_failure[1], first_failure[1])
+            node, cause = first_failure
+            error = _downstream_error(cause.error)
+            self._fail_from(node, error, error, cause.error_type or STEP_FAILED, cause.llm_output)
         # Objectives after the failures: a step that failed at once neither names a group nor marks its
         # upstream for a variable nobody can have any more.
         self._deduce_added(
@@ -525,17 +528,25 @@ class SessionGraph:
         self._settle(var_id, woken)
         return list(woken.values())
 
-    def fail_step(self, step: StepRef, message: str) -> list[Variable]:
+    def fail_step(
+        self, step: StepRef, message: str, *, error_type: str = STEP_FAILED, llm_output: str | None = None
+    ) -> list[Variable]:
         """A pending step failed (engine error, transform error, timeout): fail its output with ``message``,
         then every step and variable downstream — the later steps of its call, their consumers, and on —
         each with a message naming the root cause (``upstream step 0 of call 'c' (output 'x') failed: ...``).
+
+        ``error_type`` (the cause's type, e.g. ``"transform_failed"``) and ``llm_output`` (the model's text
+        a transform refused, if that is the cause) go to every variable that fails, the step's own and those
+        downstream alike: a downstream failure *is* the root cause's, as its message says, and a client that
+        fetches only a chain's last output (a compiled LangChain chain) needs the refused text to raise the
+        parser's exception with it. The text is one shared string, not a copy per variable.
 
         Returns the variables that failed, the step's own output first. Steps that do not depend on the
         failed one are untouched.
         """
         node = self.step(step)
         error = f"{node.describe()} failed: {message}"
-        return self._fail_from(node, error, _downstream_error(error))
+        return self._fail_from(node, error, _downstream_error(error), error_type, llm_output)
 
     def cancel_all(self, reason: str = "the session was deleted") -> list[StepNode]:
         """Cancel every pending step (session deletion or expiry) and empty the graph.
@@ -548,7 +559,7 @@ class SessionGraph:
             node.status = "cancelled"
             node.error = f"cancelled: {reason}"
             if not self.variables.get(node.output).settled:
-                self.variables.fail(node.output, node.error)
+                self.variables.fail(node.output, node.error, error_type="cancelled")
         self._steps.clear()
         self._consumers.clear()
         self._producer.clear()
@@ -725,8 +736,11 @@ class SessionGraph:
         else:
             del self._pending_per_call[node.id.call_id]
 
-    def _fail_from(self, root: StepNode, error: str, downstream: str) -> list[Variable]:
-        """Fail ``root`` with ``error`` and everything downstream of it with ``downstream``, breadth first."""
+    def _fail_from(
+        self, root: StepNode, error: str, downstream: str, error_type: str, llm_output: str | None
+    ) -> list[Variable]:
+        """Fail ``root`` with ``error`` and everything downstream of it with ``downstream``, breadth first;
+        every failed variable gets the cause's ``error_type`` and ``llm_output``."""
         failed: list[Variable] = []
         queue: deque[tuple[StepNode, str]] = deque([(root, error)])
         while queue:
@@ -737,7 +751,9 @@ class SessionGraph:
             node.status = "failed"
             node.error = message
             self._remove(node)
-            failed.append(self.variables.fail(node.output, message))
+            failed.append(
+                self.variables.fail(node.output, message, error_type=error_type, llm_output=llm_output)
+            )
             self._wanted.pop(node.output, None)
             if nxt is not None:
                 queue.append((nxt, downstream))

@@ -715,19 +715,21 @@ class Manager:
             value, kind = await self._execute(session, node, prep)
         except asyncio.CancelledError:
             raise
+        except TransformError as e:  # the refused text travels as data: the message quotes only its start
+            self._fail(session, node, str(e), e.error_type, e.text)
+            return
         except (
             EngineError,
-            TransformError,
             RequestTooLargeError,
             NoEngineError,
             NoServingEngineError,
             ModelNotFoundError,
         ) as e:
-            self._fail(session, node, str(e))
+            self._fail(session, node, str(e), e.error_type)
             return
         except Exception as e:  # a bug must not leave the variable pending forever
             log.exception("step %s failed", node.id)
-            self._fail(session, node, f"internal error: {e!r}")
+            self._fail(session, node, f"internal error: {e!r}", "internal_error")
             return
         finally:
             self._release_prepared(prep)
@@ -1239,10 +1241,13 @@ class Manager:
         with contextlib.suppress(EngineError):
             await self.engines[engine_index].free_context(context_id)
 
-    def _fail(self, session: Session, node: StepNode, message: str) -> None:
+    def _fail(
+        self, session: Session, node: StepNode, message: str, error_type: str, llm_output: str | None = None
+    ) -> None:
+        """Fail ``node`` and everything downstream (see `SessionGraph.fail_step`) and wake their waiters."""
         if session.session_id not in self._tasks or node.id not in session.graph:
             return
-        for var in session.graph.fail_step(node, message):
+        for var in session.graph.fail_step(node, message, error_type=error_type, llm_output=llm_output):
             self._settled(session, var.var_id)
         self._calls.pop((session.session_id, node.call.call_id), None)
 
@@ -1308,5 +1313,11 @@ def _sampling(sp: SamplingConfig) -> SamplingParams:
 def _response(variables: VariableTable, var_id: str) -> GetVariableResponse:
     var = variables.get(var_id)
     return GetVariableResponse(
-        var_id=var_id, status=var.status, value=var.value, kind=var.kind, error=var.error
+        var_id=var_id,
+        status=var.status,
+        value=var.value,
+        kind=var.kind,
+        error=var.error,
+        error_type=var.error_type,
+        llm_output=var.llm_output,
     )

@@ -14,7 +14,9 @@ The manager calls `run_transforms` from a worker thread (``asyncio.to_thread``),
 Protocol (one JSON object per line; worker stdout is private to it: stray prints go to stderr):
 worker -> ``{"event": "ready"}`` once imported; runner -> ``{"specs", "text", "limits"}``;
 worker -> ``{"event": "start", "index", "type"}`` per transform, then ``{"event": "done", "value", "kind"}``
-or ``{"event": "error", "error", "transform_type", "message", ...}``.
+or ``{"event": "error", "error", "transform_type", "detail", ...}``. An error carries what the manager needs
+to raise the same typed error the worker caught (`_error_message`, `_error_from`), the refused text
+(``TransformError.text``, at most `transforms.MAX_REFUSED_TEXT_CHARS` characters) included.
 """
 
 from __future__ import annotations
@@ -231,7 +233,8 @@ def _error_from(message: dict[str, Any]) -> Exception:
     if kind == "pattern":
         return TransformPatternError(message["pattern"], message["reason"])
     if kind == "transform":
-        return TransformError(message["transform_type"], message["detail"])
+        # The constructor bounds the text again: the manager does not rely on the worker for its bound.
+        return TransformError(message["transform_type"], message["detail"], text=message.get("text"))
     # A spec the manager should have refused at submit, or a bug in a parser: still only this variable fails.
     return TransformError(message.get("transform_type", "transform"), message["detail"])
 
@@ -244,7 +247,7 @@ def _error_message(e: Exception) -> dict[str, Any]:
     if isinstance(e, TransformPatternError):
         return {"error": "pattern", "pattern": e.pattern, "reason": e.reason}
     if isinstance(e, TransformError):
-        return {"error": "transform", "transform_type": e.transform_type, "detail": e.message}
+        return {"error": "transform", "transform_type": e.transform_type, "detail": e.message, "text": e.text}
     if isinstance(e, ValidationError):
         return {"error": "spec", "detail": f"invalid transform spec: {e}"}
     return {"error": "internal", "detail": f"internal error: {e!r}"}

@@ -31,7 +31,7 @@ import re
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import re2
 from langchain_core.exceptions import OutputParserException
@@ -42,12 +42,13 @@ from langchain_core.output_parsers import (
     NumberedListOutputParser,
     XMLOutputParser,
 )
-from parrot.protocol import CallError, TransformSpec
+from parrot.protocol import TRANSFORM_FAILED, CallError, TransformSpec
 from pydantic import ValidationError
 
 __all__ = [
     "DEFAULT_LIMITS",
     "MAX_PATTERN_CHARS",
+    "MAX_REFUSED_TEXT_CHARS",
     "MAX_TRANSFORM_OUTPUT_CHARS",
     "RE2_MAX_MEM",
     "TRANSFORM_TIME_LIMIT_S",
@@ -86,6 +87,12 @@ _RE2_CACHE_MAX = 16
 # How much of the offending text an error message quotes: enough to see what the model wrote, bounded so a
 # long output does not flood logs or the variable's failure message.
 _QUOTE_CHARS = 200
+# The most characters of refused text a `TransformError` keeps as data (``text``), for the failed variable's
+# ``llm_output``. The text is a model's output, already bounded by max_tokens; this bounds what one failure
+# holds and sends (worker pipe, variable table, every get of it and of its dependents) whatever the model's
+# context window. A text is kept whole or not at all: a client told it has the model's output gets all of
+# it; beyond this it has only the message's quote (the first _QUOTE_CHARS characters and the length).
+MAX_REFUSED_TEXT_CHARS = 1 << 16
 
 # XML goes through defusedxml (a server dependency), LangChain's default hardened backend: an LLM answer
 # declaring entities is refused rather than expanded.
@@ -100,16 +107,29 @@ _XML = XMLOutputParser(parser=XML_PARSER)
 
 
 class TransformError(Exception):
-    """A transform failed on a call's output; the manager marks the output variable failed with it."""
+    """A transform failed on a call's output; the manager marks the output variable failed with it.
 
-    def __init__(self, transform_type: str, message: str) -> None:
+    ``text`` is the text the transform refused to parse (its input: the model's output, or what the text
+    transforms before it made of it), when the failure is a parser refusing it — invalid JSON or XML, a
+    regex that does not match, a parser raising on it. It is None for failures that are not about the
+    text's syntax (a key path missing from the parsed value, a structured value given to a text transform,
+    a limit, a dead worker) and for a text over `MAX_REFUSED_TEXT_CHARS`. ``error_type`` is what the failed
+    variable reports as its type.
+    """
+
+    error_type: ClassVar[str] = TRANSFORM_FAILED
+
+    def __init__(self, transform_type: str, message: str, *, text: str | None = None) -> None:
         super().__init__(f"{transform_type} transform failed: {message}")
         self.transform_type = transform_type
         self.message = message
+        self.text = text if text is not None and len(text) <= MAX_REFUSED_TEXT_CHARS else None
 
 
 class TransformLimitError(TransformError):
     """A transform exceeded one of its bounds: ``limit`` names which (``"time"`` or ``"output_size"``)."""
+
+    error_type: ClassVar[str] = "transform_limit"
 
     def __init__(self, transform_type: str, limit: LimitName, message: str) -> None:
         super().__init__(transform_type, f"{limit} limit exceeded: {message}")
@@ -218,7 +238,7 @@ def apply_transforms(
 
     Raises pydantic's ValidationError for an invalid spec and `TransformPatternError` for an unusable
     pattern (both before anything runs), `TransformLimitError` for a transform over a bound, and
-    `TransformError` for a transform that fails on this text.
+    `TransformError` for a transform that fails on this text (``text`` holds the text a parser refused).
     """
     data: Any = text
     spec_type = "transform"
@@ -233,8 +253,10 @@ def apply_transforms(
         raise
     except (RecursionError, ValueError, TypeError) as e:
         # Whatever else a parser or json.dumps throws on hostile output (say, JSON nested 10k deep) is still
-        # this transform failing on this text: the caller gets the one typed error it handles.
-        raise TransformError(spec_type, f"{type(e).__name__}: {e} on {_quote(text)}") from e
+        # this transform failing on this text: the caller gets the one typed error it handles. ``data`` is
+        # still the failing transform's input; after a structured step the model's text is what to show.
+        refused = data if isinstance(data, str) else text
+        raise TransformError(spec_type, f"{type(e).__name__}: {e} on {_quote(refused)}", text=refused) from e
 
 
 def _run_one(spec: TransformSpec, data: Any, limits: TransformLimits) -> Any:
@@ -343,7 +365,7 @@ def _json(spec: TransformSpec, data: Any) -> Any:
         parsed = _JSON.parse(text)
     except OutputParserException as e:
         cause = f" ({e.__cause__})" if e.__cause__ is not None else ""
-        raise TransformError(spec.type, f"invalid JSON{cause} in {_quote(text)}") from e
+        raise TransformError(spec.type, f"invalid JSON{cause} in {_quote(text)}", text=text) from e
     return _lookup(spec, parsed)
 
 
@@ -370,7 +392,7 @@ def _regex(spec: TransformSpec, data: Any, limits: TransformLimits, started: flo
         return list(_bounded_findall(spec, pattern.finditer(text), group, limits, started))
     match = pattern.search(text)
     if match is None:
-        raise TransformError(spec.type, f"pattern {spec.pattern!r} does not match {_quote(text)}")
+        raise TransformError(spec.type, f"pattern {spec.pattern!r} does not match {_quote(text)}", text=text)
     return match.group(group) or ""
 
 
@@ -397,7 +419,7 @@ def _xml(spec: TransformSpec, data: Any) -> Any:
         parsed = _XML.parse(text)
     except (OutputParserException, ValueError) as e:  # ValueError: defusedxml's own refusals
         cause = e.__cause__ or e  # LangChain wraps the ParseError, which says where the XML broke
-        raise TransformError(spec.type, f"invalid XML ({cause}) in {_quote(text)}") from e
+        raise TransformError(spec.type, f"invalid XML ({cause}) in {_quote(text)}", text=text) from e
     return _lookup(spec, parsed)
 
 

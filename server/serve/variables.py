@@ -1,8 +1,9 @@
 """Semantic Variables of one session: pure data, no I/O, no clock, no locks.
 
-A variable is *pending* until it gets a value (*ready*) or fails (*failed*, with a message saying why);
-either way it is settled once and for all. Its value is text; a structured value (from a transform such as
-``json``) is its JSON text tagged ``kind == "json"`` (see `server.serve.transforms.TransformResult`).
+A variable is *pending* until it gets a value (*ready*) or fails (*failed*, with a message saying why, the
+type of its cause and, when a transform refused the model's text, that text); either way it is settled once
+and for all. Its value is text; a structured value (from a transform such as ``json``) is its JSON text
+tagged ``kind == "json"`` (see `server.serve.transforms.TransformResult`).
 
 `VariableTable` holds a session's variables until the session dies. It enforces the "settled once" rule and
 raises typed errors whose messages say what to fix; the HTTP layer maps them to status codes through
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from server.serve.transforms import ValueKind
 
 __all__ = [
+    "STEP_FAILED",
     "VALUE_KINDS",
     "StepId",
     "UnknownVariableError",
@@ -39,6 +41,9 @@ VariableStatus = Literal["pending", "ready", "failed"]
 
 # The run-time check of `transforms.ValueKind` (a test keeps the two equal).
 VALUE_KINDS: tuple[str, ...] = ("text", "json")
+
+# The error type of a failure whose cause has no more precise one.
+STEP_FAILED = "step_failed"
 
 
 class StepId(NamedTuple):
@@ -55,8 +60,12 @@ class StepId(NamedTuple):
 class Variable:
     """One Semantic Variable (a snapshot).
 
-    ``value`` is set exactly when ``status == "ready"``, ``error`` exactly when ``status == "failed"``.
-    ``producer`` is the step that generates it, or None for a variable the client sets.
+    ``value`` is set exactly when ``status == "ready"``; ``error`` (the message) and ``error_type`` exactly
+    when ``status == "failed"``. ``llm_output`` is the model's text a transform refused to parse, when that
+    is why it failed (see `server.serve.transforms.TransformError.text`). A variable that failed because an
+    input did carries its root cause's ``error_type`` and ``llm_output`` (see
+    `server.serve.graph.SessionGraph.fail_step`). ``producer`` is the step that generates it, or None for a
+    variable the client sets.
     """
 
     var_id: str
@@ -66,6 +75,8 @@ class Variable:
     kind: ValueKind = "text"
     error: str | None = None
     producer: StepId | None = None
+    error_type: str | None = None
+    llm_output: str | None = None
 
     @property
     def settled(self) -> bool:
@@ -176,12 +187,15 @@ class VariableTable:
         self._vars[var_id] = new
         return new
 
-    def fail(self, var_id: str, message: str) -> Variable:
-        """Mark a pending variable failed with ``message`` (what went wrong, for whoever reads it).
-        A settled variable cannot fail: `VariableConflictError`."""
+    def fail(
+        self, var_id: str, message: str, *, error_type: str = STEP_FAILED, llm_output: str | None = None
+    ) -> Variable:
+        """Mark a pending variable failed with ``message`` (what went wrong, for whoever reads it), the
+        cause's ``error_type`` and, for a transform that refused the model's text, ``llm_output`` (that
+        text). A settled variable cannot fail: `VariableConflictError`."""
         var = self.get(var_id)
         self._check_pending(var, "fail")
-        new = replace(var, status="failed", error=message)
+        new = replace(var, status="failed", error=message, error_type=error_type, llm_output=llm_output)
         self._vars[var_id] = new
         return new
 

@@ -3,11 +3,12 @@
 `ScriptedEngine` has the interface the manager drives (tokenizer, fill, generate, free_context, stats) and
 answers each prompt from a script, so the real manager and app run real JSON/XML/pydantic transforms on
 model outputs. It lives in the tests only. `server.launch` builds its engines from a model name, so the
-app around the scripted engine is served here with uvicorn directly (`serve_app`).
+app around the scripted engines is served here with uvicorn directly (`serve_scripted`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import warnings
@@ -37,6 +38,7 @@ from langchain_parrot import (
     ServerParserError,
     compile_chain,
 )
+from langchain_parrot.errors import server_parser_error
 from langchain_parrot.messages import to_wire_messages
 from parrot.protocol import EngineStats
 from pydantic import BaseModel
@@ -161,8 +163,9 @@ class ScriptedEngine:
         pass
 
 
-# Longer than the 200 characters of a model's text that the server quotes in a transform's error.
-RAMBLE = "I would rather not write any JSON today, thank you. " * 6
+# Longer than the 200 characters of a model's text that the server quotes in a transform's error (with
+# blanks at its ends, which LangChain's JSON parser strips before it reports the text).
+RAMBLE = "I would rather not write any JSON today, thank you. " * 6 + "\n"
 
 
 def script(prompt: str) -> str:
@@ -192,27 +195,47 @@ class Served:
         self.url, self.app, self.engine = url, app, engine
 
 
-@pytest.fixture(scope="module")
-def served_script() -> Iterator[Served]:
-    """The real app (manager + routes) over the scripted engine, on a free local port."""
-    engine = ScriptedEngine(script)
-    app = create_app(Manager([engine]))  # type: ignore[list-item]
+@contextlib.contextmanager
+def serve_scripted(engines: int = 1) -> Iterator[Served]:
+    """The real app (manager + routes) over ``engines`` scripted engines, on a free local port; `Served`
+    names the first engine."""
+    scripted = [ScriptedEngine(script) for _ in range(engines)]
+    app = create_app(Manager(scripted))  # type: ignore[arg-type]
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the scripted server did not start"
-        time.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    yield Served(f"http://127.0.0.1:{port}", app, engine)
-    server.should_exit = True
-    thread.join(timeout=10)
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "the scripted server did not start"
+            time.sleep(0.01)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        yield Served(f"http://127.0.0.1:{port}", app, scripted[0])
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def scripted_chat(served: Served, chat_format: ChatFormat) -> ChatParrot:
+    return ChatParrot(base_url=served.url, chat_format=chat_format, model="scripted", max_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def served_script() -> Iterator[Served]:
+    with serve_scripted() as served:
+        yield served
 
 
 @pytest.fixture(scope="module")
 def chat(served_script: Served, chat_format: ChatFormat) -> ChatParrot:
-    return ChatParrot(base_url=served_script.url, chat_format=chat_format, model="scripted", max_tokens=64)
+    return scripted_chat(served_script, chat_format)
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["one-engine", "two-engines"])
+def engines_chat(request: pytest.FixtureRequest, chat_format: ChatFormat) -> Iterator[ChatParrot]:
+    """A chat model on a scripted server of one engine, then of two."""
+    with serve_scripted(request.param) as served:
+        yield scripted_chat(served, chat_format)
 
 
 def prompt(human: str) -> ChatPromptTemplate:
@@ -308,13 +331,56 @@ def test_submit_returns_the_servers_parsed_value(chat: ChatParrot, served_script
         assert variables["plan"].get()["length"] == 3
 
 
-def test_a_long_refused_output_comes_back_as_far_as_the_server_quotes_it(chat: ChatParrot) -> None:
-    chain = prompt("Ramble about {x}") | chat | JsonOutputParser()
+# ------------------------------------------------------------------------------------- refused outputs
+PARSERS = [JsonOutputParser(), XMLOutputParser()]
+
+
+def refusing_chains(chat: ChatParrot, parser: Any) -> list[Any]:
+    """A chain whose parser refuses the model's long ramble, and one whose output reads the refused one."""
+    refused = prompt("Ramble about {x}") | chat | parser
+    fused = refused | itemgetter("topic") if isinstance(parser, JsonOutputParser) else refused
+    downstream = {"topic": fused} | prompt("Write about {topic}") | chat | StrOutputParser()
+    return [refused, downstream]
+
+
+def check_refused(error: ServerParserError, transform: str) -> None:
+    """The whole ramble came back as data, though the server's message quotes only its start."""
+    assert isinstance(error, OutputParserException) and isinstance(error, P.VariableFailedError)
+    assert f"... ({len(RAMBLE)} chars)" in str(error) and "only the start" not in str(error)
+    assert error.llm_output == RAMBLE and error.llm_output_complete  # the model's text, as the parser got it
+    assert error.transform == transform and error.error_type == "transform_failed"
+
+
+@pytest.mark.parametrize("parser", PARSERS, ids=["json", "xml"])
+def test_a_long_refused_output_comes_back_whole(engines_chat: ChatParrot, parser: Any) -> None:
+    refused, downstream = refusing_chains(engines_chat, parser)
     with pytest.raises(OutputParserException) as theirs:
-        chain.invoke({"x": "birds"})
-    with pytest.raises(ServerParserError, match="only the start") as ours:
-        compile_chain(chain).invoke({"x": "birds"})
-    assert theirs.value.llm_output == RAMBLE.strip()
-    # The server's message quotes the first 200 characters (the rest needs a server change: see
-    # ServerParserError); what came back is exact, and flagged as cut.
-    assert ours.value.llm_output == RAMBLE[:200] and not ours.value.llm_output_complete
+        refused.invoke({"x": "birds"})
+    assert theirs.value.llm_output in (RAMBLE, RAMBLE.strip())  # LangChain's JSON parser strips first
+    for chain in (refused, downstream):
+        with pytest.raises(ServerParserError) as ours:
+            compile_chain(chain).invoke({"x": "birds"})
+        check_refused(ours.value, type(parser).__name__.removesuffix("OutputParser").lower())
+    assert "upstream" in str(ours.value)
+
+
+@pytest.mark.parametrize("parser", PARSERS, ids=["json", "xml"])
+async def test_a_long_refused_output_comes_back_whole_async(engines_chat: ChatParrot, parser: Any) -> None:
+    for chain in refusing_chains(engines_chat, parser):
+        with pytest.raises(ServerParserError) as ours:
+            await compile_chain(chain).ainvoke({"x": "birds"})
+        check_refused(ours.value, type(parser).__name__.removesuffix("OutputParser").lower())
+
+
+def test_without_the_text_as_data_the_message_quote_is_the_fallback() -> None:
+    # What an older server sends (or ours, for a text over its bound): the message's quote, flagged as cut.
+    quoted = f"json transform failed: invalid JSON in {RAMBLE[:200]!r}... ({len(RAMBLE)} chars)"
+    error = server_parser_error(P.VariableFailedError("v failed", var_id="v", reason=quoted))
+    assert error is not None and error.llm_output == RAMBLE[:200] and not error.llm_output_complete
+    assert "only the start" in str(error)
+    # A lookup that failed, or a failure the server types as something else, is no parser's refusal.
+    missing = "json transform failed: key path 'a': no key 'a' at the top level (keys: none)"
+    lookup = P.VariableFailedError("m", reason=missing, error_type="transform_failed")
+    assert server_parser_error(lookup) is None
+    other = P.VariableFailedError("m", reason=quoted, error_type="engine_failed", llm_output=RAMBLE)
+    assert server_parser_error(other) is None

@@ -220,9 +220,13 @@ class FakeServer:
                 upstream = self._resolve(self._var(spec.var_id or ""))
                 if upstream is None:
                     return None
-                if upstream.status == "failed":
+                if upstream.status == "failed":  # as the server does: the cause's type and text carry over
                     var.answer = GetVariableResponse(
-                        var_id=var.var_id, status="failed", error=f"upstream failed: {upstream.error}"
+                        var_id=var.var_id,
+                        status="failed",
+                        error=f"upstream failed: {upstream.error}",
+                        error_type=upstream.error_type,
+                        llm_output=upstream.llm_output,
                     )
                     return var.answer
                 values.append(upstream.value or "")

@@ -205,6 +205,7 @@ def test_pending_variables_are_set_later(server: FakeServer) -> None:
 
 
 def test_failed_variables_and_their_consumers(server: FakeServer) -> None:
+    # An older server: a message, no error type, no refused text.
     server.script["code"] = {"status": "failed", "error": "transform 'json' failed: no JSON"}
     with P.Session(URL, client=server.sync_client()):
         code = write_code("x")
@@ -212,8 +213,49 @@ def test_failed_variables_and_their_consumers(server: FakeServer) -> None:
         with pytest.raises(P.VariableFailedError, match="transform 'json' failed: no JSON") as info:
             code.get()
         assert info.value.var_id == code.var_id
+        assert info.value.error_type is None and info.value.llm_output is None
         with pytest.raises(P.VariableFailedError, match="upstream failed"):
             test.get()
+
+
+# What the model wrote, longer than the 200 characters a transform's failure message quotes.
+REFUSED = "Sure! Here is not quite JSON: {'a': 1,}\n" * 10
+
+
+def refusal(server: FakeServer) -> None:
+    server.script["code"] = {
+        "status": "failed",
+        "error": f"json transform failed: invalid JSON in {REFUSED[:200]!r}... ({len(REFUSED)} chars)",
+        "error_type": "transform_failed",
+        "llm_output": REFUSED,
+    }
+
+
+def check_refusal(failure: P.VariableFailedError, var: P.Variable) -> None:
+    assert failure.var_id == var.var_id
+    assert (failure.error_type, failure.llm_output) == ("transform_failed", REFUSED)
+
+
+def test_a_refused_text_comes_with_the_failure_and_its_consumers(server: FakeServer) -> None:
+    refusal(server)
+    with P.Session(URL, client=server.sync_client()):
+        code = write_code("x")
+        test = write_tests("x", code)
+        for var in (code, test):
+            with pytest.raises(P.VariableFailedError) as info:
+                var.get()
+            check_refusal(info.value, var)
+
+
+async def test_a_refused_text_comes_with_the_failure_async(server: FakeServer) -> None:
+    refusal(server)
+    async with P.Session(URL, client=server.async_client()):
+        code = write_code("x")
+        test = write_tests("x", code)
+        for var in (test, code):
+            with pytest.raises(P.VariableFailedError) as info:
+                await var.aget()
+            check_refusal(info.value, var)
 
 
 def test_a_rejected_call_fails_its_outputs_and_consumers(server: FakeServer) -> None:

@@ -204,12 +204,17 @@ def test_failure_propagates_downstream_with_the_root_cause() -> None:
         graph.activate(out)
     graph.mark_dispatched(a)
 
-    failed = graph.fail_step(a, "json transform failed: no JSON in 'hello'")
+    refused = "hello " * 50  # the model's whole text: the message would quote only its start
+    failed = graph.fail_step(
+        a, "json transform failed: no JSON in 'hello'", error_type="transform_failed", llm_output=refused
+    )
     root = "step 0 of call 'A' (output 'o') failed: json transform failed: no JSON in 'hello'"
     assert [v.var_id for v in failed] == ["A.o", "B.o", "D.o", "B.p", "C.o"]
     assert failed[0].error == root
     for var in failed[1:]:
         assert var.status == "failed" and var.error == f"upstream {root}"
+    # Every variable that failed carries the root cause's type and text (one string, not copies).
+    assert all(v.error_type == "transform_failed" and v.llm_output is refused for v in failed)
     assert [s.status for s in (a, b0, b1, c, d)] == ["failed"] * 5
     # The siblings are untouched: E is still runnable, F still waits for it, and D left E's consumers.
     assert graph.steps() == [e, f] and graph.runnable_steps() == [e]
@@ -219,7 +224,9 @@ def test_failure_propagates_downstream_with_the_root_cause() -> None:
 
     # A call submitted later on a failed variable fails at once, naming the same root (not nested).
     (g,) = graph.add_call(make_call("G {{input:x}} {{output:o}}", {"x": "C.o"}, "G"))
-    assert g.status == "failed" and graph.variables.get("G.o").error == f"upstream {root}"
+    late = graph.variables.get("G.o")
+    assert g.status == "failed" and late.error == f"upstream {root}"
+    assert (late.error_type, late.llm_output) == ("transform_failed", refused)
     assert_empty(graph)
 
 
@@ -242,6 +249,8 @@ def test_fail_while_waiting_and_cancel_all() -> None:
     (a,) = graph.add_call(make_call("{{input:q}} {{output:o}}", {"q": "q"}, "a"))
     graph.fail_step(a, "timed out")  # a step can fail before it ever ran (a timeout, say)
     assert graph.consumers("q") == [] and graph.variable_nodes() == set()
+    timed_out = graph.variables.get("a.o")
+    assert (timed_out.error_type, timed_out.llm_output) == ("step_failed", None)  # no type given, no text
 
     graph.variables.create("r", "ready", var_id="r")
     (b,) = graph.add_call(make_call("{{input:r}} {{output:o}}", {"r": "r"}, "b", criteria="latency"))
@@ -252,7 +261,8 @@ def test_fail_while_waiting_and_cancel_all() -> None:
     assert cancelled == [b, c, d] and all(s.status == "cancelled" for s in cancelled)
     assert_empty(graph)
     for out in ("b.o", "c.o", "d.o"):
-        assert graph.variables.get(out).error == "cancelled: the session was deleted"
+        var = graph.variables.get(out)
+        assert (var.error, var.error_type) == ("cancelled: the session was deleted", "cancelled")
     assert graph.variables.get("r").value == "ready"  # the table lives until the session dies
     assert graph.cancel_all() == []
 

@@ -37,6 +37,7 @@ from pydantic import ValidationError
 from server.serve.transform_runner import TransformRunner
 from server.serve.transforms import (
     DEFAULT_LIMITS,
+    MAX_REFUSED_TEXT_CHARS,
     XML_PARSER,
     TransformError,
     TransformLimitError,
@@ -108,8 +109,9 @@ def test_json_failures_match_langchain(text: str) -> None:
         JsonOutputParser().parse(text)
     with pytest.raises(TransformError) as info:
         run(text, {"type": "json"})
-    assert info.value.transform_type == "json"
+    assert info.value.transform_type == "json" and info.value.error_type == "transform_failed"
     assert "invalid JSON" in str(info.value) and repr(text) in str(info.value)
+    assert info.value.text == text  # the refused text, as data
 
 
 def test_json_mismatched_bracket_gives_none_like_langchain() -> None:
@@ -148,13 +150,15 @@ def test_json_key_path(text: str, key: str) -> None:
     ],
 )
 def test_json_missing_key_path(text: str, key: str, says: str) -> None:
-    with pytest.raises(TransformError, match=re.escape(says)):
+    with pytest.raises(TransformError, match=re.escape(says)) as info:
         run(text, {"type": "json", "key": key})
+    assert info.value.text is None  # the text parsed: what failed is the lookup, not the model's syntax
 
 
 def test_json_too_deep_is_a_transform_error() -> None:
-    with pytest.raises(TransformError, match="RecursionError"):
+    with pytest.raises(TransformError, match="RecursionError") as info:
         run("[" * 5000, {"type": "json"})
+    assert info.value.text == "[" * 5000
 
 
 # ---------------------------------------------------------------------------------------------- lists
@@ -226,8 +230,9 @@ def test_xml_key_path() -> None:
 def test_xml_failures_match_langchain(text: str) -> None:
     with pytest.raises(OutputParserException):
         XMLOutputParser(parser=XML_PARSER).parse(text)
-    with pytest.raises(TransformError, match="invalid XML"):
+    with pytest.raises(TransformError, match="invalid XML") as info:
         run(text, {"type": "xml"})
+    assert info.value.text == text
 
 
 def test_xml_entity_declarations_are_refused() -> None:
@@ -265,8 +270,10 @@ def test_regex_findall_matches_re(text: str, pattern: str, group: int | str | No
 
 
 def test_regex_no_match() -> None:
-    with pytest.raises(TransformError, match=re.escape("pattern '[0-9]+' does not match 'no digits'")):
+    says = "pattern '[0-9]+' does not match 'no digits'"
+    with pytest.raises(TransformError, match=re.escape(says)) as info:
         run("no digits", {"type": "regex", "pattern": "[0-9]+"})
+    assert info.value.text == "no digits"
 
 
 # --------------------------------------------------------------------------------- strip, render, chains
@@ -316,8 +323,10 @@ def test_chained_text_transforms() -> None:
 
 
 def test_parser_after_structured_value_needs_render() -> None:
-    with pytest.raises(TransformError, match=r"strip transform failed: expects text, but .* produced list"):
+    says = r"strip transform failed: expects text, but .* produced list"
+    with pytest.raises(TransformError, match=says) as info:
         run("a, b", {"type": "csv_list"}, {"type": "strip"})
+    assert info.value.text is None  # a structured value is no model text refused
 
 
 def test_error_message_truncates_long_text() -> None:
@@ -326,6 +335,23 @@ def test_error_message_truncates_long_text() -> None:
         run(text, {"type": "json"})
     assert f"({len(text)} chars)" in str(info.value)
     assert len(str(info.value)) < 400
+    assert info.value.text == text  # the message quotes the start; the error keeps all of it
+
+
+def test_the_refused_text_is_the_failing_transforms_input() -> None:
+    with pytest.raises(TransformError) as info:
+        run("  not json\n", {"type": "strip"}, {"type": "json"})
+    assert info.value.text == "not json"  # what the parser saw, as LangChain's parser would report it
+
+
+def test_a_refused_text_over_the_bound_is_not_kept() -> None:
+    # Whole or not at all: a client given llm_output must be able to trust it is the model's whole text.
+    fits = "x" * MAX_REFUSED_TEXT_CHARS
+    assert TransformError("json", "m", text=fits).text == fits
+    assert TransformError("json", "m", text=fits + "x").text is None
+    with pytest.raises(TransformError) as info:
+        run(fits + "x", {"type": "json"})
+    assert info.value.text is None and f"({MAX_REFUSED_TEXT_CHARS + 1} chars)" in str(info.value)
 
 
 # ------------------------------------------------------------------------------------- spec validation
@@ -333,7 +359,10 @@ def test_error_message_truncates_long_text() -> None:
     ("spec", "says"),
     [
         ({"type": "eval"}, "Input should be 'strip', 'json'"),
-        ({"type": "json", "pattern": "x"}, "'json' does not take option(s) ['pattern'] (it takes: json_schema, key)"),
+        (
+            {"type": "json", "pattern": "x"},
+            "'json' does not take option(s) ['pattern'] (it takes: json_schema, key)",
+        ),
         ({"type": "strip", "key": "a"}, "transform 'strip' does not take option(s) ['key'] (it takes: none)"),
         ({"type": "csv_list", "findall": True}, "does not take option(s) ['findall']"),
         ({"type": "json", "bogus": 1}, "Extra inputs are not permitted"),
@@ -462,8 +491,9 @@ def test_every_transform_output_is_bounded() -> None:
         apply_transforms([{"type": "csv_list"}], ", ".join("abcdefgh"), limits)
     assert info.value.limit == "output_size" and info.value.transform_type == "csv_list"
     assert "output of 40 chars is over 20" in str(info.value)
-    with pytest.raises(TransformLimitError, match="strip transform failed: output_size limit"):
+    with pytest.raises(TransformLimitError, match="strip transform failed: output_size limit") as too_big:
         apply_transforms([{"type": "strip"}], "y" * 21, limits)
+    assert too_big.value.text is None and too_big.value.error_type == "transform_limit"
 
 
 def test_limits_must_be_sane() -> None:
@@ -520,6 +550,18 @@ def test_runner_raises_what_apply_raises(
     with pytest.raises(error) as got:
         runner.run(specs, text, limits)
     assert type(got.value) is type(expected.value) and str(got.value) == str(expected.value)
+    assert got.value.text == expected.value.text  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("transform", ["json", "xml"])
+def test_runner_brings_back_the_whole_refused_text(runner: TransformRunner, transform: str) -> None:
+    # Longer than the message quotes, with what the pipe's JSON must carry intact (a lone surrogate, a
+    # newline, non-ASCII), and garbage to the parser.
+    text = "<<not {json} nor xml>> caf\u00e9 \ud800\n" * 20
+    with pytest.raises(TransformError) as info:
+        runner.run([{"type": transform}], text)
+    assert info.value.text == text and len(text) > 200 and "... (" in str(info.value)
+    assert info.value.error_type == "transform_failed"
 
 
 def test_runner_stops_a_runaway_transform_and_keeps_serving(runner: TransformRunner) -> None:

@@ -47,6 +47,7 @@ def test_fail_with_a_message() -> None:
     table.create(var_id="x")
     failed = table.fail("x", "engine crashed")
     assert (failed.status, failed.error, failed.value) == ("failed", "engine crashed", None)
+    assert (failed.error_type, failed.llm_output) == ("step_failed", None)
     with pytest.raises(VariableConflictError, match=r"has failed \(engine crashed\) and cannot set"):
         table.set("x", "late")
     with pytest.raises(VariableConflictError, match="cannot fail"):
@@ -54,6 +55,14 @@ def test_fail_with_a_message() -> None:
     table.create("y", "v", var_id="y")
     with pytest.raises(VariableConflictError, match="already has a value and cannot fail"):
         table.fail("y", "no")
+
+
+def test_fail_with_the_cause_and_the_refused_text() -> None:
+    table = VariableTable()
+    assert table.create(var_id="x").error_type is None  # only a failed variable has an error type
+    failed = table.fail("x", "json transform failed: ...", error_type="transform_failed", llm_output="{oops")
+    assert (failed.status, failed.error_type, failed.llm_output) == ("failed", "transform_failed", "{oops")
+    assert table.get("x") == failed
 
 
 def test_unknown_variable() -> None:

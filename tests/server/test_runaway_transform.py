@@ -65,6 +65,10 @@ def test_catastrophic_regex_fails_its_own_variable_while_another_session_complet
                     runaway().get(timeout=REQUEST_TIMEOUT_S)
                 # RE2 ran the pattern to its end (linear time): an ordinary no-match, not a stall.
                 assert f"regex transform failed: pattern {CATASTROPHIC!r} does not match" in str(info.value)
+                # The text it ran on comes back as data, whole; the message quotes (at most) its start.
+                refused = info.value.llm_output
+                assert info.value.error_type == "transform_failed" and refused
+                assert repr(refused[:200]) in str(info.value)
         except BaseException as e:  # reported on the main thread
             failures.append(e)
 
