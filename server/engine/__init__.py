@@ -7,6 +7,15 @@ result = await engine.generate(2, SamplingParams(max_tokens=16), parent_context_
 ```
 """
 
+try:
+    import torch  # noqa: F401  (the engine's one hard requirement; checked first for a clear message)
+except ModuleNotFoundError as e:  # a core-only install (httpx + pydantic): say what to install
+    raise ModuleNotFoundError(
+        f"server.engine needs the 'server' extra ({e.name!r} is not installed): "
+        "pip install 'parrot-serve[server]'",
+        name=e.name,
+    ) from e
+
 from server.engine.config import EngineConfig, ModelConfig
 from server.engine.engine import EngineStats, GenerationStream, LLMEngine
 from server.engine.errors import (

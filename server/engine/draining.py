@@ -16,9 +16,8 @@ from collections.abc import Awaitable, Callable
 from types import FrameType
 
 import uvicorn
-from starlette.types import ASGIApp
 
-__all__ = ["DrainingServer", "serve_draining"]
+__all__ = ["DrainingServer"]
 
 
 class DrainingServer(uvicorn.Server):
@@ -47,14 +46,3 @@ class DrainingServer(uvicorn.Server):
             await self._drain()
         finally:
             super().handle_exit(sig, None)
-
-
-def serve_draining(
-    app: ASGIApp, host: str, port: int, drain_timeout: float, drain: Callable[[], Awaitable[object]] | None
-) -> None:
-    """Serve ``app`` until a signal; the first one drains (``drain``, then up to ``drain_timeout`` seconds
-    for in-flight requests). Both CLIs (`python -m server`, `python -m server.engine`) serve this way."""
-    config = uvicorn.Config(
-        app, host=host, port=port, log_level="info", timeout_graceful_shutdown=drain_timeout
-    )
-    DrainingServer(config, drain).run()
