@@ -281,7 +281,12 @@ def test_error_shape(base_url: str) -> None:
     assert r.status_code == 400
     message = r.json()["error"]["message"]
     assert r.json() == {
-        "error": {"type": "unsupported_option", "message": message, "param": "echo", "code": "unsupported_option"}
+        "error": {
+            "type": "unsupported_option",
+            "message": message,
+            "param": "echo",
+            "code": "unsupported_option",
+        }
     }
 
 

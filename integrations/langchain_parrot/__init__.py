@@ -18,14 +18,9 @@ chain.invoke({"text": "..."})
 ```
 """
 
-try:  # the `langchain` extra; without it, say what to install rather than a bare ModuleNotFoundError
-    import langchain_core  # noqa: F401
-except ModuleNotFoundError as missing:
-    raise ModuleNotFoundError(
-        f"langchain_parrot needs LangChain ({missing.name!r} is not installed): "
-        "pip install 'parrot-serve[langchain]'",
-        name=missing.name,
-    ) from None
+from parrot.extras import require_extra
+
+require_extra("langchain_core", "langchain_parrot", "langchain")  # before anything imports it
 
 from langchain_parrot.chat_format import TINY_MODEL_DIR, ChatFormat
 from langchain_parrot.chat_models import ChatParrot

@@ -16,14 +16,9 @@ response_mode=...)``): each ``predict`` is one semantic call. `get_response_synt
 synthesizer for "refine", "compact" and "tree_summarize".
 """
 
-try:  # the `llamaindex` extra; without it, say what to install rather than a bare ModuleNotFoundError
-    import llama_index.core  # noqa: F401
-except ModuleNotFoundError as missing:
-    raise ModuleNotFoundError(
-        f"llamaindex_parrot needs LlamaIndex ({missing.name!r} is not installed): "
-        "pip install 'parrot-serve[llamaindex]'",
-        name=missing.name,
-    ) from None
+from parrot.extras import require_extra
+
+require_extra("llama_index.core", "llamaindex_parrot", "llamaindex")  # before anything imports it
 
 from llamaindex_parrot.errors import (
     EmptyNodesError,

@@ -7,9 +7,9 @@ result = await engine.generate(2, SamplingParams(max_tokens=16), parent_context_
 ```
 """
 
-try:
-    import torch  # noqa: F401  (the engine's one hard requirement; checked first for a clear message)
-except ModuleNotFoundError as e:  # a core-only install (httpx + pydantic): say what to install
+try:  # the engine's one hard requirement, checked first for a message that says what to install
+    import torch  # noqa: F401
+except ModuleNotFoundError as e:
     raise ModuleNotFoundError(
         f"server.engine needs the 'server' extra ({e.name!r} is not installed): "
         "pip install 'parrot-serve[server]'",

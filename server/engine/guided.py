@@ -35,8 +35,8 @@ Compiled = Callable[[CompiledGrammar | None, BaseException | None], None]
 
 
 # xgrammar's character classes for one character of a bounded and of an unbounded string, and ours.
-_STRING_CHARS = (r'[^\"\\\r\n]', r'[^\0-\x1f\"\\\r\n]')
-_JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n\uD800-\uDFFF]'
+_STRING_CHARS = (r"[^\"\\\r\n]", r"[^\0-\x1f\"\\\r\n]")
+_JSON_STRING_CHAR = r"[^\0-\x1f\"\\\r\n\uD800-\uDFFF]"
 
 # vLLM's `structured_outputs` keys (its OpenAI extension) for each kind of constraint.
 _VLLM_KEYS: dict[str, str] = {
