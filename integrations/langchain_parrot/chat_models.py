@@ -12,29 +12,58 @@ from langchain_parrot import ChatParrot
 chat = ChatParrot(base_url="http://127.0.0.1:9000", max_tokens=64)
 chat.invoke("Write a haiku about parrots")
 ```
+
+Tools and structured output (`ChatParrot.bind_tools`, `ChatParrot.with_structured_output`) always go to the
+chat endpoint, which enforces a forced tool call or a JSON schema by constrained decoding.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
+from operator import itemgetter
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
-from langchain_core.language_models import BaseChatModel, LangSmithParams
+from langchain_core.language_models import BaseChatModel, LangSmithParams, LanguageModelInput
 from langchain_core.language_models.chat_models import agenerate_from_stream, generate_from_stream
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.messages.ai import UsageMetadata
+from langchain_core.output_parsers import (
+    BaseOutputParser,
+    JsonOutputKeyToolsParser,
+    JsonOutputParser,
+    PydanticOutputParser,
+    PydanticToolsParser,
+)
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from pydantic import Field, PrivateAttr
+from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
+from langchain_core.utils.function_calling import convert_to_openai_tool
+from langchain_core.utils.pydantic import is_basemodel_subclass
+from pydantic import BaseModel, Field, PrivateAttr
 
 from langchain_parrot._base import CallParams, ParrotModelBase
 from langchain_parrot.chat_format import ChatFormat
-from langchain_parrot.messages import to_wire_messages
+from langchain_parrot.tools import (
+    ToolLike,
+    check_wire_tools,
+    openai_tool_choice,
+    openai_tools,
+    parse_tool_calls,
+    stream_tool_call_chunks,
+    to_wire_messages_with_tools,
+)
 
 __all__ = ["ChatParrot", "usage_metadata"]
 
 _CHAT_PATH = "/v1/chat/completions"
+
+# Request fields beyond sampling that a call may carry: `ChatParrot.bind_tools` and
+# `ChatParrot.with_structured_output` bind them, and they go into the request body as they are.
+_REQUEST_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "response_format")
+
+StructuredOutputMethod = Literal["json_schema", "function_calling", "json_mode"]
+_METHODS: tuple[StructuredOutputMethod, ...] = ("json_schema", "function_calling", "json_mode")
 
 
 def usage_metadata(usage: dict[str, Any] | None) -> UsageMetadata | None:
@@ -65,7 +94,13 @@ class ChatParrot(ParrotModelBase, BaseChatModel):
     Token counts (``get_num_tokens``, ``get_num_tokens_from_messages``, ``trim_messages(...,
     token_counter=chat)``) use the server's tokenizer. Sampling values the engine would refuse
     (``temperature=-1``, ``top_p=0``, ``max_tokens=0``) raise at construction.
-    The server has no tool calling, structured output via tools, or image inputs.
+
+    ``bind_tools`` offers tools (OpenAI function tools, made from pydantic classes, functions, BaseTools or
+    dicts); answers carry ``tool_calls`` (streamed as ``tool_call_chunks``), and AI messages with tool
+    calls and `ToolMessage` results go back in the conversation. ``with_structured_output`` returns
+    pydantic objects or dicts by JSON schema (the default), a forced tool call, or JSON mode. A forced
+    tool call and a JSON schema are enforced by constrained decoding: the answer is valid by construction
+    when it ends within ``max_tokens``. The server takes no image, audio or file inputs.
 
     `compile_chain` renders this model's chat prompts server-side with the model's chat template, which the
     server publishes (``GET /v1/models``, read once on first compile); ``chat_format`` (a `ChatFormat`, or
@@ -121,9 +156,126 @@ class ChatParrot(ParrotModelBase, BaseChatModel):
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         return self._parrot_ls_params("chat", stop, kwargs)
 
+    # ------------------------------------------------------------------------- tools, structured output
+    def bind_tools(
+        self,
+        tools: Sequence[ToolLike],
+        *,
+        tool_choice: dict[str, Any] | str | bool | None = None,
+        parallel_tool_calls: bool | None = None,
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, AIMessage]:
+        """This model with ``tools`` offered on every call (ChatOpenAI's ``bind_tools``).
+
+        Args:
+            tools: OpenAI tool or function dicts, JSON schemas with a ``title``, pydantic classes,
+                TypedDicts, functions with docstrings or BaseTools (converted by LangChain's
+                ``convert_to_openai_tool``).
+            tool_choice: None or ``"auto"`` (the model decides), ``"none"``, ``"any"`` or ``"required"``
+                (some tool must be called), a tool's name (that tool), True (the only tool), or an OpenAI
+                ``{"type": "function", "function": {"name": ...}}``. A forced call is valid JSON under the
+                tool's schema by construction.
+            parallel_tool_calls: False allows one call per answer (the server's default allows several).
+            strict: passed to ``convert_to_openai_tool`` (OpenAI's strict schemas: every property
+                required, no others).
+            kwargs: other call arguments to bind (``max_tokens``, ``stop``...).
+
+        Raises:
+            ValueError: a ``tool_choice`` that names no bound tool, or True with several tools.
+        """
+        formatted = openai_tools(tools, strict=strict)
+        choice = openai_tool_choice(tool_choice, [tool["function"]["name"] for tool in formatted])
+        if choice is not None:
+            kwargs["tool_choice"] = choice
+        if parallel_tool_calls is not None:
+            kwargs["parallel_tool_calls"] = parallel_tool_calls
+        return self.bind(tools=formatted, **kwargs)
+
+    def with_structured_output(
+        self,
+        schema: dict[str, Any] | type | None = None,
+        *,
+        method: StructuredOutputMethod = "json_schema",
+        include_raw: bool = False,
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, dict[str, Any] | BaseModel]:
+        """This model answering in ``schema``: a pydantic object for a pydantic class, else a dict.
+
+        Args:
+            schema: a pydantic class (v2 or v1), a TypedDict, a JSON schema with a ``title``, an OpenAI
+                tool or function dict, or (``json_schema`` only) an OpenAI ``{"name", "schema"}`` format;
+                optional for ``json_mode``.
+            method: ``"json_schema"`` (``response_format`` json_schema: the answer is generated under the
+                schema), ``"function_calling"`` (a forced call of a tool made from the schema, also valid
+                by construction) or ``"json_mode"`` (any JSON object; the prompt must ask for the keys).
+            include_raw: answer ``{"raw": AIMessage, "parsed": ..., "parsing_error": ...}``, so a failed
+                parse (say, an answer cut by ``max_tokens``) is returned rather than raised.
+            strict: OpenAI's strict schemas (every property required, no others); not for ``json_mode``.
+
+        Raises:
+            ValueError: an unknown ``method``, an unknown keyword, no ``schema`` where one is needed, or
+                ``strict`` with ``json_mode``.
+        """
+        if kwargs:
+            raise ValueError(f"with_structured_output got unsupported arguments {sorted(kwargs)}")
+        if method not in _METHODS:
+            raise ValueError(f"with_structured_output method must be one of {list(_METHODS)}, got {method!r}")
+        if schema is None and method != "json_mode":
+            raise ValueError(f"with_structured_output(method={method!r}) needs a schema")
+        if method == "json_mode" and strict is not None:
+            raise ValueError("strict applies to a schema; json_mode asks for any JSON object")
+        pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
+        # What LangChain reports to callbacks and tracers (``ls_structured_output_format``), as ChatOpenAI.
+        traced = (
+            {"kwargs": {"method": method, "strict": strict}, "schema": schema} if schema is not None else None
+        )
+        parser: BaseOutputParser[Any]
+        if method == "function_calling":
+            name = convert_to_openai_tool(schema)["function"]["name"]  # type: ignore[arg-type]
+            model = self.bind_tools(
+                [schema],  # type: ignore[list-item]
+                tool_choice=name,
+                parallel_tool_calls=False,  # one object: a random or small model may repeat calls
+                strict=strict,
+                ls_structured_output_format=traced,
+            )
+            parser = (
+                PydanticToolsParser(tools=[schema], first_tool_only=True)  # type: ignore[list-item]
+                if pydantic
+                else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True)
+            )
+        else:
+            response_format = (
+                {"type": "json_object"} if method == "json_mode" else _json_schema_format(schema, strict)
+            )
+            model = self.bind(response_format=response_format, ls_structured_output_format=traced)
+            parser = PydanticOutputParser(pydantic_object=schema) if pydantic else JsonOutputParser()  # type: ignore[arg-type]
+        if not include_raw:
+            return model | parser
+        # LangChain's include_raw shape: a parse failure becomes ``parsing_error``, never an exception.
+        parsed = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
+        unparsed = RunnablePassthrough.assign(parsed=lambda _: None)
+        return RunnableMap(raw=model) | parsed.with_fallbacks([unparsed], exception_key="parsing_error")
+
     # ------------------------------------------------------------------------------------------ requests
-    def _body(self, messages: list[BaseMessage], params: CallParams, stream: bool) -> dict[str, Any]:
-        body = {"messages": to_wire_messages(messages, names=True), **params.body(), "stream": stream}
+    def _body(
+        self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any], stream: bool
+    ) -> dict[str, Any]:
+        """The request body of one call: sampling from `call_params`, and the tool and response-format
+        fields a call carries (checked here, so a malformed call-time ``tools`` fails before a request)."""
+        fields = {k: kwargs.pop(k) for k in _REQUEST_FIELDS if k in kwargs}
+        fields = {k: v for k, v in fields.items() if v is not None}
+        if "tools" in fields:
+            check_wire_tools(fields["tools"], type(self).__name__)
+        params: CallParams = self.call_params(stop, **kwargs)
+        body = {
+            "messages": to_wire_messages_with_tools(messages),
+            **params.body(),
+            **fields,
+            "stream": stream,
+        }
         if stream:
             body["stream_options"] = {"include_usage": True}
         return body
@@ -135,8 +287,11 @@ class ChatParrot(ParrotModelBase, BaseChatModel):
             "finish_reason": choice.get("finish_reason"),
             "model_provider": "parrot",
         }
+        tool_calls, invalid_tool_calls = parse_tool_calls(choice["message"].get("tool_calls"))
         message = AIMessage(
-            content=choice["message"]["content"],
+            content=choice["message"].get("content") or "",  # null beside tool calls
+            tool_calls=tool_calls,
+            invalid_tool_calls=invalid_tool_calls,
             response_metadata=metadata,
             usage_metadata=usage_metadata(data.get("usage")),
         )
@@ -157,7 +312,7 @@ class ChatParrot(ParrotModelBase, BaseChatModel):
     ) -> ChatResult:
         if self.streaming:
             return generate_from_stream(self._stream(messages, stop, run_manager, **kwargs))
-        body = self._body(messages, self.call_params(stop, **kwargs), stream=False)
+        body = self._body(messages, stop, kwargs, stream=False)
         return self._result(self.connection.post(_CHAT_PATH, body))
 
     async def _agenerate(
@@ -169,7 +324,7 @@ class ChatParrot(ParrotModelBase, BaseChatModel):
     ) -> ChatResult:
         if self.streaming:
             return await agenerate_from_stream(self._astream(messages, stop, run_manager, **kwargs))
-        body = self._body(messages, self.call_params(stop, **kwargs), stream=False)
+        body = self._body(messages, stop, kwargs, stream=False)
         return self._result(await self.connection.apost(_CHAT_PATH, body))
 
     def _stream(
@@ -179,7 +334,7 @@ class ChatParrot(ParrotModelBase, BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
-        body = self._body(messages, self.call_params(stop, **kwargs), stream=True)
+        body = self._body(messages, stop, kwargs, stream=True)
         tail = _StreamTail()
         for event in self.connection.stream(_CHAT_PATH, body):
             chunk = tail.take(event)
@@ -196,7 +351,7 @@ class ChatParrot(ParrotModelBase, BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
-        body = self._body(messages, self.call_params(stop, **kwargs), stream=True)
+        body = self._body(messages, stop, kwargs, stream=True)
         tail = _StreamTail()
         async for event in self.connection.astream(_CHAT_PATH, body):
             chunk = tail.take(event)
@@ -207,10 +362,26 @@ class ChatParrot(ParrotModelBase, BaseChatModel):
         yield tail.last()
 
 
+def _json_schema_format(schema: Any, strict: bool | None) -> dict[str, Any]:
+    """``response_format`` json_schema for ``schema``: OpenAI's own ``{"name", "schema"}`` as it is, else
+    the name, description and parameters LangChain's ``convert_to_openai_tool`` makes of it."""
+    if isinstance(schema, dict) and isinstance(schema.get("schema"), dict) and "name" in schema:
+        spec = dict(schema)
+    else:
+        function = convert_to_openai_tool(schema, strict=strict)["function"]
+        spec = {"name": function["name"], "schema": function.get("parameters") or {"type": "object"}}
+        if function.get("description"):
+            spec["description"] = function["description"]
+    if strict is not None:
+        spec["strict"] = strict
+    return {"type": "json_schema", "json_schema": spec}
+
+
 class _StreamTail:
     """Turns streamed chat chunks into message chunks; keeps what belongs on the last one.
 
-    Content deltas are yielded as they come; the finish reason, the model name and the usage (which the
+    Content deltas are yielded as they come (tool calls come whole in one delta, as ``tool_call_chunks``
+    with their index); the finish reason, the model name and the usage (which the
     server sends after the last delta) go on one final chunk with ``chunk_position="last"``, so that
     input tokens and the model name are counted once when the chunks are added up.
     """
@@ -227,9 +398,11 @@ class _StreamTail:
         for choice in event.get("choices", []):
             if choice.get("finish_reason"):
                 self.finish_reason = choice["finish_reason"]
-            text = choice.get("delta", {}).get("content")
-            if text:
-                return ChatGenerationChunk(message=AIMessageChunk(content=text))
+            delta = choice.get("delta") or {}
+            text = delta.get("content") or ""
+            calls = stream_tool_call_chunks(delta.get("tool_calls"))
+            if text or calls:
+                return ChatGenerationChunk(message=AIMessageChunk(content=text, tool_call_chunks=calls))
         return None
 
     def last(self) -> ChatGenerationChunk:
