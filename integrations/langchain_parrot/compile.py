@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import operator
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import parrot as P
@@ -69,7 +69,7 @@ from langchain_parrot._http import ServerConnection
 from langchain_parrot.chat_format import ChatFormat
 from langchain_parrot.chat_models import ChatParrot
 from langchain_parrot.errors import ClientSideStepWarning, CompileError
-from langchain_parrot.parsers import is_output_parser, plan_output
+from langchain_parrot.parsers import OutputPlan, is_output_parser, plan_output
 from langchain_parrot.runner import in_session, in_session_async, run_async, run_sync
 from langchain_parrot.steps import (
     AssignStep,
@@ -189,14 +189,18 @@ class _Builder:
             while end < len(items) and is_output_parser(items[end]):
                 parsers.append(items[end])
                 end += 1
-            if fmt is False:
+            kwargs = dict(kwargs)
+            response_format = kwargs.pop("response_format", None)
+            plan = plan_output(parsers, chat=isinstance(model, ChatParrot)) if fmt is not False else None
+            why = (
+                "a ChatParrot without chat_format, whose server publishes no chat template"
+                if plan is None
+                else _client_only(kwargs) or _constrain(plan, response_format)
+            )
+            if plan is None or why is not None:
                 if prompt is not None:
                     steps.append(self.client(prompt, None))
-                steps.append(
-                    self.client(
-                        target, "a ChatParrot without chat_format, whose server publishes no chat template"
-                    )
-                )
+                steps.append(self.client(_rebound(model, kwargs, response_format), why))
                 steps.extend(self.client(p, None) for p in parsers)
             else:
                 self.count += 1
@@ -207,12 +211,46 @@ class _Builder:
                         prompt=prompt,
                         model=model,
                         kwargs=kwargs,
-                        plan=plan_output(parsers, chat=isinstance(model, ChatParrot)),
-                        chat_format=fmt,
+                        plan=plan,
+                        chat_format=fmt,  # type: ignore[arg-type]
                     )
                 )
             i = end
         return steps
+
+
+_TOOL_KWARGS = ("tools", "tool_choice", "parallel_tool_calls")
+
+
+def _client_only(kwargs: Mapping[str, Any]) -> str | None:
+    """Why a bound model step runs on the client (its answer is not text a semantic call produces)."""
+    if any(k in kwargs for k in _TOOL_KWARGS):
+        return "a model with tools answers tool calls, which the chat endpoint returns, not a semantic call"
+    return None
+
+
+def _constrain(plan: OutputPlan, response_format: Any) -> str | None:
+    """Put ``response_format``'s schema on the plan's JSON transform (generated under it: valid by
+    construction, `parrot.transforms.json`); the reason the step must run on the client when it cannot."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type") if isinstance(response_format, Mapping) else None
+    spec = response_format.get("json_schema") if kind == "json_schema" else None
+    schema = spec.get("schema") if isinstance(spec, Mapping) else {"type": "object"}
+    if kind not in ("json_schema", "json_object") or not isinstance(schema, Mapping):
+        return f"response_format {response_format!r} has no semantic-call equivalent"
+    first = plan.transforms[0] if plan.transforms else None
+    if first is None or first.type != "json":
+        return "a response_format needs a JSON parser right after the model in a compiled chain"
+    plan.transforms[0] = first.model_copy(update={"json_schema": dict(schema)})
+    return None
+
+
+def _rebound(model: ParrotModelBase, kwargs: Mapping[str, Any], response_format: Any) -> Runnable[Any, Any]:
+    """The model with its bound keywords, to run as LangChain runs it."""
+    if response_format is not None:
+        kwargs = {**kwargs, "response_format": response_format}
+    return model.bind(**kwargs) if kwargs else model
 
 
 def compile_chain(

@@ -2,8 +2,9 @@
 
 One conversion serves both paths: the body of ``POST /v1/chat/completions`` (`ChatParrot` used directly)
 and the messages a `ChatFormat` renders into a template (`compile_chain`), so both see the same roles and
-the same text. The server renders only ``role`` and ``content`` with the model's chat template; anything
-it cannot take (images, tool calls, tool results) is an `UnsupportedInputError` here, before a request.
+the same text. Anything neither takes as text (images, audio, files) is an `UnsupportedInputError` here,
+before a request. Tool calls and tool results are `langchain_parrot.tools`' (the chat endpoint takes them);
+a compiled chain's template renders text turns only, so there they are refused too.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def _role(message: BaseMessage) -> str:
     if isinstance(message, AIMessage):
         if message.tool_calls or message.invalid_tool_calls:
             raise UnsupportedInputError(
-                "an AI message with tool calls: the Parrot server has no tool calling"
+                "an AI message with tool calls in a prompt rendered as text (a compiled chain's template "
+                "takes text turns only): call the model directly, as bind_tools does, for tool calling"
             )
         return "assistant"
     if isinstance(message, ChatMessage):
@@ -71,7 +73,8 @@ def _role(message: BaseMessage) -> str:
         return role
     if isinstance(message, (ToolMessage, FunctionMessage)):
         raise UnsupportedInputError(
-            f"a {type(message).__name__}: the Parrot server has no tool calling, so it takes no tool results"
+            f"a {type(message).__name__} in a prompt rendered as text (a compiled chain's template takes "
+            "text turns only): call the model directly, as bind_tools does, to send tool results"
         )
     raise UnsupportedInputError(f"unsupported message type {type(message).__name__} ({message.type!r})")
 

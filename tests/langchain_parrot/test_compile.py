@@ -38,6 +38,7 @@ from langchain_parrot import (
     UnsupportedParserError,
     compile_chain,
 )
+from pydantic import BaseModel, Field
 
 from server.launcher import LaunchedServer
 from tests.langchain_parrot.conftest import PromptRecorder
@@ -434,3 +435,43 @@ def test_server_down_names_the_url(chat_format: ChatFormat) -> None:
     compiled = strict_compile(chat_prompt("{x}") | down)
     with pytest.raises(P.ConnectionError, match=rf"{url}.*gave up after 2 attempts"):
         compiled.invoke({"x": "y"})
+
+
+# ------------------------------------------------------------------------------- structured and tools
+class Rating(BaseModel):
+    """A bounded object, which the random tiny model finishes too."""
+
+    good: bool
+    stars: int = Field(ge=1, le=5)
+
+
+def test_with_structured_output_compiles_to_a_schema_output(
+    served: LaunchedServer, recorder: PromptRecorder, chat_format: ChatFormat
+) -> None:
+    """``with_structured_output`` (json_schema) becomes one semantic call whose output is generated under
+    the schema (`P.transforms.json(schema=...)`): the same object and prompts as LangChain's own run."""
+    chat = ChatParrot(base_url=served.url, max_tokens=40, chat_format=chat_format)
+    out, counts = same_run(
+        served, recorder, chat_prompt("Rate {text}") | chat.with_structured_output(Rating), {"text": "a poem"}
+    )
+    assert isinstance(out, Rating)
+    one_submission(counts)
+
+
+def test_tool_models_and_unmappable_formats_run_on_the_client_with_the_reason(
+    served: LaunchedServer, chat_format: ChatFormat
+) -> None:
+    chat = ChatParrot(base_url=served.url, max_tokens=64, chat_format=chat_format)
+    forced = chat.bind_tools([Rating], tool_choice="Rating", parallel_tool_calls=False)
+    text_parsed = chat.bind(response_format={"type": "json_object"}) | StrOutputParser()
+    for chain, why in (
+        (chat_prompt("Rate {text}") | forced, "answers tool calls"),
+        (chat_prompt("Rate {text}") | text_parsed, "needs a JSON parser"),
+    ):
+        with pytest.warns(ClientSideStepWarning, match=why):
+            compiled = compile_chain(chain)
+        direct = chain.invoke({"text": "a poem"})
+        out = compiled.invoke({"text": "a poem"})
+        assert _comparable(out) == _comparable(direct)
+        if why == "answers tool calls":
+            assert out.tool_calls and Rating.model_validate(out.tool_calls[0]["args"])

@@ -109,7 +109,8 @@ def test_chat_usage_metadata_and_bound_parameters(chat: ChatParrot) -> None:
     short = chat.bind(max_tokens=3).invoke("Hello")
     assert short.usage_metadata is not None and short.usage_metadata["output_tokens"] == 3
     assert str(message.content).startswith(str(short.content))  # greedy: a prefix of the longer answer
-    with pytest.raises(TypeError, match="unsupported call argument"):
+    # call-time tools must already be OpenAI function tools (bind_tools converts the other kinds)
+    with pytest.raises(TypeError, match="unsupported call argument tools"):
         chat.invoke("Hello", tools=[{"name": "x"}])
 
 
@@ -127,6 +128,7 @@ def test_chat_rejects_what_the_server_cannot_take(chat: ChatParrot) -> None:
     image = HumanMessage(content=[{"type": "image_url", "image_url": {"url": "http://x/y.png"}}])
     with pytest.raises(UnsupportedInputError, match="image_url"):
         chat.invoke([image])
+    # a tool result must answer a call an earlier AI message made (OpenAI's rule), before any request
     with pytest.raises(UnsupportedInputError, match="tool"):
         chat.invoke([HumanMessage("hi"), ToolMessage("42", tool_call_id="1")])
 
