@@ -22,7 +22,7 @@ from parrot.protocol import EngineGenerateResponse
 from server.engine import EngineConfig, LLMEngine, SamplingParams
 from server.engine.api import create_engine_app
 from server.engine.errors import InvalidSamplingParamsError, RequestAbortedError
-from server.engine.guided import choice_grammar, guided_from_structured_outputs, structured_outputs
+from server.engine.guided import Guide, choice_grammar, guided_from_structured_outputs, structured_outputs
 from server.engine.sampling import MAX_GUIDE_CHARS, GuidedDecoding
 from server.serve.remote_engine import result_of
 from tests.engine.conftest import _hf_model, prompts
@@ -257,3 +257,30 @@ async def test_guided_decoding_and_logprobs_over_the_engine_api(tiny: LLMEngine)
             "/generate", json={"context_id": next(_ids), "parent_context_id": cid, "sampling": bad}
         )
         assert r.status_code == 400 and "cannot be compiled" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("bounded", [True, False], ids=["maxLength", "unbounded"])
+def test_json_strings_refuse_control_characters_and_surrogates(tiny: LLMEngine, bounded: bool) -> None:
+    """Byte by byte through the tiny model's byte-level tokens: what xgrammar's own JSON grammar lets into a
+    string (a raw control character in a bounded one, a UTF-16 surrogate encoded as UTF-8 in any) is
+    refused, while real multi-byte characters pass."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    vocab = tiny.tokenizer.get_vocab()
+    byte_token = {b: vocab[ch] for b, ch in bytes_to_unicode().items()}
+    text = {"type": "string", "maxLength": 8} if bounded else {"type": "string"}
+    schema = json.dumps({"type": "object", "properties": {"s": text}, "required": ["s"]})
+    grammar = tiny._grammars.compile(GuidedDecoding("json_schema", schema))
+
+    def accepts(inner: bytes) -> bool:
+        guide = Guide(grammar)
+        try:
+            for b in b'{"s": "' + inner + b'"}':
+                guide.accept(byte_token[b])
+        except InvalidSamplingParamsError:
+            return False
+        return True
+
+    assert accepts("é€😀".encode())
+    assert not accepts(b"\xed\xa2\xb2")  # U+D8B2, a surrogate
+    assert not accepts(b"\x0e")
