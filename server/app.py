@@ -41,6 +41,7 @@ from parrot.protocol import (
     SubmitCallResponse,
     TemplateError,
     VariableCreated,
+    VariableStreamEvent,
 )
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -74,6 +75,7 @@ from server.serve.manager import (
 from server.serve.openai_backend import OpenAIBackendConfig
 from server.serve.remote_engine import RemoteEngine
 from server.serve.sessions import Session, SessionError
+from server.serve.streams import Delta, Restart
 from server.serve.variables import VariableError
 
 log = logging.getLogger(__name__)
@@ -86,6 +88,7 @@ _COMPLETION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
 _BATCH_ANSWER = (
     "NDJSON: a BatchApplied line once every operation is applied, then (with a get) a BatchGetAnswer line"
 )
+_STREAM_ANSWER = "server-sent events, each a VariableStreamEvent: text deltas, then the final answer"
 
 # Each error class knows its status (``http_status``, ``error_type``); the template errors get theirs here.
 _TYPED: tuple[type[Exception], ...] = (
@@ -390,6 +393,32 @@ def create_app(
         timeout: Annotated[float | None, Query(ge=0)] = None,
     ) -> GetVariableResponse:
         return await manager.get_variable(s, var_id, criteria, timeout)
+
+    @app.get(
+        "/v1/sessions/{session_id}/variables/{var_id}/stream",
+        response_class=StreamingResponse,
+        responses={200: {"content": {"text/event-stream": {}}, "description": _STREAM_ANSWER}},
+    )
+    async def stream_variable(
+        s: SessionDep,
+        var_id: str,
+        criteria: Criteria | None = None,
+        timeout: Annotated[float | None, Query(ge=0)] = None,
+    ) -> StreamingResponse:
+        """The producing step's text as it is written (from the beginning), then the variable's answer."""
+        items = await manager.variable_text(s, var_id, criteria, timeout)  # errors: a status, not a stream
+
+        async def events() -> AsyncIterator[str]:
+            async for item in items:
+                if isinstance(item, Delta):
+                    event = VariableStreamEvent(delta=item.text)
+                elif isinstance(item, Restart):
+                    event = VariableStreamEvent(restart=True)
+                else:
+                    event = VariableStreamEvent(final=item)
+                yield f"data: {event.model_dump_json(exclude_defaults=True)}\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
 
     @app.post("/v1/sessions/{session_id}/calls")
     async def submit_call(s: SessionDep, req: SubmitCallRequest) -> SubmitCallResponse:

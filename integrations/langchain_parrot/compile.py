@@ -43,9 +43,10 @@ Where a compiled chain differs from the original (same server, greedy decoding: 
 
 from __future__ import annotations
 
+import functools
 import operator
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import parrot as P
@@ -84,6 +85,7 @@ from langchain_parrot.steps import (
     SequenceStep,
     Step,
 )
+from langchain_parrot.streaming import astream_text, stream_kind, stream_text
 from langchain_parrot.submission import Program, RunClient, Submission
 from langchain_parrot.values import Pending
 
@@ -430,6 +432,31 @@ class CompiledChain(Runnable[Any, Any]):
         return await self._abatch_with_config(
             self._abatch, inputs, config, return_exceptions=return_exceptions
         )
+
+    def stream(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Iterator[Any]:
+        """The final model step's text as the server writes it: ``str`` chunks (a chain ending in
+        ``StrOutputParser``) or ``AIMessageChunk``s (ending in a chat model), which join to what `invoke`
+        returns; a chain ending otherwise yields `invoke`'s result as its one chunk."""
+        kind = stream_kind(self.step)
+        if kind is None:
+            yield self.invoke(input, config, **kwargs)
+            return
+        criteria = self.criteria or P.LATENCY
+        submit = functools.partial(self.submit, input, config)
+        yield from stream_text(self.connection, submit, kind, criteria, self.timeout)
+
+    async def astream(
+        self, input: Any, config: RunnableConfig | None = None, **kwargs: Any
+    ) -> AsyncIterator[Any]:
+        """``async for`` form of `stream`."""
+        kind = stream_kind(self.step)
+        if kind is None:
+            yield await self.ainvoke(input, config, **kwargs)
+            return
+        criteria = self.criteria or P.LATENCY
+        asubmit = functools.partial(self.asubmit, input, config)
+        async for chunk in astream_text(self.connection, asubmit, kind, criteria, self.timeout):
+            yield chunk
 
     # ---------------------------------------------------------------------------------------- submit
     def _submit_program(self, value: Any) -> Program:

@@ -259,11 +259,10 @@ class ParrotLLM(LLM):
         dispatcher.event(LLMPredictEndEvent(output=output))
         return output
 
-    # A semantic variable's value arrives whole (the service streams /v1/completions, not variables), so
-    # the unrendered streams yield the answer as one chunk; `unrendered=False` streams token by token.
+    # The unrendered streams read the call's output variable as the server writes it (Variable.stream).
     @dispatcher.span
     def stream(self, prompt: BasePromptTemplate, **prompt_args: Any) -> TokenGen:
-        """`predict` as a token stream: the unrendered call's answer as one chunk (see the class notes)."""
+        """`predict` as a token stream: the unrendered call's answer as the server writes it."""
         if not self.unrendered:
             return super().stream(prompt, **prompt_args)
         if prompt.output_parser is not None or self.output_parser is not None:
@@ -271,7 +270,9 @@ class ParrotLLM(LLM):
         call = self.unrendered_call(prompt, prompt_args)
 
         def gen() -> TokenGen:
-            yield self._run(call, self.sampling())
+            with self._session():
+                out = call.submit(self.sampling(), model=self.model)
+                yield from out.stream(criteria=P.LATENCY, timeout=self.get_timeout)
 
         return gen()
 
@@ -285,7 +286,10 @@ class ParrotLLM(LLM):
         call = self.unrendered_call(prompt, prompt_args)
 
         async def gen() -> TokenAsyncGen:
-            yield await self._arun(call, self.sampling())
+            async with self._session():
+                out = call.submit(self.sampling(), model=self.model)
+                async for text in out.astream(criteria=P.LATENCY, timeout=self.get_timeout):
+                    yield text
 
         return gen()
 

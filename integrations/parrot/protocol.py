@@ -795,6 +795,17 @@ class GetVariableResponse(BaseModel):
     llm_output: str | None = None
 
 
+class VariableStreamEvent(BaseModel):
+    """One server-sent event of ``GET /v1/sessions/{sid}/variables/{var_id}/stream``: more of the producing
+    step's text (``delta``, before transforms), ``restart`` (the step runs again on another engine: drop the
+    text so far), or the variable's answer (``final``, as a get answers it), which is the last event.
+    """
+
+    delta: str | None = None
+    restart: bool = False
+    final: GetVariableResponse | None = None
+
+
 # ------------------------------------------------------------------------------------------------ batches
 class BatchCreateVariable(CreateVariableRequest):
     op: Literal["create_variable"] = "create_variable"

@@ -44,6 +44,7 @@ from parrot.protocol import (
     GetVariableResponse,
     SubmitCallRequest,
 )
+from parrot.text_stream import TextFollower, stream_events
 from parrot.urls import server_root
 from parrot.variable import Variable
 
@@ -523,6 +524,42 @@ class Session:
                 await asyncio.sleep(_REPOLL_S)
         return var._result()
 
+    def _text(self, var: Variable, criteria: Criteria | None, timeout: float | None) -> Iterator[str]:
+        """`Variable.stream`: the queue sent first (the variable must exist there), then the stream read,
+        reconnecting until the variable settles or ``timeout`` passes."""
+        self._check_open("sync")
+        self.flush()
+        deadline = self._poll_plan(criteria, timeout)
+        follower = TextFollower(var._describe())
+        while follower.final is None or var._settled is None:  # once at least: a late reader reads it all
+            path, params, wait = self._poll_request(var, criteria, deadline)
+            follower.reconnect()
+            with self._stream(path + "/stream", None, params, wait) as lines:
+                for event in stream_events(lines):
+                    if text := follower.feed(event):
+                        yield text
+            _after_text(var, follower.final, deadline)
+        var._result()  # a failed variable raises, as get does
+
+    async def _atext(
+        self, var: Variable, criteria: Criteria | None, timeout: float | None
+    ) -> AsyncIterator[str]:
+        """``async`` form of `_text` (async sessions)."""
+        self._check_open("async")
+        await self.aflush()
+        deadline = self._poll_plan(criteria, timeout)
+        follower = TextFollower(var._describe())
+        while follower.final is None or var._settled is None:
+            path, params, wait = self._poll_request(var, criteria, deadline)
+            follower.reconnect()
+            async with self._astream(path + "/stream", None, params, wait) as lines:
+                async for line in lines:
+                    for event in stream_events([line]):
+                        if text := follower.feed(event):
+                            yield text
+            _after_text(var, follower.final, deadline)
+        var._result()
+
     # ------------------------------------------------------------------------------------------ HTTP
     def _request_args(
         self, body: dict[str, Any] | None, params: dict[str, Any] | None, wait: float, auth: bool
@@ -550,13 +587,17 @@ class Session:
         return _answer(response)
 
     @contextlib.contextmanager
-    def _stream(self, path: str, body: dict[str, Any]) -> Iterator[Iterator[str]]:
-        """POST ``body`` and yield the answer's lines as they arrive (a typed error for a non-2xx)."""
+    def _stream(
+        self, path: str, body: dict[str, Any] | None, params: dict[str, Any] | None = None, wait: float = 0.0
+    ) -> Iterator[Iterator[str]]:
+        """POST ``body`` (GET without one) and yield the answer's lines as they arrive (a typed error for a
+        non-2xx); a batch's own get bounds the wait."""
         assert isinstance(self._client, httpx.Client)
         url = self.url + path
-        wait = body.get("get", {}).get("timeout", 0.0)
+        method = "GET" if body is None else "POST"
+        wait = max(wait, (body or {}).get("get", {}).get("timeout", 0.0))
         try:
-            with self._client.stream("POST", url, **self._request_args(body, None, wait, True)) as response:
+            with self._client.stream(method, url, **self._request_args(body, params, wait, True)) as response:
                 if not response.is_success:
                     response.read()
                     raise error_from_response(response)
@@ -565,14 +606,17 @@ class Session:
             raise error_from_transport(e, url) from e
 
     @contextlib.asynccontextmanager
-    async def _astream(self, path: str, body: dict[str, Any]) -> AsyncIterator[AsyncIterator[str]]:
+    async def _astream(
+        self, path: str, body: dict[str, Any] | None, params: dict[str, Any] | None = None, wait: float = 0.0
+    ) -> AsyncIterator[AsyncIterator[str]]:
         """``async`` form of `_stream`."""
         assert isinstance(self._client, httpx.AsyncClient)
         url = self.url + path
-        wait = body.get("get", {}).get("timeout", 0.0)
+        method = "GET" if body is None else "POST"
+        wait = max(wait, (body or {}).get("get", {}).get("timeout", 0.0))
         try:
-            args = self._request_args(body, None, wait, True)
-            async with self._client.stream("POST", url, **args) as response:
+            args = self._request_args(body, params, wait, True)
+            async with self._client.stream(method, url, **args) as response:
                 if not response.is_success:
                     await response.aread()
                     raise error_from_response(response)
@@ -597,6 +641,15 @@ class Session:
         except httpx.TransportError as e:
             raise error_from_transport(e, url) from e
         return _answer(response)
+
+
+def _after_text(var: Variable, final: GetVariableResponse | None, deadline: _Deadline) -> None:
+    """After one connection of a text stream: settle the variable from the server's answer, or raise at the
+    deadline (else the caller reconnects)."""
+    if final is not None and final.status != "pending":
+        var._settle(final)
+    elif deadline.passed():
+        raise deadline.error(var)
 
 
 def _batch_applied(line: str | None) -> BatchApplied:

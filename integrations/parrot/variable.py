@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import AsyncIterator, Iterator
 from typing import Any, Protocol
 
 from parrot.errors import ConflictError, ParrotError, VariableFailedError
@@ -33,6 +34,12 @@ class VariableOwner(Protocol):
     def _get(self, var: Variable, criteria: Criteria | None, timeout: float | None) -> Any: ...
 
     async def _aget(self, var: Variable, criteria: Criteria | None, timeout: float | None) -> Any: ...
+
+    def _text(self, var: Variable, criteria: Criteria | None, timeout: float | None) -> Iterator[str]: ...
+
+    def _atext(
+        self, var: Variable, criteria: Criteria | None, timeout: float | None
+    ) -> AsyncIterator[str]: ...
 
     def _enqueue_set(self, var: Variable, value: str) -> None: ...
 
@@ -87,6 +94,20 @@ class Variable:
     async def aget(self, criteria: Criteria | None = None, timeout: float | None = None) -> Any:
         """``await`` form of `get` (in a sync session it runs the blocking call in a worker thread)."""
         return await self._session._aget(self, criteria, timeout)
+
+    def stream(self, criteria: Criteria | None = None, timeout: float | None = None) -> Iterator[str]:
+        """The producing step's text as it is written: chunks that join to the model's output (before any
+        transform), from the beginning whenever this is called; `get` gives the value after it.
+
+        Sends the session's queued operations first. Raises what `get` raises at the end (a failed
+        variable, ``timeout`` passed) and `parrot.text_stream.StreamRestartedError` if the step ran again
+        on another engine and wrote a different text. For sync sessions.
+        """
+        return self._session._text(self, criteria, timeout)
+
+    def astream(self, criteria: Criteria | None = None, timeout: float | None = None) -> AsyncIterator[str]:
+        """``async for`` form of `stream` (async sessions)."""
+        return self._session._atext(self, criteria, timeout)
 
     def set(self, value: str) -> None:
         """Give a pending input variable its value (sent with the next flush; a variable is set once)."""

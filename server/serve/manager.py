@@ -28,7 +28,7 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -84,6 +84,7 @@ from server.serve.remote_engine import RemoteEngine
 from server.serve.scheduler import EngineState, QueuedRequest, SchedulerConfig
 from server.serve.sessions import Session, SessionTable, UnknownSessionError
 from server.serve.slo_admission import admission
+from server.serve.streams import Delta, Restart, StepTextStream
 from server.serve.transform_runner import run_transforms
 from server.serve.transforms import TransformError, apply_transforms, render_value, validate_transforms
 from server.serve.variables import VariableTable
@@ -282,6 +283,8 @@ class Manager:
         self._tasks: dict[str, set[asyncio.Task[None]]] = {}
         self.draining = False  # `drain` began: new work is refused, running steps finish
         self._waiters: dict[tuple[str, str], asyncio.Event] = {}
+        # Each generated variable's text as it is written, by (session, variable): `variable_text`.
+        self._texts: dict[tuple[str, str], StepTextStream] = {}
         self._calls: dict[tuple[str, str], _CallProgress] = {}  # (session, call) of multi-step calls
         # Engines (local or remote) taken out of service by a failure; ids are never reused, so a remote
         # engine that registers again is a new id and serves as new.
@@ -531,6 +534,8 @@ class Manager:
             del self._calls[key]
         for key in [k for k in self._waiters if k[0] == session.session_id]:
             self._waiters.pop(key).set()
+        for key in [k for k in self._texts if k[0] == session.session_id]:
+            self._texts.pop(key).close()
 
     async def expire_sessions(self) -> int:
         """Delete every session idle for longer than the TTL; returns how many went."""
@@ -570,6 +575,44 @@ class Manager:
                     "(or an input it needs was never set); get it again or set the missing input"
                 ) from None
         return _response(graph.variables, var_id)
+
+    async def variable_text(
+        self, session: Session, var_id: str, criteria: Criteria | None, timeout: float | None
+    ) -> AsyncIterator[Delta | Restart | GetVariableResponse]:
+        """The text of ``var_id``'s producing step as it is written (from the beginning, whenever this is
+        called), then the variable's final answer (its value after transforms, or its failure). Activates
+        what it needs, as `get_variable` does. An unknown variable raises here, before anything is sent;
+        when ``timeout`` (bounded by ``max_get_timeout``) passes first, the answer says it is pending."""
+        graph = session.graph
+        graph.variables.get(var_id)  # an unknown variable is a 404 before the stream starts
+        graph.activate(var_id, criteria)
+        self._dispatch(session)
+        key = (session.session_id, var_id)
+        text = self._texts.setdefault(key, StepTextStream())
+        if graph.variables.get(var_id).settled:
+            text.close()  # (a value set by the client, or a failure before any step ran: no text)
+        wait = min(
+            self.config.default_get_timeout if timeout is None else timeout, self.config.max_get_timeout
+        )
+        return self._follow(session, var_id, text, wait)
+
+    async def _follow(
+        self, session: Session, var_id: str, text: StepTextStream, wait: float
+    ) -> AsyncIterator[Delta | Restart | GetVariableResponse]:
+        var = session.graph.variables.get(var_id)
+        if not text.started and var.status == "ready" and var.kind == "text" and var.value:
+            yield Delta(var.value)  # a value the client set: no step wrote it, it is its own text
+        deltas = text.deltas()
+        deadline = time.monotonic() + wait
+        with self.sessions.waiting(session, self._clock):  # not idle while someone reads it
+            try:
+                while True:
+                    yield await asyncio.wait_for(anext(deltas), max(0.0, deadline - time.monotonic()))
+            except (StopAsyncIteration, TimeoutError):
+                pass  # ended, or still pending at the deadline: the answer below says which
+            finally:
+                await deltas.aclose()
+        yield _response(session.graph.variables, var_id)
 
     # ------------------------------------------------------------------------------------------ calls
     def submit_call(self, session: Session, req: SubmitCallRequest) -> SubmitCallResponse:
@@ -899,7 +942,15 @@ class Manager:
             # A latency-bound step carries the engine's latency cap, so the engine keeps its batch under
             # it against traffic the placement does not see (the OpenAI endpoints).
             latency_cap = self._caps(engine)[1] if request.latency_bound else None
-            result = await engine.generate(context_id, sampling, latency_cap=latency_cap, priority=priority)
+            text = self._texts.setdefault((session.session_id, step.gen.var_id), StepTextStream())
+            text.start(engine.tokenizer, sampling.stop)
+            stream = engine.submit_generate(
+                context_id, sampling, stream=True, latency_cap=latency_cap, priority=priority
+            )
+            async for token_id in stream:  # readers of the variable's text see each token as it comes
+                text.push(token_id)
+            result = await stream.result()
+            text.finish(result.text)
         except BaseException:  # failed or cancelled (session deleted): the step's context goes too
             await self._free(engine_index, context_id)
             raise
@@ -1255,6 +1306,9 @@ class Manager:
         event = self._waiters.pop((session.session_id, var_id), None)
         if event is not None:
             event.set()
+        text = self._texts.get((session.session_id, var_id))
+        if text is not None:
+            text.close()
 
     async def drain(self, grace: float) -> int:
         """Graceful shutdown: refuse new sessions, calls and OpenAI requests (503) from now on, and wait up

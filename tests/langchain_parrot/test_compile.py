@@ -7,6 +7,7 @@ exactly the same token ids — the prompts the server renders are the ones LangC
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import time
 import warnings
@@ -475,3 +476,40 @@ def test_tool_models_and_unmappable_formats_run_on_the_client_with_the_reason(
         assert _comparable(out) == _comparable(direct)
         if why == "answers tool calls":
             assert out.tool_calls and Rating.model_validate(out.tool_calls[0]["args"])
+
+
+# ----------------------------------------------------------------------------------------------- stream
+def _joined(chunks: list[Any]) -> Any:
+    out = chunks[0]
+    for chunk in chunks[1:]:
+        out = out + chunk
+    return out
+
+
+@pytest.mark.parametrize("parser", [True, False], ids=["str-parser", "chat-message"])
+def test_a_compiled_chain_streams_its_last_model_steps_tokens(
+    served: LaunchedServer, chat_format: ChatFormat, parser: bool
+) -> None:
+    chat = ChatParrot(base_url=served.url, max_tokens=12, chat_format=chat_format)
+    chain = strict_compile(
+        chat_prompt("Summarize {text}") | chat | StrOutputParser()
+        if parser
+        else chat_prompt("Summarize {text}") | chat
+    )
+    value = {"text": "the history of parrots"}
+    chunks = list(chain.stream(value))
+    assert len(chunks) > 1
+    assert _comparable(_joined(chunks)) == _comparable(chain.invoke(value))
+
+    async def collect() -> list[Any]:
+        return [c async for c in chain.astream(value)]
+
+    assert _comparable(_joined(asyncio.run(collect()))) == _comparable(chain.invoke(value))
+
+
+def test_a_chain_ending_in_a_json_parser_streams_its_value_whole(
+    served: LaunchedServer, chat_format: ChatFormat
+) -> None:
+    chat = ChatParrot(base_url=served.url, max_tokens=40, chat_format=chat_format)
+    chain = strict_compile(chat_prompt("Rate {text}") | chat.with_structured_output(Rating))
+    assert list(chain.stream({"text": "a poem"})) == [chain.invoke({"text": "a poem"})]

@@ -105,9 +105,11 @@ class ScriptedEngine:
         sampling: Any = None,
         parent_context_id: int | None = None,
         stream: bool = True,
+        *,
+        latency_cap: int | None = None,
         priority: float | None = None,
     ) -> _Answer:
-        """What the OpenAI endpoints call (the baseline path): the answer, streamable."""
+        """What the manager and the OpenAI endpoints call: the answer, streamable."""
         tokens = self.contexts.setdefault(context_id, list(self.contexts.get(parent_context_id, [])))
         prompt = self.tokenizer.decode(tokens)
         self.prompts.append(prompt)
@@ -117,18 +119,6 @@ class ScriptedEngine:
         return _Answer(
             GenerateResult(token_ids=out, text=text, finish_reason="stop", prompt_tokens=len(tokens))
         )
-
-    async def generate(
-        self,
-        context_id: int,
-        sampling: Any = None,
-        parent_context_id: int | None = None,
-        *,
-        latency_cap: int | None = None,
-        priority: float | None = None,
-    ) -> GenerateResult:
-        """What the manager calls (the semantic-call path)."""
-        return await self.submit_generate(context_id, sampling, parent_context_id).result()
 
     async def free_context(self, context_id: int) -> None:
         self.contexts.pop(context_id, None)

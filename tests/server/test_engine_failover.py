@@ -67,23 +67,52 @@ class DyingEngine:
         return await self._engine.fill(*args, **kwargs)
 
     async def generate(self, *args: Any, **kwargs: Any) -> Any:
-        self.work_after_death += self.dead
-        self._check()
-        self.generates += 1
-        if self._pass_first is not None and self.generates > self._pass_first:
-            self.parked += 1
-            await self._gate.wait()
-            self._check()
-        return await self._engine.generate(*args, **kwargs)
+        return await self.submit_generate(*args, **kwargs).result()
 
     def submit_generate(self, *args: Any, **kwargs: Any) -> Any:
         self.work_after_death += self.dead
         self._check()
-        return self._engine.submit_generate(*args, **kwargs)
+        self.generates += 1
+        park = self._pass_first is not None and self.generates > self._pass_first
+        return _GatedStream(self, park, lambda: self._engine.submit_generate(*args, **kwargs))
+
+    async def _pass_gate(self) -> None:
+        self.parked += 1
+        await self._gate.wait()
+        self._check()
 
     async def free_context(self, context_id: int) -> None:
         self._check()
         await self._engine.free_context(context_id)
+
+
+class _GatedStream:
+    """A generate of a `DyingEngine`: parked ones start on the real engine only once the gate opens (and
+    fail if the engine died meanwhile), whether read token by token or awaited whole."""
+
+    def __init__(self, owner: DyingEngine, park: bool, submit: Any) -> None:
+        self._owner, self._park, self._submit = owner, park, submit
+        self._inner: Any = None
+
+    async def _started(self) -> Any:
+        if self._inner is None:
+            if self._park:
+                await self._owner._pass_gate()
+            self._inner = self._submit()
+        return self._inner
+
+    def __aiter__(self) -> _GatedStream:
+        return self
+
+    async def __anext__(self) -> int:
+        return int(await (await self._started()).__anext__())
+
+    async def result(self) -> Any:
+        return await (await self._started()).result()
+
+    def cancel(self) -> None:
+        if self._inner is not None:
+            self._inner.cancel()
 
 
 @pytest.fixture(scope="module")
