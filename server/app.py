@@ -37,6 +37,7 @@ from parrot.protocol import (
     EngineStatus,
     GetVariableResponse,
     SetVariableRequest,
+    StepInfo,
     SubmitCallRequest,
     SubmitCallResponse,
     TemplateError,
@@ -44,7 +45,7 @@ from parrot.protocol import (
     VariableStreamEvent,
 )
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -75,6 +76,7 @@ from server.serve.manager import (
 from server.serve.openai_backend import OpenAIBackendConfig
 from server.serve.remote_engine import RemoteEngine
 from server.serve.sessions import Session, SessionError
+from server.serve.step_records import Histogram, StepRecord
 from server.serve.streams import Delta, Restart
 from server.serve.variables import VariableError
 
@@ -129,6 +131,18 @@ def _classify(exc: Exception) -> tuple[int, str]:
     return 500, "internal_error"
 
 
+def step_info(record: StepRecord) -> StepInfo:
+    """A step record as the wire answers it."""
+    fields = {name: getattr(record, name) for name in StepInfo.model_fields}
+    return StepInfo.model_validate(fields)
+
+
+def _histogram(name: str, documentation: str, histogram: Histogram) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(name, documentation)
+    family.add_metric([], histogram.buckets(), histogram.total)
+    return family
+
+
 class _ManagerCollector(Collector):
     """Prometheus gauges read from the manager and engines at scrape time (no global registry)."""
 
@@ -136,7 +150,7 @@ class _ManagerCollector(Collector):
         self.manager = manager
         self.requests = requests
 
-    def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
+    def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily]:
         served = CounterMetricFamily(
             "parrot_http_requests", "HTTP requests answered, by method and route", labels=["method", "route"]
         )
@@ -146,6 +160,16 @@ class _ManagerCollector(Collector):
         sessions = GaugeMetricFamily("parrot_sessions", "Live sessions")
         sessions.add_metric([], len(self.manager.sessions))
         yield sessions
+        steps = self.manager.steps
+        yield _histogram(
+            "parrot_step_queue_seconds", "Steps' time from dispatch to their engine", steps.queue_s
+        )
+        yield _histogram("parrot_step_run_seconds", "Steps' time on their engine", steps.run_s)
+        yield _histogram(
+            "parrot_step_prefill_tokens_saved",
+            "Prompt tokens a step forked instead of computing",
+            steps.prefill_saved,
+        )
         fields = {
             "blocks_used": "KV blocks in use",
             "blocks_total": "KV blocks in the cache",
@@ -419,6 +443,12 @@ def create_app(
                 yield f"data: {event.model_dump_json(exclude_defaults=True)}\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.get("/v1/sessions/{session_id}/steps")
+    async def steps(s: SessionDep) -> list[StepInfo]:
+        """Every step the session dispatched, in order: where it ran, for which objective, how long it
+        queued and ran, how many prompt tokens sharing saved it."""
+        return [step_info(r) for r in manager.steps.by_session.get(s.session_id, [])]
 
     @app.post("/v1/sessions/{session_id}/calls")
     async def submit_call(s: SessionDep, req: SubmitCallRequest) -> SubmitCallResponse:

@@ -795,6 +795,27 @@ class GetVariableResponse(BaseModel):
     llm_output: str | None = None
 
 
+class StepInfo(BaseModel):
+    """What the server did with one step of a call (``GET /v1/sessions/{sid}/steps``): its output variable,
+    objective (``criteria``, ``task_group``), state, engine, tries, prompt tokens and how many of them were
+    forked from a kept context instead of computed, and its queue and run times in seconds."""
+
+    call_id: str
+    index: int
+    var_id: str
+    function: str | None
+    criteria: Criteria | None
+    task_group: str | None
+    state: Literal["queued", "running", "done", "failed"]
+    engine: str | None
+    attempts: int
+    prompt_tokens: int
+    prefill_tokens_saved: int
+    queue_s: float | None
+    run_s: float | None
+    error: str | None
+
+
 class VariableStreamEvent(BaseModel):
     """One server-sent event of ``GET /v1/sessions/{sid}/variables/{var_id}/stream``: more of the producing
     step's text (``delta``, before transforms), ``restart`` (the step runs again on another engine: drop the

@@ -84,6 +84,7 @@ from server.serve.remote_engine import RemoteEngine
 from server.serve.scheduler import EngineState, QueuedRequest, SchedulerConfig
 from server.serve.sessions import Session, SessionTable, UnknownSessionError
 from server.serve.slo_admission import admission
+from server.serve.step_records import StepRecord, StepRecords
 from server.serve.streams import Delta, Restart, StepTextStream
 from server.serve.transform_runner import run_transforms
 from server.serve.transforms import TransformError, apply_transforms, render_value, validate_transforms
@@ -285,6 +286,9 @@ class Manager:
         self._waiters: dict[tuple[str, str], asyncio.Event] = {}
         # Each generated variable's text as it is written, by (session, variable): `variable_text`.
         self._texts: dict[tuple[str, str], StepTextStream] = {}
+        # What happened to each step (`step_records`), and the records of the steps running now.
+        self.steps = StepRecords()
+        self._records: dict[tuple[str, int], StepRecord] = {}
         self._calls: dict[tuple[str, str], _CallProgress] = {}  # (session, call) of multi-step calls
         # Engines (local or remote) taken out of service by a failure; ids are never reused, so a remote
         # engine that registers again is a new id and serves as new.
@@ -536,6 +540,7 @@ class Manager:
             self._waiters.pop(key).set()
         for key in [k for k in self._texts if k[0] == session.session_id]:
             self._texts.pop(key).close()
+        self.steps.drop_session(session.session_id)
 
     async def expire_sessions(self) -> int:
         """Delete every session idle for longer than the TTL; returns how many went."""
@@ -754,11 +759,28 @@ class Manager:
 
     async def _run_step(self, session: Session, node: StepNode, prep: _Prepared) -> None:
         graph = session.graph
+        goal = objective(node)
+        record = self.steps.add(
+            StepRecord(
+                session.session_id,
+                node.call.call_id,
+                node.step.index,
+                node.output,
+                node.call.func_name,
+                goal.criteria,
+                _task_group_key(goal),
+                self._clock(),
+            )
+        )
+        key = (node.call.call_id, node.step.index)
+        self._records[key] = record
         try:
             value, kind = await self._execute(session, node, prep)
         except asyncio.CancelledError:
+            self.steps.ended(record, self._clock(), "cancelled")
             raise
         except TransformError as e:  # the refused text travels as data: the message quotes only its start
+            self.steps.ended(record, self._clock(), str(e))
             self._fail(session, node, str(e), e.error_type, e.text)
             return
         except (
@@ -768,16 +790,20 @@ class Manager:
             NoServingEngineError,
             ModelNotFoundError,
         ) as e:
+            self.steps.ended(record, self._clock(), str(e))
             self._fail(session, node, str(e), e.error_type)
             return
         except Exception as e:  # a bug must not leave the variable pending forever
             log.exception("step %s failed", node.id)
+            self.steps.ended(record, self._clock(), f"internal error: {e!r}")
             self._fail(session, node, f"internal error: {e!r}", "internal_error")
             return
         finally:
             self._release_prepared(prep)
+            self._records.pop(key, None)
         if session.session_id not in self._tasks:  # deleted while the step ran
             return
+        self.steps.ended(record, self._clock())
         graph.complete_step(node, value, kind)
         self._settled(session, node.output)
         self._dispatch(session)
@@ -937,8 +963,14 @@ class Manager:
         context_id = next(self._context_ids)
         sampling = _sampling(step.gen.sampling)
         priority = None if estimate is None else estimate.priority
+        record = self._records.get((call.call_id, step.index))
+        if record is not None:
+            self.steps.started(record, self.engine_name(engine_index), self._clock())
+            record.prompt_tokens = len(token_ids)
         try:
-            await self._fill_from_cache(engine_index, namespace, context_id, token_ids, priority)
+            saved = await self._fill_from_cache(engine_index, namespace, context_id, token_ids, priority)
+            if record is not None:
+                record.prefill_tokens_saved = saved
             # A latency-bound step carries the engine's latency cap, so the engine keeps its batch under
             # it against traffic the placement does not see (the OpenAI endpoints).
             latency_cap = self._caps(engine)[1] if request.latency_bound else None
@@ -1081,15 +1113,16 @@ class Manager:
         context_id: int,
         token_ids: list[int],
         priority: float | None = None,
-    ) -> None:
+    ) -> int:
         """Make ``context_id`` hold ``token_ids``: a fork of the leading tokens they share with a kept
-        context (held against eviction while the fork is made), filled with the rest. ``priority``: the
-        request's place in an SJF engine's queue (its prefill is ordered as its generation is)."""
+        context (held against eviction while the fork is made), filled with the rest; returns how many
+        were forked (not computed). ``priority``: the request's place in an SJF engine's queue (its
+        prefill is ordered as its generation is)."""
         match = self._cached_match(engine_index, namespace, token_ids)
         engine = self.engines[engine_index]
         if match is None:
             await engine.fill(context_id, token_ids, priority=priority)
-            return
+            return 0
         self._prefixes.acquire(match.entry)
         try:
             await engine.fill(
@@ -1101,6 +1134,7 @@ class Manager:
             )
         finally:
             self._prefixes.release(match.entry)
+        return match.length
 
     async def _keep(self, engine_index: int, namespace: str, context_id: int, token_ids: list[int]) -> None:
         """Store a finished context as a shareable prefix; beyond the engine's cap (all namespaces together,

@@ -1,10 +1,10 @@
 """Shared fixtures: one embedded server for the whole directory, and a recorder of the prompts it runs.
 
-`PromptRecorder` wraps the engine's ``fill``/``generate``/``submit_generate`` and keeps, for every
-generation, the token ids of the context it generated from — whichever path reached the engine (the
-manager's semantic calls fork contexts; the OpenAI endpoints fill fresh ones). Comparing these lists
-between a compiled chain and the same chain run by plain LangChain checks that the engine saw exactly the
-same prompts.
+`PromptRecorder` wraps the engine's ``fill`` and ``submit_generate`` (``generate`` goes through it) and
+keeps, for every generation, the token ids of the context it generated from — whichever path reached the
+engine (the manager's semantic calls fork contexts; the OpenAI endpoints fill fresh ones). Comparing these
+lists between a compiled chain and the same chain run by plain LangChain checks that the engine saw exactly
+the same prompts.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class PromptRecorder:
     def __init__(self, engine: LLMEngine) -> None:
         self.contexts: dict[int, list[int]] = {}
         self.prompts: list[list[int]] = []
-        fill, generate, submit = engine.fill, engine.generate, engine.submit_generate
+        fill, submit = engine.fill, engine.submit_generate
 
         async def recording_fill(
             context_id: int,
@@ -52,19 +52,22 @@ class PromptRecorder:
             if context_id not in self.contexts:
                 self.contexts[context_id] = list(self.contexts.get(parent_context_id, []))
             self.prompts.append(list(self.contexts[context_id]))
-            return submit(context_id, sampling, parent_context_id, stream, **kw)
+            stream = submit(context_id, sampling, parent_context_id, stream, **kw)
+            result, recorded = stream.result, []
 
-        async def recording_generate(
-            context_id: int, sampling: Any = None, parent_context_id: int | None = None, **kw: Any
-        ) -> Any:
-            result = await generate(context_id, sampling, parent_context_id, **kw)
-            # The manager keeps the finished context (prompt + output) as a prefix later calls fork from.
-            self.contexts[context_id] = self.contexts[context_id] + list(result.token_ids)
-            return result
+            async def recording_result() -> Any:
+                done = await result()
+                if not recorded:  # (a caller may await the result more than once)
+                    recorded.append(True)
+                    # The manager keeps the finished context (prompt + output) as a prefix later calls fork.
+                    self.contexts[context_id] = self.contexts[context_id] + list(done.token_ids)
+                return done
+
+            stream.result = recording_result  # generate() and the manager's token streams both end here
+            return stream
 
         engine.fill = recording_fill  # type: ignore[method-assign]
         engine.submit_generate = recording_submit  # type: ignore[method-assign]
-        engine.generate = recording_generate  # type: ignore[method-assign]
 
     def mark(self) -> int:
         """A position to read `since` from."""

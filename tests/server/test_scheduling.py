@@ -67,13 +67,13 @@ def test_a_latency_step_reaches_its_engine_with_the_latency_cap(
 ) -> None:
     caps: list[int | None] = []
     for engine in two_engines.engines:
-        generate = engine.generate
+        submit = engine.submit_generate
 
-        async def recording(*args: Any, _generate: Any = generate, **kwargs: Any) -> Any:
+        def recording(*args: Any, _submit: Any = submit, **kwargs: Any) -> Any:
             caps.append(kwargs.get("latency_cap"))
-            return await _generate(*args, **kwargs)
+            return _submit(*args, **kwargs)
 
-        monkeypatch.setattr(engine, "generate", recording)
+        monkeypatch.setattr(engine, "submit_generate", recording)  # the manager's path (token streams)
     config, stats = two_engines.manager.config, two_engines.engines[0].stats()
     capacity = config.engine_capacity_tokens or stats.blocks_total * stats.block_size
     with P.Session(two_engines.url):

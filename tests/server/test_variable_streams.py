@@ -132,3 +132,36 @@ def test_the_follower_skips_a_replay_and_refuses_a_different_text() -> None:
         follower.feed(VariableStreamEvent(delta="Twice"))
     lines = ["data: " + e.model_dump_json() for e in events({"delta": "a"}, {"restart": True})] + [": ping"]
     assert [e.delta for e in stream_events(lines)] == ["a", None]
+
+
+# ------------------------------------------------------------------------------------------ step records
+SYSTEM = "You are a careful reviewer of short documents; answer in one word. " * 4
+REVIEW = P.SemanticFunction.from_template(
+    SYSTEM + "Document: {{input:doc}}\nVerdict:{{output:verdict}}",
+    name="review",
+    sampling=P.SamplingConfig(max_tokens=4, ignore_eos=True),
+)
+
+
+def test_each_step_has_a_record_of_where_it_ran_and_what_sharing_saved(served: LaunchedServer) -> None:
+    with P.Session(served.url) as session:
+        verdicts = [REVIEW(doc=f"report {i}") for i in range(3)]
+        assert all(v.get(criteria=P.THROUGHPUT) for v in verdicts)
+        headers = {"Authorization": f"Bearer {session._token}"}
+        steps = httpx.get(f"{served.url}/v1/sessions/{session.session_id}/steps", headers=headers).json()
+        with P.Session(served.url) as other:  # another session's token sees its own steps only
+            mine = f"{served.url}/v1/sessions/{session.session_id}/steps"
+            assert httpx.get(mine, headers={"Authorization": f"Bearer {other._token}"}).status_code in (
+                401,
+                403,
+            )
+    assert [s["var_id"] for s in steps] == [v.var_id for v in verdicts]
+    for step in steps:
+        assert step["function"] == "review" and step["state"] == "done" and step["attempts"] == 1
+        assert step["engine"].startswith("engine ") and step["queue_s"] >= 0 and step["run_s"] > 0
+        # the shared system prompt is computed once; each step forks it (whole blocks at least)
+        assert 0 < step["prefill_tokens_saved"] < step["prompt_tokens"]
+    metrics = httpx.get(f"{served.url}/metrics").text
+    count = next(line for line in metrics.splitlines() if line.startswith("parrot_step_run_seconds_count"))
+    assert float(count.split()[-1]) >= 3
+    assert "parrot_step_prefill_tokens_saved_bucket" in metrics and "parrot_step_queue_seconds_sum" in metrics
