@@ -783,10 +783,14 @@ class LLMEngine(KVExchange, GeneratesBySubmit):
         tokens = self._next_tokens(reqs, hidden[rows])
         for req, token in zip(reqs, tokens, strict=True):
             ctx = req.context
+            if req.guide is not None:
+                try:
+                    req.guide.accept(token)
+                except EngineError as e:  # (masked, so not expected) this request fails, not its batch
+                    self._finish(req, error=e)
+                    continue
             req.decoding = True
             req.output_ids.append(token)
-            if req.guide is not None:
-                req.guide.accept(token)
             ctx.token_ids.append(token)
             ctx.last_hidden = None
             if req.on_token is not None:

@@ -284,3 +284,27 @@ def test_json_strings_refuse_control_characters_and_surrogates(tiny: LLMEngine, 
     assert accepts("é€😀".encode())
     assert not accepts(b"\xed\xa2\xb2")  # U+D8B2, a surrogate
     assert not accepts(b"\x0e")
+
+
+async def test_a_grammar_refusing_a_token_fails_its_request_not_its_batch(
+    tiny: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    accept = Guide.accept
+    refused: list[int] = []
+
+    def refuse_once(self: Guide, token_id: int) -> None:
+        if not refused:
+            refused.append(token_id)
+            raise InvalidSamplingParamsError(f"token {token_id} breaks the request's grammar")
+        accept(self, token_id)
+
+    monkeypatch.setattr(Guide, "accept", refuse_once)
+    guided = SamplingParams(max_tokens=20, guided=GuidedDecoding("regex", r"\d{1,8}"))
+    outcomes = await asyncio.gather(
+        *[_generate(tiny, f"n{i}", guided) for i in range(2)],
+        _generate(tiny, "plain", SamplingParams(max_tokens=4, ignore_eos=True)),
+        return_exceptions=True,
+    )
+    failed = [o for o in outcomes if isinstance(o, InvalidSamplingParamsError)]
+    assert len(failed) == 1 and "breaks the request's grammar" in str(failed[0])
+    assert sum(isinstance(o, tuple) for o in outcomes) == 2 and tiny.stats().running == 0
