@@ -974,7 +974,9 @@ class Manager:
             # A latency-bound step carries the engine's latency cap, so the engine keeps its batch under
             # it against traffic the placement does not see (the OpenAI endpoints).
             latency_cap = self._caps(engine)[1] if request.latency_bound else None
-            text = self._texts.setdefault((session.session_id, step.gen.var_id), StepTextStream())
+            text = StepTextStream()  # a deleted session's step keeps no text for anyone
+            if session.session_id in self._tasks:
+                text = self._texts.setdefault((session.session_id, step.gen.var_id), text)
             text.start(engine.tokenizer, sampling.stop)
             stream = engine.submit_generate(
                 context_id, sampling, stream=True, latency_cap=latency_cap, priority=priority
