@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -51,6 +52,35 @@ class TokenLogprobConfig(BaseModel):
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = Field(default_factory=list)
+
+
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
+"""The seeds the engine takes (what ``torch.Generator.manual_seed`` accepts: a 64-bit integer)."""
+
+_SAMPLING_CHECKED = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+
+
+def sampling_problem(params: object) -> str | None:
+    """What is wrong with the sampling parameters of ``params`` (a `SamplingConfig` or anything with its
+    attributes; one missing or None is not given), or None: the engine's rules, which the client applies
+    where parameters are written (`parrot.sampling.check_sampling`) and the engine where they are used."""
+    max_tokens, temperature, top_p, top_k, seed, stop = (getattr(params, n, None) for n in _SAMPLING_CHECKED)
+    # bool is an int to Python but never a token count or a seed anyone meant.
+    if max_tokens is not None and (
+        isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1
+    ):
+        return f"max_tokens must be an integer >= 1, got {max_tokens!r}"
+    if temperature is not None and not (math.isfinite(temperature) and temperature >= 0):
+        return f"temperature must be a finite number >= 0 (0 is greedy), got {temperature!r}"
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        return f"top_p must be in (0, 1] (1 disables it), got {top_p!r}"
+    if top_k is not None and top_k < 0:
+        return f"top_k must be >= 0 (0 disables it), got {top_k!r}"
+    if seed is not None and (isinstance(seed, bool) or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]):
+        return f"seed must be a 64-bit integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {seed!r}"
+    if stop is not None and any(not s for s in stop):
+        return f"stop strings must be non-empty, got {list(stop)!r}"
+    return None
 
 
 class SamplingConfig(_Strict):

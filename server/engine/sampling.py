@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 import torch
+from parrot.protocol import sampling_problem
 
 from server.engine.errors import InvalidSamplingParamsError
 
-# What `torch.Generator.manual_seed` takes (a signed or unsigned 64-bit integer); beyond it, it raises.
-SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 _TINY = torch.finfo(torch.float32).tiny
 # A client's constraint is bounded before anything compiles it: the grammar compiler's time and memory grow
 # with the constraint's size (and with the vocabulary, which is fixed).
@@ -105,22 +103,9 @@ class SamplingParams:
 
     def validate(self, vocab_size: int) -> None:
         """Raise `InvalidSamplingParamsError` naming the first bad field."""
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise InvalidSamplingParamsError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise InvalidSamplingParamsError(
-                f"temperature must be a finite number >= 0, got {self.temperature}"
-            )
-        if not 0.0 < self.top_p <= 1.0:
-            raise InvalidSamplingParamsError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise InvalidSamplingParamsError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
-            raise InvalidSamplingParamsError(
-                f"seed must be a 64-bit integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed}"
-            )
-        if any(not s for s in self.stop):
-            raise InvalidSamplingParamsError("stop strings must be non-empty")
+        problem = sampling_problem(self)  # the rules the client checks too, where parameters are written
+        if problem is not None:
+            raise InvalidSamplingParamsError(problem)
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
             raise InvalidSamplingParamsError(
