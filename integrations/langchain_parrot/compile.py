@@ -202,7 +202,7 @@ class _Builder:
             if plan is None or why is not None:
                 if prompt is not None:
                     steps.append(self.client(prompt, None))
-                steps.append(self.client(_rebound(model, kwargs, response_format), why))
+                steps.append(self.client(target, why))  # the model with its bindings, as LangChain runs it
                 steps.extend(self.client(p, None) for p in parsers)
             else:
                 self.count += 1
@@ -246,13 +246,6 @@ def _constrain(plan: OutputPlan, response_format: Any) -> str | None:
         return "a response_format needs a JSON parser right after the model in a compiled chain"
     plan.transforms[0] = first.model_copy(update={"json_schema": dict(schema)})
     return None
-
-
-def _rebound(model: ParrotModelBase, kwargs: Mapping[str, Any], response_format: Any) -> Runnable[Any, Any]:
-    """The model with its bound keywords, to run as LangChain runs it."""
-    if response_format is not None:
-        kwargs = {**kwargs, "response_format": response_format}
-    return model.bind(**kwargs) if kwargs else model
 
 
 def compile_chain(

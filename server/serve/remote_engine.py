@@ -157,7 +157,7 @@ class RemoteEngine(GeneratesBySubmit):
         context_id: int,
         sampling: SamplingParams | None = None,
         parent_context_id: int | None = None,
-        stream: bool = False,
+        stream: bool = True,
         *,
         latency_cap: int | None = None,
         parent_len: int | None = None,

@@ -41,7 +41,7 @@ class StepTextStream:
         self._stop: list[str] = []
         self._final: str | None = None
         self._epoch = 0
-        self._changed = asyncio.Event()
+        self._changed: asyncio.Event | None = None  # made by a waiting reader: none while nobody reads
 
     @property
     def started(self) -> bool:
@@ -75,7 +75,7 @@ class StepTextStream:
         epoch: int | None = None
         sent, ended, detok = 0, False, None
         while True:
-            changed = self._changed  # any change from here on sets it: no wake-up is missed
+            changed = self._event()  # any change from here on sets it: no wake-up is missed
             if epoch != self._epoch:
                 if epoch is not None:
                     yield Restart()
@@ -96,6 +96,13 @@ class StepTextStream:
                 return
             await changed.wait()
 
+    def _event(self) -> asyncio.Event:
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        return self._changed
+
     def _wake(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()  # readers wait on the event of the state they saw
+        # Readers wait on the event of the state they saw; the next reader makes a new one.
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
