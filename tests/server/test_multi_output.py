@@ -6,13 +6,12 @@ a long output gives its whole text back as data, to the output and to what reads
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 
 import parrot as P
 import pytest
 
-from server.engine import EngineConfig
-from server.launcher import LaunchedServer, launch
+from server.launcher import LaunchedServer
+from tests.server.conftest import BROKEN
 
 GREEDY = P.SamplingConfig(max_tokens=5, temperature=0.0, ignore_eos=True)
 PLAN = P.SemanticFunction.from_template(
@@ -21,9 +20,6 @@ PLAN = P.SemanticFunction.from_template(
     sampling=GREEDY,
 )
 ECHO = P.SemanticFunction.from_template("Repeat: {{input:x}}{{output:y}}", name="echo", sampling=GREEDY)
-BROKEN = P.SemanticFunction.from_template(
-    "Give JSON: {{output:j}}", name="broken", sampling=GREEDY, transforms={"j": [P.transforms.json()]}
-)
 # Long enough that the failure message quotes only the start (200 characters) of what the model wrote.
 RAMBLE = "Ramble on: {{output:text}}"
 LONG = P.SamplingConfig(max_tokens=96, temperature=0.0, ignore_eos=True)
@@ -35,14 +31,8 @@ REFUSING = [
 ]
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["one-engine", "two-engines"])
-def served(request: pytest.FixtureRequest) -> Iterator[LaunchedServer]:
-    with launch("tiny", engines=request.param, engine_config=EngineConfig(num_kv_blocks=256)) as s:
-        yield s
-
-
-def test_every_input_kind_gives_the_literal_answer(served: LaunchedServer) -> None:
-    with P.Session(served.url) as s:
+def test_every_input_kind_gives_the_literal_answer(one_or_two: LaunchedServer) -> None:
+    with P.Session(one_or_two.url) as s:
         task = ECHO(x=s.variable("a snake game"))
         literal = PLAN(task="a snake game")
         variable = PLAN(task=s.variable("a snake game"))
@@ -58,8 +48,8 @@ def test_every_input_kind_gives_the_literal_answer(served: LaunchedServer) -> No
     assert all(isinstance(t, str) for pair in got.values() for t in pair)
 
 
-def test_a_failed_future_fails_every_output_with_the_cause(served: LaunchedServer) -> None:
-    with P.Session(served.url):
+def test_a_failed_future_fails_every_output_with_the_cause(one_or_two: LaunchedServer) -> None:
+    with P.Session(one_or_two.url):
         plan, code = PLAN(task=BROKEN())
         for out in (plan, code):
             with pytest.raises(P.VariableFailedError, match="json transform failed"):
@@ -68,9 +58,9 @@ def test_a_failed_future_fails_every_output_with_the_cause(served: LaunchedServe
         assert isinstance(ok[1].get(), str)
 
 
-def test_async_session_with_a_variable_input(served: LaunchedServer) -> None:
+def test_async_session_with_a_variable_input(one_or_two: LaunchedServer) -> None:
     async def run() -> tuple[tuple[str, str], tuple[str, str]]:
-        async with P.Session(served.url) as s:
+        async with P.Session(one_or_two.url) as s:
             plan, code = PLAN(task=s.variable("a snake game"))
             lit_plan, lit_code = PLAN(task="a snake game")
             return (await plan.aget(), await code.aget()), (await lit_plan.aget(), await lit_code.aget())
@@ -87,9 +77,9 @@ def check_refused(failure: P.VariableFailedError, whole: str) -> None:
 
 @pytest.mark.parametrize("refusing", REFUSING, ids=lambda f: f.name)
 def test_a_refused_long_output_comes_back_whole_to_it_and_downstream(
-    served: LaunchedServer, refusing: P.SemanticFunction
+    one_or_two: LaunchedServer, refusing: P.SemanticFunction
 ) -> None:
-    with P.Session(served.url):
+    with P.Session(one_or_two.url):
         out = refusing()
         plan, code = PLAN(task=out)  # both steps fail because their input did: they carry its cause
         failures = []
@@ -105,10 +95,10 @@ def test_a_refused_long_output_comes_back_whole_to_it_and_downstream(
 
 @pytest.mark.parametrize("refusing", REFUSING, ids=lambda f: f.name)
 def test_a_refused_long_output_comes_back_whole_to_an_async_get(
-    served: LaunchedServer, refusing: P.SemanticFunction
+    one_or_two: LaunchedServer, refusing: P.SemanticFunction
 ) -> None:
     async def run() -> tuple[list[P.VariableFailedError], str]:
-        async with P.Session(served.url):
+        async with P.Session(one_or_two.url):
             out = refusing()
             after = ECHO(x=out)
             failures = []

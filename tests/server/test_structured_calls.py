@@ -6,15 +6,14 @@ and two, and with a pydantic model as the schema."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 
 import jsonschema
 import parrot as P
 import pytest
 from pydantic import BaseModel, Field
 
-from server.engine import EngineConfig
-from server.launcher import LaunchedServer, launch
+from server.launcher import LaunchedServer
+from tests.server.conftest import BROKEN
 
 # Bounded, so that the random tiny model finishes every value.
 TICKET = {
@@ -48,22 +47,10 @@ JUDGE = P.SemanticFunction.from_template(
     transforms={"verdict": [P.transforms.json(schema=Verdict)], "ticket": [P.transforms.render()]},
 )
 WRITE = P.SemanticFunction.from_template("Describe a crash: {{output:text}}", name="write", sampling=SAMPLING)
-BROKEN = P.SemanticFunction.from_template(
-    "Give JSON: {{output:j}}",
-    name="broken",
-    sampling=P.SamplingConfig(max_tokens=3),
-    transforms={"j": [P.transforms.json()]},
-)
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["one-engine", "two-engines"])
-def served(request: pytest.FixtureRequest) -> Iterator[LaunchedServer]:
-    with launch("tiny", engines=request.param, engine_config=EngineConfig(num_kv_blocks=512)) as s:
-        yield s
-
-
-def test_a_schema_output_is_valid_for_every_input_kind(served: LaunchedServer) -> None:
-    with P.Session(served.url) as s:
+def test_a_schema_output_is_valid_for_every_input_kind(one_or_two: LaunchedServer) -> None:
+    with P.Session(one_or_two.url) as s:
         tickets = {
             "literal": TICKET_OF(report="the app crashes on start"),
             "variable": TICKET_OF(report=s.variable("the app crashes on start")),
@@ -75,31 +62,33 @@ def test_a_schema_output_is_valid_for_every_input_kind(served: LaunchedServer) -
     assert values["variable"] == values["literal"]
 
 
-def test_a_schema_output_feeds_the_next_call_and_a_pydantic_schema_holds(served: LaunchedServer) -> None:
-    with P.Session(served.url):
+def test_a_schema_output_feeds_the_next_call_and_a_pydantic_schema_holds(
+    one_or_two: LaunchedServer,
+) -> None:
+    with P.Session(one_or_two.url):
         ticket = TICKET_OF(report="login button does nothing")
         verdict, reason = JUDGE(ticket=ticket)
         checked = Verdict.model_validate(verdict.get())
         assert isinstance(reason.get(), str) and 0 <= checked.score <= 10
 
 
-async def test_async_gets_of_schema_outputs(served: LaunchedServer) -> None:
-    with P.Session(served.url):
+async def test_async_gets_of_schema_outputs(one_or_two: LaunchedServer) -> None:
+    with P.Session(one_or_two.url):
         outs = [TICKET_OF(report=f"bug number {i}") for i in range(4)]
         values = await asyncio.gather(*[o.aget() for o in outs])
     for value in values:
         jsonschema.validate(value, TICKET)
 
 
-def test_a_failed_future_fails_the_schema_output_with_its_cause(served: LaunchedServer) -> None:
-    with P.Session(served.url):
+def test_a_failed_future_fails_the_schema_output_with_its_cause(one_or_two: LaunchedServer) -> None:
+    with P.Session(one_or_two.url):
         out = TICKET_OF(report=BROKEN())
         with pytest.raises(P.VariableFailedError, match="json transform failed"):
             out.get()
         assert TICKET_OF(report="still served").get()["priority"] in ("low", "high")
 
 
-def test_a_schema_transform_must_constrain_the_text_itself(served: LaunchedServer) -> None:
+def test_a_schema_transform_must_constrain_the_text_itself(one_or_two: LaunchedServer) -> None:
     late = P.SemanticFunction.from_template(
         "X: {{output:x}}",
         name="late",
@@ -111,7 +100,7 @@ def test_a_schema_transform_must_constrain_the_text_itself(served: LaunchedServe
         sampling=P.SamplingConfig(guided={"kind": "regex", "value": "a+"}),
         transforms={"x": [P.transforms.json(schema=TICKET)]},
     )
-    with P.Session(served.url):
+    with P.Session(one_or_two.url):
         # refused at submit (HTTP 400), whichever comes first: the call or its get
         with pytest.raises(P.BadRequestError, match="first transform"):
             late().get()

@@ -6,7 +6,6 @@ again, and a stream ends as a get does (the value, or the failure raised)."""
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 
 import httpx
 import parrot as P
@@ -14,9 +13,9 @@ import pytest
 from parrot.protocol import VariableStreamEvent
 from parrot.text_stream import StreamRestartedError, TextFollower, stream_events
 
-from server.engine import EngineConfig
 from server.launcher import LaunchedServer, launch
 from tests.processes import wait_until
+from tests.server.conftest import BROKEN
 from tests.server.test_remote_engines import remote_engine
 
 LONG = P.SemanticFunction.from_template(
@@ -30,24 +29,12 @@ WORDS = P.SemanticFunction.from_template(
     sampling=P.SamplingConfig(max_tokens=24, ignore_eos=True),
     transforms={"words": [P.transforms.regex(r"\w+", findall=True)]},
 )
-BROKEN = P.SemanticFunction.from_template(
-    "Give JSON: {{output:j}}",
-    name="broken",
-    sampling=P.SamplingConfig(max_tokens=3),
-    transforms={"j": [P.transforms.json()]},
-)
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["one-engine", "two-engines"])
-def served(request: pytest.FixtureRequest) -> Iterator[LaunchedServer]:
-    with launch("tiny", engines=request.param, engine_config=EngineConfig(num_kv_blocks=512)) as s:
-        yield s
-
-
-def _pending(served: LaunchedServer, session: P.Session, var: P.Variable) -> bool:
+def _pending(one_or_two: LaunchedServer, session: P.Session, var: P.Variable) -> bool:
     """Whether the server still has ``var`` pending (a get that does not wait)."""
     r = httpx.get(
-        f"{served.url}/v1/sessions/{session.session_id}/variables/{var.var_id}",
+        f"{one_or_two.url}/v1/sessions/{session.session_id}/variables/{var.var_id}",
         params={"timeout": 0},
         headers={"Authorization": f"Bearer {session._token}"},
         timeout=10,
@@ -55,28 +42,28 @@ def _pending(served: LaunchedServer, session: P.Session, var: P.Variable) -> boo
     return r.status_code == 504 or r.json()["status"] == "pending"
 
 
-def test_chunks_arrive_while_pending_and_join_to_the_text(served: LaunchedServer) -> None:
-    with P.Session(served.url) as session:
+def test_chunks_arrive_while_pending_and_join_to_the_text(one_or_two: LaunchedServer) -> None:
+    with P.Session(one_or_two.url) as session:
         story = LONG(topic=session.variable("a lighthouse"))
         chunks, pending_after_first = [], None
         for chunk in story.stream():
             if not chunks:
-                pending_after_first = _pending(served, session, story)
+                pending_after_first = _pending(one_or_two, session, story)
             chunks.append(chunk)
         assert pending_after_first is True
         assert len(chunks) > 10 and "".join(chunks) == story.get()
         assert "".join(story.stream()) == story.get()  # a late reader: the whole text again
 
 
-def test_a_transformed_output_streams_its_text_and_gets_its_value(served: LaunchedServer) -> None:
-    with P.Session(served.url):
+def test_a_transformed_output_streams_its_text_and_gets_its_value(one_or_two: LaunchedServer) -> None:
+    with P.Session(one_or_two.url):
         words = WORDS()
         text = "".join(words.stream())
         assert words.get() == re.findall(r"\w+", text)
 
 
-async def test_async_streams_of_a_future_and_of_a_set_variable(served: LaunchedServer) -> None:
-    async with P.Session(served.url) as session:
+async def test_async_streams_of_a_future_and_of_a_set_variable(one_or_two: LaunchedServer) -> None:
+    async with P.Session(one_or_two.url) as session:
         topic = session.variable("a harbour")
         story = LONG(topic=LONG(topic=topic))
         chunks = [c async for c in story.astream()]
@@ -84,23 +71,23 @@ async def test_async_streams_of_a_future_and_of_a_set_variable(served: LaunchedS
         assert [c async for c in topic.astream()] == ["a harbour"]  # a set value is its own text
 
 
-def test_a_failed_variable_streams_then_raises_its_failure(served: LaunchedServer) -> None:
-    with P.Session(served.url):
+def test_a_failed_variable_streams_then_raises_its_failure(one_or_two: LaunchedServer) -> None:
+    with P.Session(one_or_two.url):
         story = LONG(topic=BROKEN())
         with pytest.raises(P.VariableFailedError, match="json transform failed"):
             list(story.stream())
 
 
 def test_a_stream_waiting_past_its_timeout_raises_and_other_sessions_see_nothing(
-    served: LaunchedServer,
+    one_or_two: LaunchedServer,
 ) -> None:
-    with P.Session(served.url) as session:
+    with P.Session(one_or_two.url) as session:
         story = LONG(topic=session.variable())  # an input never set
         with pytest.raises(P.GetTimeoutError, match="still pending"):
             list(story.stream(timeout=0.5))
-        url = f"{served.url}/v1/sessions/{session.session_id}/variables/{story.var_id}/stream"
+        url = f"{one_or_two.url}/v1/sessions/{session.session_id}/variables/{story.var_id}/stream"
         assert httpx.get(url, timeout=10).status_code == 401  # no token
-        with P.Session(served.url) as other:
+        with P.Session(one_or_two.url) as other:
             r = httpx.get(url, headers={"Authorization": f"Bearer {other._token}"}, timeout=10)
             assert r.status_code in (401, 403)
         missing = url.replace(story.var_id, "nope")
@@ -110,9 +97,9 @@ def test_a_stream_waiting_past_its_timeout_raises_and_other_sessions_see_nothing
 
 def test_a_remote_engine_streams_too() -> None:
     """The engine's HTTP API streams the tokens to the manager, which streams them on."""
-    with launch("tiny", engines=0) as served, remote_engine(served.url, served.cluster_token):
-        wait_until(lambda: httpx.get(f"{served.url}/health").status_code == 200, timeout=30)
-        with P.Session(served.url, timeout=60):
+    with launch("tiny", engines=0) as manager, remote_engine(manager.url, manager.cluster_token):
+        wait_until(lambda: httpx.get(f"{manager.url}/health").status_code == 200, timeout=30)
+        with P.Session(manager.url, timeout=60):
             story = LONG(topic="a river")
             chunks = list(story.stream(timeout=60))
             assert len(chunks) > 10 and "".join(chunks) == story.get()
@@ -143,14 +130,16 @@ REVIEW = P.SemanticFunction.from_template(
 )
 
 
-def test_each_step_has_a_record_of_where_it_ran_and_what_sharing_saved(served: LaunchedServer) -> None:
-    with P.Session(served.url) as session:
+def test_each_step_has_a_record_of_where_it_ran_and_what_sharing_saved(
+    one_or_two: LaunchedServer,
+) -> None:
+    with P.Session(one_or_two.url) as session:
         verdicts = [REVIEW(doc=f"report {i}") for i in range(3)]
         assert all(v.get(criteria=P.THROUGHPUT) for v in verdicts)
         headers = {"Authorization": f"Bearer {session._token}"}
-        steps = httpx.get(f"{served.url}/v1/sessions/{session.session_id}/steps", headers=headers).json()
-        with P.Session(served.url) as other:  # another session's token sees its own steps only
-            mine = f"{served.url}/v1/sessions/{session.session_id}/steps"
+        steps = httpx.get(f"{one_or_two.url}/v1/sessions/{session.session_id}/steps", headers=headers).json()
+        with P.Session(one_or_two.url) as other:  # another session's token sees its own steps only
+            mine = f"{one_or_two.url}/v1/sessions/{session.session_id}/steps"
             assert httpx.get(mine, headers={"Authorization": f"Bearer {other._token}"}).status_code in (
                 401,
                 403,
@@ -161,7 +150,7 @@ def test_each_step_has_a_record_of_where_it_ran_and_what_sharing_saved(served: L
         assert step["engine"].startswith("engine ") and step["queue_s"] >= 0 and step["run_s"] > 0
         # the shared system prompt is computed once; each step forks it (whole blocks at least)
         assert 0 < step["prefill_tokens_saved"] < step["prompt_tokens"]
-    metrics = httpx.get(f"{served.url}/metrics").text
+    metrics = httpx.get(f"{one_or_two.url}/metrics").text
     count = next(line for line in metrics.splitlines() if line.startswith("parrot_step_run_seconds_count"))
     assert float(count.split()[-1]) >= 3
     assert "parrot_step_prefill_tokens_saved_bucket" in metrics and "parrot_step_queue_seconds_sum" in metrics
