@@ -42,7 +42,6 @@ from parrot.protocol import (
     SubmitCallResponse,
     TemplateError,
     VariableCreated,
-    VariableStreamEvent,
 )
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -77,8 +76,9 @@ from server.serve.openai_backend import OpenAIBackendConfig
 from server.serve.remote_engine import RemoteEngine
 from server.serve.sessions import Session, SessionError
 from server.serve.step_records import Histogram, StepRecord
-from server.serve.streams import Delta, Restart
+from server.serve.streams import STREAM_ANSWER, server_sent_events
 from server.serve.variables import VariableError
+from server.ui import create_ui_router
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,6 @@ _COMPLETION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
 _BATCH_ANSWER = (
     "NDJSON: a BatchApplied line once every operation is applied, then (with a get) a BatchGetAnswer line"
 )
-_STREAM_ANSWER = "server-sent events, each a VariableStreamEvent: text deltas, then the final answer"
 
 # Each error class knows its status (``http_status``, ``error_type``); the template errors get theirs here.
 _TYPED: tuple[type[Exception], ...] = (
@@ -305,6 +304,8 @@ def create_app(
         create_openai_router(manager), dependencies=[Depends(api_key_guard(security.api_keys))]
     )
 
+    app.include_router(create_ui_router(manager, security.cluster_token))  # /ui and the routes it reads
+
     @app.get("/health", responses={503: {"description": "the process is up but no engine is in service"}})
     async def health() -> JSONResponse:
         """200 while an engine is in service; else 503 with the typed error body (``no_engine``) — the
@@ -421,7 +422,7 @@ def create_app(
     @app.get(
         "/v1/sessions/{session_id}/variables/{var_id}/stream",
         response_class=StreamingResponse,
-        responses={200: {"content": {"text/event-stream": {}}, "description": _STREAM_ANSWER}},
+        responses={200: {"content": {"text/event-stream": {}}, "description": STREAM_ANSWER}},
     )
     async def stream_variable(
         s: SessionDep,
@@ -431,18 +432,7 @@ def create_app(
     ) -> StreamingResponse:
         """The producing step's text as it is written (from the beginning), then the variable's answer."""
         items = await manager.variable_text(s, var_id, criteria, timeout)  # errors: a status, not a stream
-
-        async def events() -> AsyncIterator[str]:
-            async for item in items:
-                if isinstance(item, Delta):
-                    event = VariableStreamEvent(delta=item.text)
-                elif isinstance(item, Restart):
-                    event = VariableStreamEvent(restart=True)
-                else:
-                    event = VariableStreamEvent(final=item)
-                yield f"data: {event.model_dump_json(exclude_defaults=True)}\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return StreamingResponse(server_sent_events(items), media_type="text/event-stream")
 
     @app.get("/v1/sessions/{session_id}/steps")
     async def steps(s: SessionDep) -> list[StepInfo]:

@@ -42,6 +42,7 @@ __all__ = [
     "default_token_path",
     "install_auth_handler",
     "load_cluster_token",
+    "matches_any",
 ]
 
 log = logging.getLogger(__name__)
@@ -182,7 +183,7 @@ def bearer_token(authorization: str | None) -> str | None:
     return authorization[7:].strip() or None
 
 
-def _matches_any(presented: str, secrets_: Sequence[str]) -> bool:
+def matches_any(presented: str, secrets_: Sequence[str]) -> bool:
     """Whether ``presented`` equals one of ``secrets_``; every one is compared (no early exit), each in
     constant time, so the timing tells nothing about which or how much matched."""
     candidate = presented.encode()
@@ -199,7 +200,7 @@ def check_secret(authorization: str | None, accepted: Sequence[str], what: str, 
     slug = what.lower().replace(" ", "_")
     if token is None:
         raise AuthError(f"this route needs the {what}: {hint}", 401, f"missing_{slug}")
-    if not _matches_any(token, accepted):
+    if not matches_any(token, accepted):
         raise AuthError(f"wrong {what}: {hint}", 403, f"invalid_{slug}")
 
 

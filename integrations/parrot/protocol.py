@@ -846,6 +846,68 @@ class StepInfo(BaseModel):
     error: str | None
 
 
+DagStepState = Literal["waiting", "queued", "running", "done", "failed"]
+
+
+class DagVariable(BaseModel):
+    """A variable of a session's DAG (``GET /v1/sessions/{sid}/dag``): its status, who produces it, and the
+    start of its value (``value``, cut at the server's bound, 4,096 characters; ``truncated`` says so: the
+    whole value is at ``GET /v1/sessions/{sid}/dag/variables/{var_id}``)."""
+
+    var_id: str
+    name: str | None
+    status: VariableStatus
+    kind: ValueKind = "text"
+    producer: str | None = None  # "call_id:index" of the step that generates it; None: the client sets it
+    value: str | None = None
+    truncated: bool = False
+    error: str | None = None
+
+
+class DagStep(StepInfo):
+    """A step of a session's DAG: what `StepInfo` says once it was dispatched, plus the variables it reads
+    (``inputs``). ``state`` is ``waiting`` until its inputs are set and something asked for its output;
+    a step that failed before it ran (an input failed) has no engine and no times."""
+
+    state: DagStepState  # type: ignore[assignment]  # StepInfo's states plus "waiting"
+    inputs: list[str]
+
+
+class SessionDag(BaseModel):
+    """One session's dataflow as the server ran it: every call's steps (in submission order) and every
+    variable, joined with the step records (``GET /v1/sessions/{sid}/dag``)."""
+
+    session_id: str
+    steps: list[DagStep]
+    variables: list[DagVariable]
+
+
+class SessionSummary(BaseModel):
+    """One live session in the cluster view: its age, and its steps and variables by state."""
+
+    session_id: str
+    age_s: float
+    idle_s: float
+    calls: int
+    steps: dict[str, int]  # DagStepState -> count
+    variables: dict[str, int]  # VariableStatus -> count
+
+
+class EngineView(EngineStatus):
+    """An engine in the cluster view: its status plus how often sharing saved prefill there (steps that
+    forked a kept context, and the prompt tokens they did not compute)."""
+
+    prefix_hits: int = 0
+    prefill_tokens_saved: int = 0
+
+
+class ClusterView(BaseModel):
+    """What the live view shows the cluster token's holder (``GET /v1/view``): engines and sessions."""
+
+    engines: list[EngineView]
+    sessions: list[SessionSummary]
+
+
 class VariableStreamEvent(BaseModel):
     """One server-sent event of ``GET /v1/sessions/{sid}/variables/{var_id}/stream``: more of the producing
     step's text (``delta``, before transforms), ``restart`` (the step runs again on another engine: drop the

@@ -163,6 +163,16 @@ class Session:
         """The server's id of the session (None before entering)."""
         return self._session_id
 
+    @property
+    def view_url(self) -> str | None:
+        """This session's live view (the server's ``/ui``: its DAG, each step's state, engine and sharing,
+        values and streams), None before entering. The session's token rides in the link's fragment, which
+        the browser never sends to a server; the page drops it from the address bar. Share it as the token.
+        """
+        if self._session_id is None or self._token is None:
+            return None
+        return f"{self.url}/ui#session={self._session_id}&token={self._token}"
+
     def __repr__(self) -> str:
         return f"<parrot.Session {self.url} id={self._session_id} {self._state}>"
 

@@ -39,6 +39,7 @@ from parrot.protocol import (
     BatchGet,
     BatchRequest,
     BatchSetVariable,
+    ClusterView,
     CreateSessionResponse,
     CreateVariableRequest,
     Criteria,
@@ -48,6 +49,7 @@ from parrot.protocol import (
     EngineStatus,
     GetVariableResponse,
     SamplingConfig,
+    SessionDag,
     SubmitCallRequest,
     SubmitCallResponse,
     VariableCreated,
@@ -55,6 +57,7 @@ from parrot.protocol import (
 
 from server.engine import EngineError, LLMEngine, SamplingParams
 from server.engine.errors import EngineDrainingError, EngineFailedError, engine_unavailable
+from server.serve.dag_view import engine_views, session_dag, session_summary
 from server.serve.deduction import StepObjective, objective
 from server.serve.disagg_engine import DisaggregatedEngine
 from server.serve.errors import ModelNotFoundError
@@ -84,7 +87,7 @@ from server.serve.remote_engine import RemoteEngine
 from server.serve.scheduler import EngineState, QueuedRequest, SchedulerConfig
 from server.serve.sessions import Session, SessionTable, UnknownSessionError
 from server.serve.slo_admission import admission
-from server.serve.step_records import StepRecord, StepRecords
+from server.serve.step_records import StepRecord, StepRecords, task_group_key
 from server.serve.streams import Delta, Restart, StepTextStream
 from server.serve.transform_runner import run_transforms
 from server.serve.transforms import TransformError, apply_transforms, render_value, validate_transforms
@@ -582,16 +585,24 @@ class Manager:
         return _response(graph.variables, var_id)
 
     async def variable_text(
-        self, session: Session, var_id: str, criteria: Criteria | None, timeout: float | None
+        self,
+        session: Session,
+        var_id: str,
+        criteria: Criteria | None,
+        timeout: float | None,
+        *,
+        watch: bool = False,
     ) -> AsyncIterator[Delta | Restart | GetVariableResponse]:
         """The text of ``var_id``'s producing step as it is written (from the beginning, whenever this is
         called), then the variable's final answer (its value after transforms, or its failure). Activates
-        what it needs, as `get_variable` does. An unknown variable raises here, before anything is sent;
-        when ``timeout`` (bounded by ``max_get_timeout``) passes first, the answer says it is pending."""
+        what it needs, as `get_variable` does — unless ``watch`` (the live view: looking neither runs a step
+        nor keeps the session alive). An unknown variable raises here, before anything is sent; when
+        ``timeout`` (bounded by ``max_get_timeout``) passes first, the answer says it is pending."""
         graph = session.graph
         graph.variables.get(var_id)  # an unknown variable is a 404 before the stream starts
-        graph.activate(var_id, criteria)
-        self._dispatch(session)
+        if not watch:
+            graph.activate(var_id, criteria)
+            self._dispatch(session)
         key = (session.session_id, var_id)
         text = self._texts.setdefault(key, StepTextStream())
         if graph.variables.get(var_id).settled:
@@ -599,17 +610,18 @@ class Manager:
         wait = min(
             self.config.default_get_timeout if timeout is None else timeout, self.config.max_get_timeout
         )
-        return self._follow(session, var_id, text, wait)
+        return self._follow(session, var_id, text, wait, hold=not watch)
 
     async def _follow(
-        self, session: Session, var_id: str, text: StepTextStream, wait: float
+        self, session: Session, var_id: str, text: StepTextStream, wait: float, hold: bool
     ) -> AsyncIterator[Delta | Restart | GetVariableResponse]:
         var = session.graph.variables.get(var_id)
         if not text.started and var.status == "ready" and var.kind == "text" and var.value:
             yield Delta(var.value)  # a value the client set: no step wrote it, it is its own text
         deltas = text.deltas()
         deadline = time.monotonic() + wait
-        with self.sessions.waiting(session, self._clock):  # not idle while someone reads it
+        busy = self.sessions.waiting(session, self._clock) if hold else contextlib.nullcontext()
+        with busy:  # not idle while its client reads it
             try:
                 while True:
                     yield await asyncio.wait_for(anext(deltas), max(0.0, deadline - time.monotonic()))
@@ -618,6 +630,24 @@ class Manager:
             finally:
                 await deltas.aclose()
         yield _response(session.graph.variables, var_id)
+
+    def session_dag(self, session: Session) -> SessionDag:
+        """``session``'s calls, steps and variables as the live view shows them (`dag_view`)."""
+        return session_dag(session, self.steps.by_session.get(session.session_id, []))
+
+    def variable_snapshot(self, session: Session, var_id: str) -> GetVariableResponse:
+        """``var_id``'s state now, activating nothing (the live view's click on a variable)."""
+        return _response(session.graph.variables, var_id)
+
+    def cluster_view(self) -> ClusterView:
+        """Every engine and session, as the live view shows the cluster token's holder."""
+        now = self._clock()
+        return ClusterView(
+            engines=engine_views(self.engine_status(), self.steps),
+            sessions=[
+                session_summary(s, self.steps.by_session.get(s.session_id, []), now) for s in self.sessions
+            ],
+        )
 
     # ------------------------------------------------------------------------------------------ calls
     def submit_call(self, session: Session, req: SubmitCallRequest) -> SubmitCallResponse:
@@ -631,6 +661,7 @@ class Manager:
         call = build_call(req, outputs)
         self._check_call_quota(session, call)
         graph.add_call(call)
+        session.calls.append(call)
         for var_id in call.outputs.values():  # a step whose input had failed fails at once
             if graph.variables.get(var_id).settled:
                 self._settled(session, var_id)
@@ -734,7 +765,7 @@ class Manager:
             self.placement.reprioritise(
                 _request_key(session, node),
                 criteria=goal.criteria,
-                task_group=_task_group_key(goal),
+                task_group=task_group_key(goal.task_group),
             )
 
     def _prepare(self, session: Session, node: StepNode) -> _Prepared:
@@ -768,7 +799,7 @@ class Manager:
                 node.output,
                 node.call.func_name,
                 goal.criteria,
-                _task_group_key(goal),
+                task_group_key(goal.task_group),
                 self._clock(),
             )
         )
@@ -912,7 +943,7 @@ class Manager:
             seq=self.placement.next_seq(),
             tokens=len(token_ids) - len(shared) + node.step.gen.sampling.max_tokens,
             criteria=goal.criteria,
-            task_group=_task_group_key(goal),
+            task_group=task_group_key(goal.task_group),
             depth=goal.depth,
             shared_prefix=shared_key if affinity else None,
             cached=cached if affinity else {},
@@ -930,7 +961,7 @@ class Manager:
             prep.prompt,
             prompt_tokens,
             _sampling(step.gen.sampling),
-            group=_task_group_key(objective(node)),
+            group=task_group_key(objective(node).task_group),
         )
 
     def _admitted_by_prediction(
@@ -965,7 +996,7 @@ class Manager:
         priority = None if estimate is None else estimate.priority
         record = self._records.get((call.call_id, step.index))
         if record is not None:
-            self.steps.started(record, self.engine_name(engine_index), self._clock())
+            self.steps.started(record, engine_index, self.engine_name(engine_index), self._clock())
             record.prompt_tokens = len(token_ids)
         try:
             saved = await self._fill_from_cache(engine_index, namespace, context_id, token_ids, priority)
@@ -1385,11 +1416,6 @@ def _namespace(cache_salt: str | None) -> str:
     if cache_salt is None:
         return ""
     return "#" + hashlib.sha256(cache_salt.encode("utf-8", "surrogatepass")).hexdigest()[:32]
-
-
-def _task_group_key(goal: StepObjective) -> str | None:
-    group = goal.task_group
-    return None if group is None else f"{group.call_id}/{group.index}"
 
 
 def _request_key(session: Session, node: StepNode) -> str:

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from server.serve.graph import SessionGraph
+from server.serve.ir import CallIR
 
 
 class SessionError(Exception):
@@ -51,6 +52,10 @@ class Session:
     token: str
     graph: SessionGraph = field(default_factory=SessionGraph)
     last_seen: float = 0.0
+    created_at: float = 0.0
+    # Every call submitted, in order (the graph keeps only pending steps; the live view shows them all).
+    # Bounded: each call has an output, and the session's variables are (quotas.variables_per_session).
+    calls: list[CallIR] = field(default_factory=list)
     # Its prompts' KV is shared only with requests carrying the same salt (None: with everyone).
     cache_salt: str | None = None
     client: str = ""  # the address that created it (its sessions_per_client quota)
@@ -80,7 +85,12 @@ class SessionTable:
 
     def create(self, now: float, cache_salt: str | None = None, client: str = "") -> Session:
         session = Session(
-            uuid.uuid4().hex, secrets.token_urlsafe(24), last_seen=now, cache_salt=cache_salt, client=client
+            uuid.uuid4().hex,
+            secrets.token_urlsafe(24),
+            last_seen=now,
+            created_at=now,
+            cache_salt=cache_salt,
+            client=client,
         )
         self._sessions[session.session_id] = session
         self._by_token[_digest(session.token)] = session.session_id
@@ -116,6 +126,16 @@ class SessionTable:
         finally:
             session.waiters -= 1
             session.last_seen = max(session.last_seen, clock())  # idle from when the wait ended
+
+    def find(self, session_id: str) -> Session:
+        """The session ``session_id`` for a caller already authorised otherwise (the cluster token): no
+        token check, and its expiry is not refreshed (looking at a session does not keep it alive)."""
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise UnknownSessionError(
+                f"session {session_id!r} does not exist (never created, expired or deleted)"
+            )
+        return session
 
     def remove(self, session_id: str) -> Session | None:
         session = self._sessions.pop(session_id, None)

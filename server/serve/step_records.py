@@ -7,10 +7,13 @@ the metrics collector.
 from __future__ import annotations
 
 import bisect
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Literal
 
-__all__ = ["Histogram", "StepRecord", "StepRecords"]
+from server.serve.variables import StepId
+
+__all__ = ["Histogram", "StepRecord", "StepRecords", "task_group_key"]
 
 StepState = Literal["queued", "running", "done", "failed"]
 
@@ -33,7 +36,8 @@ class StepRecord:
     task_group: str | None
     queued_at: float
     state: StepState = "queued"
-    engine: str | None = None
+    engine: str | None = None  # how messages name it (`Manager.engine_name`)
+    engine_id: int | None = None
     attempts: int = 0
     prompt_tokens: int = 0
     prefill_tokens_saved: int = 0  # prompt tokens forked from a kept context instead of computed
@@ -86,14 +90,18 @@ class StepRecords:
     queue_s: Histogram = field(default_factory=lambda: Histogram(SECONDS_BUCKETS))
     run_s: Histogram = field(default_factory=lambda: Histogram(SECONDS_BUCKETS))
     prefill_saved: Histogram = field(default_factory=lambda: Histogram(TOKEN_BUCKETS))
+    # Per engine id: finished steps that forked a kept context, and the prompt tokens that spared them.
+    prefix_hits: Counter[int] = field(default_factory=Counter)
+    prefix_tokens_saved: Counter[int] = field(default_factory=Counter)
 
     def add(self, record: StepRecord) -> StepRecord:
         self.by_session.setdefault(record.session_id, []).append(record)
         return record
 
-    def started(self, record: StepRecord, engine: str, now: float) -> None:
-        """The step begins on ``engine`` (again, after a failed engine)."""
+    def started(self, record: StepRecord, engine_id: int, engine: str, now: float) -> None:
+        """The step begins on engine ``engine_id`` (named ``engine``; again, after a failed engine)."""
         record.state, record.engine, record.started_at = "running", engine, now
+        record.engine_id = engine_id
         record.attempts += 1
         record.prefill_tokens_saved = 0
 
@@ -107,6 +115,14 @@ class StepRecords:
             self.run_s.observe(record.run_s)
         if error is None:
             self.prefill_saved.observe(record.prefill_tokens_saved)
+            if record.prefill_tokens_saved and record.engine_id is not None:
+                self.prefix_hits[record.engine_id] += 1
+                self.prefix_tokens_saved[record.engine_id] += record.prefill_tokens_saved
 
     def drop_session(self, session_id: str) -> None:
         self.by_session.pop(session_id, None)
+
+
+def task_group_key(group: StepId | None) -> str | None:
+    """How records and the wire name a task group: ``call_id/index`` of the consumer step, or None."""
+    return None if group is None else f"{group.call_id}/{group.index}"

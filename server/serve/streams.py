@@ -14,9 +14,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from parrot.protocol import GetVariableResponse, VariableStreamEvent
+
 from server.engine.detokenize import IncrementalDetokenizer
 
-__all__ = ["Delta", "Restart", "StepTextStream"]
+__all__ = ["STREAM_ANSWER", "Delta", "Restart", "StepTextStream", "server_sent_events"]
+
+# How the routes that stream a variable describe their answer (OpenAPI).
+STREAM_ANSWER = "server-sent events, each a VariableStreamEvent: text deltas, then the final answer"
 
 
 @dataclass(frozen=True)
@@ -106,3 +111,18 @@ class StepTextStream:
         if self._changed is not None:
             self._changed.set()
             self._changed = None
+
+
+async def server_sent_events(
+    items: AsyncIterator[Delta | Restart | GetVariableResponse],
+) -> AsyncIterator[str]:
+    """A variable's text items (`Manager.variable_text`) as server-sent events, one `VariableStreamEvent`
+    each: ``delta``, ``restart``, then ``final``."""
+    async for item in items:
+        if isinstance(item, Delta):
+            event = VariableStreamEvent(delta=item.text)
+        elif isinstance(item, Restart):
+            event = VariableStreamEvent(restart=True)
+        else:
+            event = VariableStreamEvent(final=item)
+        yield f"data: {event.model_dump_json(exclude_defaults=True)}\n\n"

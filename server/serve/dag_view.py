@@ -1,0 +1,122 @@
+"""What the live view (``/ui``) shows, as pure functions over the manager's plain data: one session's DAG
+(its calls' steps joined with their step records, and its variables), a line per session, and each engine
+with its prefix-sharing counts. No I/O, no clock: the caller passes ``now``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+
+from parrot.protocol import (
+    DagStep,
+    DagStepState,
+    DagVariable,
+    EngineStatus,
+    EngineView,
+    SessionDag,
+    SessionSummary,
+)
+
+from server.serve.graph import StepNode
+from server.serve.ir import CallIR, Step, input_vars
+from server.serve.sessions import Session
+from server.serve.step_records import StepRecord, StepRecords, task_group_key
+from server.serve.variables import Variable
+
+__all__ = ["DAG_VALUE_CHARS", "engine_views", "session_dag", "session_summary"]
+
+# The most of a value the DAG carries per variable (the view polls it; the whole value is one click away).
+DAG_VALUE_CHARS = 4096
+
+
+def session_dag(session: Session, records: Sequence[StepRecord]) -> SessionDag:
+    """Every step of every call ``session`` submitted (submission order) with what the server did with it,
+    and every variable of the session."""
+    by_step = {(r.call_id, r.index): r for r in records}
+    pending = {(n.id.call_id, n.id.index): n for n in session.graph.steps()}
+    variables = session.graph.variables
+    steps = []
+    for call in session.calls:
+        for step in call.steps:
+            key = (call.call_id, step.index)
+            output = variables.get(step.gen.var_id)
+            steps.append(_dag_step(call, step, by_step.get(key), pending.get(key), output))
+    return SessionDag(
+        session_id=session.session_id,
+        steps=steps,
+        variables=[_dag_variable(v) for v in variables],
+    )
+
+
+def session_summary(session: Session, records: Sequence[StepRecord], now: float) -> SessionSummary:
+    """One line of the cluster view: ``session``'s age and its steps and variables counted by state."""
+    dag = session_dag(session, records)
+    return SessionSummary(
+        session_id=session.session_id,
+        age_s=max(0.0, now - session.created_at),
+        idle_s=max(0.0, now - session.last_seen),
+        calls=len(session.calls),
+        steps=dict(Counter(s.state for s in dag.steps)),
+        variables=dict(Counter(v.status for v in dag.variables)),
+    )
+
+
+def engine_views(statuses: Iterable[EngineStatus], steps: StepRecords) -> list[EngineView]:
+    """Each engine's status with the prefix hits of the steps that ran there."""
+    return [
+        EngineView(
+            **status.model_dump(),
+            prefix_hits=steps.prefix_hits[status.engine_id],
+            prefill_tokens_saved=steps.prefix_tokens_saved[status.engine_id],
+        )
+        for status in statuses
+    ]
+
+
+def _dag_step(
+    call: CallIR, step: Step, record: StepRecord | None, node: StepNode | None, output: Variable
+) -> DagStep:
+    inputs = input_vars(step)
+    if record is not None:
+        fields = {name: getattr(record, name) for name in DagStep.model_fields if hasattr(record, name)}
+        return DagStep.model_validate({**fields, "inputs": inputs})
+    # Not dispatched (yet): waiting in the graph, or failed there because an input failed.
+    state: DagStepState = "waiting"
+    error = None
+    if node is not None and node.status == "dispatched":
+        state = "queued"  # (sent to the executor a moment before its record exists)
+    elif node is None and output.status == "failed":
+        state, error = "failed", output.error
+    return DagStep(
+        call_id=call.call_id,
+        index=step.index,
+        var_id=step.gen.var_id,
+        function=call.func_name,
+        criteria=node.criteria if node is not None else call.criteria,
+        task_group=task_group_key(node.task_group) if node is not None else None,
+        state=state,
+        engine=None,
+        attempts=0,
+        prompt_tokens=0,
+        prefill_tokens_saved=0,
+        queue_s=None,
+        run_s=None,
+        error=error,
+        inputs=inputs,
+    )
+
+
+def _dag_variable(var: Variable) -> DagVariable:
+    value = var.value
+    truncated = value is not None and len(value) > DAG_VALUE_CHARS
+    return DagVariable(
+        var_id=var.var_id,
+        name=var.name,
+        status=var.status,
+        kind=var.kind,
+        producer=None if var.producer is None else f"{var.producer.call_id}:{var.producer.index}",
+        value=value[:DAG_VALUE_CHARS] if value is not None else None,
+        truncated=truncated,
+        error=var.error,
+    )
