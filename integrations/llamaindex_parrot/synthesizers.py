@@ -18,13 +18,20 @@ drops empty summaries before a reduce; the DAG passes the empty text on (both ne
 Options whose control flow runs client code between calls cannot be a DAG and raise
 `UnsupportedSynthesisError`: ``output_cls`` and ``structured_answer_filtering`` (each step's JSON is parsed
 on the client to decide the next), a ``program_factory``, an output parser on the LLM, ``multimodal``.
-``streaming=True`` gives a stream holding the final answer as one chunk (variables arrive whole).
+With ``streaming=True`` the final answer streams token by token as the server writes it (``synthesize``
+gives LlamaIndex's `StreamingResponse`, ``asynthesize`` its `AsyncStreamingResponse`; ``get_response``
+a generator): the call returns once the whole DAG is submitted — after any answer a packing decision
+waits for, as LlamaIndex runs every call before the last — and the session stays open until the stream
+is read to its end, closed, or garbage-collected (`llamaindex_parrot.dag.stream_plan`). The chunks join
+to the non-streaming answer, except that an empty answer streams nothing where ``get_response`` says
+"Empty Response" for a refine chain (LlamaIndex's streaming does the same). A failed call raises
+`parrot.VariableFailedError` from the stream.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import AsyncGenerator, Generator, Sequence
+from collections.abc import AsyncGenerator, Callable, Generator, Sequence
 from typing import Any
 
 import llama_index.core.instrumentation as instrument
@@ -43,7 +50,7 @@ from llama_index.core.schema import NodeWithScore, QueryType
 from llama_index.core.settings import Settings
 from llama_index.core.types import RESPONSE_TEXT_TYPE
 
-from llamaindex_parrot.dag import Plan, arun_plan, run_plan
+from llamaindex_parrot.dag import Plan, arun_plan, astream_plan, run_plan, stream_plan
 from llamaindex_parrot.errors import EmptyNodesError, UnsupportedSynthesisError
 from llamaindex_parrot.llm import ParrotLLM
 from llamaindex_parrot.packing import default_answer_budget, fits_with_answer, joined_fits
@@ -89,7 +96,7 @@ def _reject(who: str, **options: Any) -> None:
 
 
 class _DagSynthesis:
-    """What the Parrot synthesizers share: the LLM, the answer budget, empty input, streaming results.
+    """What the Parrot synthesizers share: the LLM, the answer budget, empty input, running the plan.
 
     A mixin placed before the LlamaIndex synthesizer class (its ``synthesize`` runs first).
     """
@@ -148,23 +155,18 @@ class _DagSynthesis:
         self._check_nodes(nodes)
         return await super().asynthesize(query, nodes, additional_source_nodes, **response_kwargs)  # type: ignore[misc]
 
-    def _streamed(self, text: str) -> RESPONSE_TEXT_TYPE:
-        if not self._streaming:
-            return text
+    def _answer(self, make_plan: Callable[[], Plan], empty: str) -> RESPONSE_TEXT_TYPE:
+        """The plan's answer: its text (``empty`` for none), or with ``streaming`` a generator of its
+        chunks (LlamaIndex streams whatever the last call writes, so no ``empty`` there)."""
+        if self._streaming:
+            return stream_plan(self._llm, make_plan)
+        return run_plan(self._llm, make_plan) or empty
 
-        def one_chunk() -> Generator[str, None, None]:
-            yield text
-
-        return one_chunk()
-
-    def _astreamed(self, text: str) -> RESPONSE_TEXT_TYPE:
-        if not self._streaming:
-            return text
-
-        async def one_chunk() -> AsyncGenerator[str, None]:
-            yield text
-
-        return one_chunk()
+    async def _aanswer(self, make_plan: Callable[[], Plan], empty: str) -> RESPONSE_TEXT_TYPE:
+        """``async`` form of `_answer` (an async generator when streaming)."""
+        if self._streaming:
+            return await astream_plan(self._llm, make_plan)
+        return await arun_plan(self._llm, make_plan) or empty
 
     def _submit(
         self, template: BasePromptTemplate, values: dict[str, Value], strip: bool = False
@@ -232,14 +234,17 @@ class ParrotRefine(_DagSynthesis, Refine):
         prev_response: RESPONSE_TEXT_TYPE | None = None,
         **response_kwargs: Any,
     ) -> RESPONSE_TEXT_TYPE:
-        """The refined answer over ``text_chunks``: the whole chain submitted, then one ``get``."""
+        """The refined answer over ``text_chunks``: the whole chain submitted, then one ``get`` (with
+        ``streaming``, a generator of the answer's chunks)."""
         chunks = self._check_chunks(text_chunks)
         if isinstance(prev_response, Generator):
             prev_response = get_response_text(prev_response)
         dispatcher.event(GetResponseStartEvent(query_str=query_str, text_chunks=chunks))
-        answer = run_plan(self._llm, lambda: self._plan(query_str, chunks, prev_response, response_kwargs))
+        answer = self._answer(
+            lambda: self._plan(query_str, chunks, prev_response, response_kwargs), EMPTY_RESPONSE
+        )
         dispatcher.event(GetResponseEndEvent())
-        return self._streamed(answer) if answer else EMPTY_RESPONSE
+        return answer
 
     @dispatcher.span
     async def aget_response(
@@ -256,11 +261,11 @@ class ParrotRefine(_DagSynthesis, Refine):
         elif isinstance(prev_response, Generator):
             prev_response = get_response_text(prev_response)
         dispatcher.event(GetResponseStartEvent(query_str=query_str, text_chunks=chunks))
-        answer = await arun_plan(
-            self._llm, lambda: self._plan(query_str, chunks, prev_response, response_kwargs)
+        answer = await self._aanswer(
+            lambda: self._plan(query_str, chunks, prev_response, response_kwargs), EMPTY_RESPONSE
         )
         dispatcher.event(GetResponseEndEvent())
-        return self._astreamed(answer) if answer else EMPTY_RESPONSE
+        return answer
 
     def _plan(
         self, query_str: str, chunks: list[str], prev_response: Any, response_kwargs: dict[str, Any]
@@ -371,10 +376,10 @@ class ParrotTreeSummarize(_DagSynthesis, TreeSummarize):
     def get_response(
         self, query_str: str, text_chunks: Sequence[str], **response_kwargs: Any
     ) -> RESPONSE_TEXT_TYPE:
-        """The tree-summarized answer: every level's calls submitted at once, then one ``get``."""
+        """The tree-summarized answer: every level's calls submitted at once, then one ``get`` (with
+        ``streaming``, a generator of the answer's chunks)."""
         chunks = self._check_chunks(text_chunks)
-        answer = run_plan(self._llm, lambda: self._plan(query_str, chunks, response_kwargs))
-        return self._streamed(answer or "")
+        return self._answer(lambda: self._plan(query_str, chunks, response_kwargs), "")
 
     @dispatcher.span
     async def aget_response(
@@ -382,8 +387,7 @@ class ParrotTreeSummarize(_DagSynthesis, TreeSummarize):
     ) -> RESPONSE_TEXT_TYPE:
         """``async`` form of `get_response`."""
         chunks = self._check_chunks(text_chunks)
-        answer = await arun_plan(self._llm, lambda: self._plan(query_str, chunks, response_kwargs))
-        return self._astreamed(answer or "")
+        return await self._aanswer(lambda: self._plan(query_str, chunks, response_kwargs), "")
 
     def _plan(self, query_str: str, chunks: list[str], response_kwargs: dict[str, Any]) -> Plan:
         """`TreeSummarize.get_response` with variables for summaries: the same repacking and prompts."""
@@ -393,6 +397,8 @@ class ParrotTreeSummarize(_DagSynthesis, TreeSummarize):
             print(f"{len(packed)} text chunks after repacking")
         if len(packed) == 1:
             return self._submit(summary, {"context_str": packed[0], **response_kwargs})
+        # Stripped as LlamaIndex's repack strips them; only ever a reduce's input, never the final answer,
+        # whose text (what a stream gives) is therefore its value.
         summaries = [self._submit(summary, {"context_str": c, **response_kwargs}, strip=True) for c in packed]
         if joined_fits(
             self._prompt_helper, summary, len(summaries), SEPARATOR, self._llm, self._answer_budget

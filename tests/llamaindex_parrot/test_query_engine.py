@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import pytest
 from llama_index.core import Document, SummaryIndex
+from llama_index.core.base.response.schema import AsyncStreamingResponse, StreamingResponse
 from llama_index.core.node_parser import SentenceSplitter
 from llama_index.core.query_engine import RetrieverQueryEngine
 from llamaindex_parrot import ParrotLLM, ParrotTreeSummarize, get_response_synthesizer
@@ -71,3 +72,26 @@ async def test_retriever_query_engine_async(
     response = await engine.aquery(QUERY)
     one_round_trip(traffic.take())
     assert str(response) == str(expected)
+
+
+@pytest.mark.parametrize("mode", ["compact", "tree_summarize"])
+def test_streaming_query_engine_yields_tokens(index: SummaryIndex, plain_llm: ParrotLLM, mode: str) -> None:
+    expected = str(index.as_query_engine(llm=plain_llm, response_mode=mode).query(QUERY))
+    synthesizer = get_response_synthesizer(plain_llm, mode, streaming=True)
+    engine = index.as_query_engine(llm=plain_llm, response_synthesizer=synthesizer, streaming=True)
+    response = engine.query(QUERY)
+    assert isinstance(response, StreamingResponse)
+    parts = list(response.response_gen)
+    assert len(parts) > 1 and "".join(parts) == expected
+
+
+async def test_streaming_retriever_query_engine_async(index: SummaryIndex, plain_llm: ParrotLLM) -> None:
+    expected = str(await index.as_query_engine(llm=plain_llm, response_mode="refine").aquery(QUERY))
+    engine = RetrieverQueryEngine(
+        index.as_retriever(),
+        response_synthesizer=get_response_synthesizer(plain_llm, "refine", streaming=True),
+    )
+    response = await engine.aquery(QUERY)
+    assert isinstance(response, AsyncStreamingResponse)
+    parts = [part async for part in response.async_response_gen()]
+    assert len(parts) > 1 and "".join(parts) == expected
