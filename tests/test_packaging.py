@@ -123,7 +123,8 @@ def test_the_wheel_not_the_checkout_is_imported(venv: Venv, elsewhere: Path) -> 
 
 def test_the_console_script_serves_the_tiny_model(venv: Venv, elsewhere: Path) -> None:
     """``parrot-serve --model tiny --port 0`` from a folder whose own ``server.py`` `python -m server` would
-    run instead: the script serves, on the port it logs, and its worker processes (transforms) start too."""
+    run instead: the script serves, on the port it logs, its worker processes (transforms) start too, and the
+    live view's page is there."""
     (elsewhere / "server.py").write_text("raise SystemExit('the wrong server.py ran')\n")
     log = elsewhere / "server.log"
     with log.open("w") as out:
@@ -148,6 +149,8 @@ def test_the_console_script_serves_the_tiny_model(venv: Venv, elsewhere: Path) -
         )
         with P.Session(url, timeout=60):
             assert isinstance(say().get(), str)  # the transform worker process did not import server.py
+        for page in ("/ui", "/ui/ui.js", "/ui/ui.css"):  # the live view's files ship in the wheel
+            assert httpx.get(f"{url}{page}", timeout=10).status_code == 200, page
     finally:
         stop(proc)
 

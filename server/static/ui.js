@@ -6,9 +6,9 @@
 const POLL_MS = 700;
 const STREAM_TIMEOUT_S = 300;
 const SVG_NS = "http://www.w3.org/2000/svg";
-const COL_W = 200, ROW_H = 66, STEP_W = 168, STEP_H = 52, VAR_W = 168, VAR_H = 28, PAD = 16;
+const COL_W = 190, ROW_H = 66, STEP_W = 168, STEP_H = 52, VAR_W = 150, VAR_H = 28, PAD = 16;
 
-const view = { token: "", session: "", cluster: false, selected: null, stream: null, timer: null };
+const view = { token: "", session: "", cluster: false, selected: null, dag: null, stream: null, timer: null };
 
 const $ = (id) => document.getElementById(id);
 
@@ -147,7 +147,7 @@ function renderDag(dag) {
       svg("text", { x: 8, y: 15 }, `${s.function || `call ${short(s.call_id)}`}${s.index ? ` #${s.index}` : ""}`),
       svg("text", { x: 8, y: 30 }, `${s.state}${s.engine ? ` · ${s.engine.replace(/ \(.*$/, "")}` : ""}`),
       svg("text", { x: 8, y: 45 }, s.prompt_tokens ? `prefill ${s.prompt_tokens - s.prefill_tokens_saved} · saved ${s.prefill_tokens_saved}` : ""));
-    node.addEventListener("click", () => select(`s:${key}`, s, null));
+    node.addEventListener("click", () => select(`s:${key}`, s.var_id));
     nodes.append(node);
   }
   for (const [id, v] of vars) {
@@ -157,7 +157,7 @@ function renderDag(dag) {
     if (view.selected === `v:${id}`) node.classList.add("selected");
     node.append(svg("rect", { width: VAR_W, height: VAR_H, rx: 14 }),
       svg("text", { x: 12, y: 18 }, `${v.name || short(id)}${v.status === "ready" ? " ✓" : v.status === "failed" ? " ✗" : ""}`));
-    node.addEventListener("click", () => select(`v:${id}`, null, v));
+    node.addEventListener("click", () => select(`v:${id}`, id));
     nodes.append(node);
   }
   root.append(edges, nodes);
@@ -181,8 +181,12 @@ function showFields(title, fields) {
   }
 }
 
-function select(key, step, variable) {
-  view.selected = key;
+function showSelected(dag) {
+  // The selected step's or variable's fields, from the latest DAG (its text streams on, see showText).
+  const key = view.selected;
+  if (!key) return;
+  const step = key.startsWith("s:") ? dag.steps.find((s) => `s:${s.call_id}:${s.index}` === key) : null;
+  const variable = key.startsWith("v:") ? dag.variables.find((v) => `v:${v.var_id}` === key) : null;
   if (step) {
     showFields(`step ${step.index} of ${step.function || "call"} ${short(step.call_id)}`, [
       ["state", step.state], ["engine", step.engine], ["attempts", step.attempts], ["objective", step.criteria],
@@ -190,13 +194,20 @@ function select(key, step, variable) {
       ["computed", step.prompt_tokens - step.prefill_tokens_saved], ["saved by sharing", step.prefill_tokens_saved],
       ["queued", seconds(step.queue_s)], ["ran", seconds(step.run_s)], ["reads", step.inputs.join(", ")],
       ["writes", step.var_id], ["error", step.error]]);
-    showText(step.var_id);
-  } else {
+  } else if (variable) {
     showFields(`variable ${variable.name || variable.var_id}`, [
       ["id", variable.var_id], ["status", variable.status], ["kind", variable.kind],
       ["producer", variable.producer || "set by the client"], ["error", variable.error]]);
-    showText(variable.var_id);
   }
+}
+
+function select(key, varId) {
+  view.selected = key;
+  if (view.dag) showSelected(view.dag);
+  document.querySelectorAll("svg .node.selected").forEach((n) => n.classList.remove("selected"));
+  document.querySelector(`[data-${key.startsWith("s:") ? "step" : "var"}="${CSS.escape(key.slice(2))}"]`)
+    ?.classList.add("selected");
+  showText(varId);
 }
 
 async function showText(varId) {
@@ -240,7 +251,9 @@ async function poll() {
     if (view.session) {
       const dag = await (await api(`/v1/sessions/${encodeURIComponent(view.session)}/dag`)).json();
       $("dag-session").textContent = dag.session_id;
+      view.dag = dag;
       renderDag(dag);
+      showSelected(dag);
     }
     setStatus(`updated ${new Date().toLocaleTimeString()}`);
   } catch (e) {
@@ -251,14 +264,15 @@ async function poll() {
 }
 
 function openSession(sessionId) {
-  view.session = sessionId;
-  view.selected = null;
+  if (view.stream) view.stream.abort();
+  Object.assign(view, { session: sessionId, selected: null, dag: null });
   $("dag-view").hidden = false;
   $("details").hidden = true;
 }
 
 async function connect(token, session) {
   clearTimeout(view.timer);
+  if (view.stream) view.stream.abort();
   Object.assign(view, { token, session: "", cluster: false, selected: null });
   sessionStorage.setItem("parrot-ui", JSON.stringify({ token, session }));
   try {
