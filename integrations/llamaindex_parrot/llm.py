@@ -51,6 +51,7 @@ from parrot.tokens import ServerTokenizer
 from parrot.urls import BASE_URL_ENV, DEFAULT_BASE_URL, ServerURL, server_root
 
 from llamaindex_parrot.completions import OpenAIEndpoint, chat_body, choice_text, completion_body, delta_text
+from llamaindex_parrot.dag import Plan, astream_plan, stream_plan
 from llamaindex_parrot.server_info import ServedModel, served_model
 from llamaindex_parrot.unrendered import UnrenderedCall, Value, unrender
 
@@ -267,14 +268,7 @@ class ParrotLLM(LLM):
             return super().stream(prompt, **prompt_args)
         if prompt.output_parser is not None or self.output_parser is not None:
             raise NotImplementedError("Output parser is not supported for streaming.")  # as LlamaIndex
-        call = self.unrendered_call(prompt, prompt_args)
-
-        def gen() -> TokenGen:
-            with self._session():
-                out = call.submit(self.sampling(), model=self.model)
-                yield from out.stream(criteria=P.LATENCY, timeout=self.get_timeout)
-
-        return gen()
+        return stream_plan(self, self._one_call_plan(self.unrendered_call(prompt, prompt_args)))
 
     @dispatcher.span
     async def astream(self, prompt: BasePromptTemplate, **prompt_args: Any) -> TokenAsyncGen:
@@ -283,15 +277,18 @@ class ParrotLLM(LLM):
             return await super().astream(prompt, **prompt_args)
         if prompt.output_parser is not None or self.output_parser is not None:
             raise NotImplementedError("Output parser is not supported for streaming.")
-        call = self.unrendered_call(prompt, prompt_args)
+        return await astream_plan(self, self._one_call_plan(self.unrendered_call(prompt, prompt_args)))
 
-        async def gen() -> TokenAsyncGen:
-            async with self._session():
-                out = call.submit(self.sampling(), model=self.model)
-                async for text in out.astream(criteria=P.LATENCY, timeout=self.get_timeout):
-                    yield text
+    def _one_call_plan(self, call: UnrenderedCall) -> Callable[[], Plan]:
+        """A plan (`llamaindex_parrot.dag`) of one call: the streams share the synthesizers' session handling
+        (submitted before the stream returns; the session never the reader's current one; closed however
+        the reading ends)."""
 
-        return gen()
+        def plan() -> Plan:
+            return call.submit(self.sampling(), model=self.model)
+            yield  # (a generator: a plan)
+
+        return plan
 
     def _structured_call(
         self, output_cls: type[Model], prompt: BasePromptTemplate, prompt_args: dict[str, Any]

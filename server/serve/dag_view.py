@@ -16,10 +16,11 @@ from parrot.protocol import (
     EngineView,
     SessionDag,
     SessionSummary,
+    StepInfo,
 )
 
 from server.serve.graph import StepNode
-from server.serve.ir import CallIR, Step, input_vars
+from server.serve.ir import CallOutline, StepOutline
 from server.serve.sessions import Session
 from server.serve.step_records import StepRecord, StepRecords, task_group_key
 from server.serve.variables import Variable
@@ -40,8 +41,12 @@ def session_dag(session: Session, records: Sequence[StepRecord]) -> SessionDag:
     for call in session.calls:
         for step in call.steps:
             key = (call.call_id, step.index)
-            output = variables.get(step.gen.var_id)
-            steps.append(_dag_step(call, step, by_step.get(key), pending.get(key), output))
+            record, node = by_step.get(key), pending.get(key)
+            if record is not None:
+                fields = {name: getattr(record, name) for name in StepInfo.model_fields}
+                steps.append(DagStep.model_validate({**fields, "inputs": step.inputs}))
+            else:
+                steps.append(_undispatched(call, step, node, variables.get(step.output)))
     return SessionDag(
         session_id=session.session_id,
         steps=steps,
@@ -51,14 +56,24 @@ def session_dag(session: Session, records: Sequence[StepRecord]) -> SessionDag:
 
 def session_summary(session: Session, records: Sequence[StepRecord], now: float) -> SessionSummary:
     """One line of the cluster view: ``session``'s age and its steps and variables counted by state."""
-    dag = session_dag(session, records)
+    by_step = {(r.call_id, r.index): r.state for r in records}
+    pending = {(n.id.call_id, n.id.index): n for n in session.graph.steps()}
+    variables = session.graph.variables
+    steps: Counter[str] = Counter()
+    for call in session.calls:
+        for step in call.steps:
+            key = (call.call_id, step.index)
+            state = by_step.get(key)
+            if state is None:
+                state, _ = _waiting_state(pending.get(key), variables.get(step.output))
+            steps[state] += 1
     return SessionSummary(
         session_id=session.session_id,
         age_s=max(0.0, now - session.created_at),
         idle_s=max(0.0, now - session.last_seen),
         calls=len(session.calls),
-        steps=dict(Counter(s.state for s in dag.steps)),
-        variables=dict(Counter(v.status for v in dag.variables)),
+        steps=dict(steps),
+        variables=dict(Counter(v.status for v in variables)),
     )
 
 
@@ -74,24 +89,21 @@ def engine_views(statuses: Iterable[EngineStatus], steps: StepRecords) -> list[E
     ]
 
 
-def _dag_step(
-    call: CallIR, step: Step, record: StepRecord | None, node: StepNode | None, output: Variable
-) -> DagStep:
-    inputs = input_vars(step)
-    if record is not None:
-        fields = {name: getattr(record, name) for name in DagStep.model_fields if hasattr(record, name)}
-        return DagStep.model_validate({**fields, "inputs": inputs})
-    # Not dispatched (yet): waiting in the graph, or failed there because an input failed.
-    state: DagStepState = "waiting"
-    error = None
+def _waiting_state(node: StepNode | None, output: Variable) -> tuple[DagStepState, str | None]:
+    """The state of a step not dispatched yet: waiting in the graph, or failed there (an input failed)."""
     if node is not None and node.status == "dispatched":
-        state = "queued"  # (sent to the executor a moment before its record exists)
-    elif node is None and output.status == "failed":
-        state, error = "failed", output.error
+        return "queued", None  # (sent to the executor a moment before its record exists)
+    if node is None and output.status == "failed":
+        return "failed", output.error
+    return "waiting", None
+
+
+def _undispatched(call: CallOutline, step: StepOutline, node: StepNode | None, output: Variable) -> DagStep:
+    state, error = _waiting_state(node, output)
     return DagStep(
         call_id=call.call_id,
         index=step.index,
-        var_id=step.gen.var_id,
+        var_id=step.output,
         function=call.func_name,
         criteria=node.criteria if node is not None else call.criteria,
         task_group=task_group_key(node.task_group) if node is not None else None,
@@ -103,7 +115,7 @@ def _dag_step(
         queue_s=None,
         run_s=None,
         error=error,
-        inputs=inputs,
+        inputs=list(step.inputs),
     )
 
 

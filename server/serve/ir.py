@@ -41,11 +41,13 @@ from parrot.protocol import (
 __all__ = [
     "PREFIX_HASH_HEX_CHARS",
     "CallIR",
+    "CallOutline",
     "Fill",
     "Gen",
     "MissingValueError",
     "Segment",
     "Step",
+    "StepOutline",
     "TextFill",
     "VarFill",
     "build_call",
@@ -129,6 +131,31 @@ class CallIR:
     def input_vars(self) -> list[str]:
         """Every input variable the call names (tail included: all must exist), distinct, in order."""
         return list(dict.fromkeys(s.var_id for s in self.segments if isinstance(s, VarFill)))
+
+
+@dataclass(frozen=True)
+class StepOutline:
+    """A step's place in the dataflow, without its text: its index, output variable and input variables."""
+
+    index: int
+    output: str
+    inputs: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class CallOutline:
+    """A call's shape without its text (what a session keeps of every call it submitted, for the live view:
+    ids only, so a finished call's prompt text is not held until the session ends)."""
+
+    call_id: str
+    func_name: str | None
+    criteria: Criteria | None
+    steps: tuple[StepOutline, ...]
+
+    @classmethod
+    def of(cls, call: CallIR) -> CallOutline:
+        steps = tuple(StepOutline(s.index, s.gen.var_id, tuple(input_vars(s))) for s in call.steps)
+        return cls(call.call_id, call.func_name, call.criteria, steps)
 
 
 class MissingValueError(LookupError):

@@ -64,6 +64,7 @@ from server.serve.errors import ModelNotFoundError
 from server.serve.graph import SessionGraph, StepNode
 from server.serve.ir import (
     CallIR,
+    CallOutline,
     TextFill,
     build_call,
     input_vars,
@@ -661,7 +662,7 @@ class Manager:
         call = build_call(req, outputs)
         self._check_call_quota(session, call)
         graph.add_call(call)
-        session.calls.append(call)
+        session.calls.append(CallOutline.of(call))
         for var_id in call.outputs.values():  # a step whose input had failed fails at once
             if graph.variables.get(var_id).settled:
                 self._settled(session, var_id)

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from server.serve.graph import SessionGraph
-from server.serve.ir import CallIR
+from server.serve.ir import CallOutline
 
 
 class SessionError(Exception):
@@ -53,9 +53,9 @@ class Session:
     graph: SessionGraph = field(default_factory=SessionGraph)
     last_seen: float = 0.0
     created_at: float = 0.0
-    # Every call submitted, in order (the graph keeps only pending steps; the live view shows them all).
-    # Bounded: each call has an output, and the session's variables are (quotas.variables_per_session).
-    calls: list[CallIR] = field(default_factory=list)
+    # Every call submitted, in order, as ids (the graph keeps only pending steps; the live view shows them
+    # all). Bounded: each call has an output, and a session's variables are (quotas.variables_per_session).
+    calls: list[CallOutline] = field(default_factory=list)
     # Its prompts' KV is shared only with requests carrying the same salt (None: with everyone).
     cache_salt: str | None = None
     client: str = ""  # the address that created it (its sessions_per_client quota)

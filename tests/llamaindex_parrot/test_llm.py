@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import parrot as P
@@ -77,6 +78,21 @@ async def test_stream_yields_the_answer(llm: ParrotLLM) -> None:
     assert len(chunks) > 1 and "".join(chunks) == expected  # token by token, as the server writes it
     achunks = [t async for t in await llm.astream(DEFAULT_TEXT_QA_PROMPT_SEL, **QA)]
     assert len(achunks) > 1 and "".join(achunks) == expected
+
+
+def test_a_stream_made_here_and_read_on_another_thread_closes_its_session(
+    llm: ParrotLLM, served: LaunchedServer
+) -> None:
+    """Its session is never the current one of any reader's context, so reading it on one thread and
+    stopping it on another (as a web framework's thread pool may) still deletes it on the server."""
+    before = len(served.manager.sessions)
+    chunks = llm.stream(DEFAULT_TEXT_QA_PROMPT_SEL, **QA)
+    with pytest.raises(RuntimeError, match="no active Parrot session"):
+        P.current_session()
+    with ThreadPoolExecutor(1) as reader, ThreadPoolExecutor(1) as closer:
+        assert reader.submit(next, chunks).result()
+        closer.submit(chunks.close).result()  # another thread: another context
+    assert len(served.manager.sessions) == before
 
 
 def test_complete_and_chat_streams_match(llm: ParrotLLM, prompts: Prompts) -> None:
