@@ -16,16 +16,24 @@ from __future__ import annotations
 import asyncio
 import contextvars
 from collections.abc import AsyncGenerator, Callable, Generator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import parrot as P
-
-if TYPE_CHECKING:
-    from llamaindex_parrot.llm import ParrotLLM
 
 __all__ = ["Plan", "arun_plan", "astream_plan", "run_plan", "stream_plan"]
 
 Plan = Generator[P.Variable, str, "P.Variable | str | None"]
+
+
+class ParrotServer(Protocol):
+    """What running a plan needs of the LLM (`llamaindex_parrot.ParrotLLM`): where the server is, the HTTP
+    timeout, and how long to wait for a value."""
+
+    @property
+    def base_url(self) -> str: ...
+
+    timeout: float
+    get_timeout: float
 
 
 class _End:
@@ -35,11 +43,11 @@ class _End:
 _END = _End()
 
 
-def _session(llm: ParrotLLM) -> P.Session:
+def _session(llm: ParrotServer) -> P.Session:
     return P.Session(llm.base_url, timeout=llm.timeout)
 
 
-def _settle(llm: ParrotLLM, plan: Plan) -> P.Variable | str | None:
+def _settle(llm: ParrotServer, plan: Plan) -> P.Variable | str | None:
     """Run ``plan`` to its end, getting each value it waits for; its final answer."""
     try:
         needed = next(plan)
@@ -49,7 +57,7 @@ def _settle(llm: ParrotLLM, plan: Plan) -> P.Variable | str | None:
         return done.value
 
 
-async def _asettle(llm: ParrotLLM, plan: Plan) -> P.Variable | str | None:
+async def _asettle(llm: ParrotServer, plan: Plan) -> P.Variable | str | None:
     """``async`` form of `_settle`."""
     try:
         needed = next(plan)
@@ -59,7 +67,7 @@ async def _asettle(llm: ParrotLLM, plan: Plan) -> P.Variable | str | None:
         return done.value
 
 
-def run_plan(llm: ParrotLLM, make_plan: Callable[[], Plan]) -> str | None:
+def run_plan(llm: ParrotServer, make_plan: Callable[[], Plan]) -> str | None:
     """Run the plan in a new session of ``llm``'s server; the answer's text (None: the plan made none).
 
     Values are awaited with ``criteria=latency`` (the final answer is what the user waits for, and every
@@ -72,7 +80,7 @@ def run_plan(llm: ParrotLLM, make_plan: Callable[[], Plan]) -> str | None:
         return answer
 
 
-async def arun_plan(llm: ParrotLLM, make_plan: Callable[[], Plan]) -> str | None:
+async def arun_plan(llm: ParrotServer, make_plan: Callable[[], Plan]) -> str | None:
     """``async`` form of `run_plan` (an ``async with`` session; nothing blocks the event loop)."""
     async with _session(llm):
         answer = await _asettle(llm, make_plan())
@@ -81,7 +89,7 @@ async def arun_plan(llm: ParrotLLM, make_plan: Callable[[], Plan]) -> str | None
         return answer
 
 
-def stream_plan(llm: ParrotLLM, make_plan: Callable[[], Plan]) -> Generator[str, None, None]:
+def stream_plan(llm: ParrotServer, make_plan: Callable[[], Plan]) -> Generator[str, None, None]:
     """`run_plan` streaming the answer: chunks of its text as the server writes them, joining to the text
     `run_plan` returns (a plan ending in known text yields it whole; no answer yields nothing).
 
@@ -100,7 +108,7 @@ def stream_plan(llm: ParrotLLM, make_plan: Callable[[], Plan]) -> Generator[str,
     return chunks
 
 
-def _stream_in_session(llm: ParrotLLM, make_plan: Callable[[], Plan]) -> Generator[str, None, None]:
+def _stream_in_session(llm: ParrotServer, make_plan: Callable[[], Plan]) -> Generator[str, None, None]:
     """Submit the plan (yielding ``""`` once it is accepted), then its answer's chunks, in one session."""
     with _session(llm) as session:
         answer = _settle(llm, make_plan())
@@ -122,7 +130,7 @@ def _follow(context: contextvars.Context, steps: Generator[str, None, None]) -> 
         context.run(steps.close)
 
 
-async def astream_plan(llm: ParrotLLM, make_plan: Callable[[], Plan]) -> AsyncGenerator[str, None]:
+async def astream_plan(llm: ParrotServer, make_plan: Callable[[], Plan]) -> AsyncGenerator[str, None]:
     """``async`` form of `stream_plan`: an async generator, nothing blocking the event loop.
 
     The session lives in a task of its own (its own context, as in `stream_plan`) that queues the chunks;
