@@ -1,13 +1,16 @@
-"""The output-length predictor (SSJF): learns a synthetic relation, uses per-template priors, survives a
-restart through its file, and never fails on odd prompts."""
+"""The output-length predictor (SSJF): learns a synthetic relation, uses per-template priors and similar past
+requests, survives a restart through its file, and never fails on odd prompts."""
 
 from __future__ import annotations
 
+import json
+import math
 import random
 from pathlib import Path
 
 import pytest
 
+from server.serve.length_neighbours import SimilarRequests
 from server.serve.length_predictor import (
     TAIL_WORDS,
     LengthPredictor,
@@ -72,6 +75,34 @@ def test_a_templates_prior_predicts_it_after_a_few_calls() -> None:
     assert p.predict(_f("Summarize: something new", template="other")) != guess or guess == 1
 
 
+def test_similar_requests_predict_unseen_prompts_after_a_few_examples() -> None:
+    """No template (an OpenAI request): after 24 requests the regression alone is still far off, the lengths
+    of the most similar earlier requests are not."""
+    p = LengthPredictor()
+    for prompt, length in _requests(24, seed=7):
+        p.observe(_f(prompt), length)
+    test = _requests(200, seed=8)
+    pairs = [(p.predict(_f(prompt)), length) for prompt, length in test]
+    alone = [(math.exp(p._regression(_f(prompt))), length) for prompt, length in test]
+    assert bucket_accuracy(pairs) >= 0.8 and bucket_accuracy(alone) < 0.7  # measured 0.835 and 0.63
+    assert mae(pairs) < 0.5 * mae(alone)  # 27 vs 90 tokens
+
+
+def test_similar_requests_keep_a_bounded_index() -> None:
+    similar = SimilarRequests(capacity=3, k=2)
+    assert similar.estimate([(1, 1.0)]) is None  # nothing kept yet
+    rows = [([(1, 1.0), (10 + n, 1.0)], float(n)) for n in range(5)] + [([(2, 1.0), (99, 1.0)], 7.0)]
+    for active, y in rows:
+        similar.add(active, y)
+    assert len(similar) == 3 and similar.estimate([(10, 1.0)]) is None  # the oldest are gone whole
+    assert [similar.estimate([(i, 1.0)]) for i in (13, 14, 99)] == pytest.approx([3.0, 4.0, 7.0])
+    assert similar.estimate([(1, 1.0)]) == pytest.approx(3.5)  # the two kept requests with feature 1, equally
+    assert similar.estimate([(1, 1.0), (14, 1.0)]) > 3.5  # the rarer feature pulls toward its request
+    assert similar.estimate([(12345, 1.0)]) is None  # nothing shares it
+    copy = SimilarRequests.from_state(json.loads(json.dumps(similar.state())), capacity=3, k=2)
+    assert copy.estimate([(13, 1.0), (14, 0.5)]) == similar.estimate([(13, 1.0), (14, 0.5)])
+
+
 def test_exact_requests_and_bounds() -> None:
     p = LengthPredictor()
     assert p.predict(_f("anything", max_tokens=77, ignore_eos=True)) == 77  # writes exactly max_tokens
@@ -96,6 +127,22 @@ def test_state_round_trips_through_its_file(tmp_path: Path) -> None:
         p.predict(_f(x, template="chat")) for x in probes
     ]
     assert q.observed == p.observed == 200
+    assert len(q.similar) == len(p.similar) > 0
+
+
+def test_a_version_1_state_file_still_loads(tmp_path: Path) -> None:
+    p = LengthPredictor()
+    for prompt, length in _requests(50, seed=9):
+        p.observe(_f(prompt, template="chat"), length)
+    path = tmp_path / "lengths.json"
+    p.save(path)
+    state = json.loads(path.read_text())
+    state["version"] = 1
+    del state["similar"], state["errors"]
+    path.write_text(json.dumps(state))
+    q = LengthPredictor.load(path)
+    assert q.observed == 50 and len(q.similar) == 0
+    assert 1 <= q.predict(_f("answer in one word rivers", template="chat")) <= 512
 
 
 @pytest.mark.parametrize(
