@@ -259,6 +259,7 @@ async function poll() {
   } catch (e) {
     setStatus(e.message, true);
     if (e.status === 404 && !view.cluster) return;  // the session ended: nothing more will come
+    if (e.status === 404) view.session = "";  // (the operator's list goes on; its DAG stays as last seen)
   }
   view.timer = setTimeout(poll, POLL_MS);
 }
