@@ -449,8 +449,16 @@ def create_app(
         response_class=StreamingResponse,
         responses={200: {"content": {"application/x-ndjson": {}}, "description": _BATCH_ANSWER}},
     )
-    async def batch(s: SessionDep, req: BatchRequest) -> StreamingResponse:
-        """Apply operations in order, then wait for one variable: a whole DAG in one round trip."""
+    async def batch(
+        request: Request,
+        session_id: str,
+        req: BatchRequest,
+        authorization: Annotated[str | None, Header()] = None,
+    ) -> StreamingResponse:
+        """Apply operations in order, then wait for one variable: a whole DAG in one round trip — the
+        session's creation too, with ``create`` (the client chose its id and token)."""
+        client = request.client.host if request.client is not None else ""
+        s = manager.open_session(session_id, bearer_token(authorization), req.create, client=client)
         applied = await manager.apply_batch(s, req)  # before the answer starts: an error gets its own status
 
         async def lines() -> AsyncIterator[str]:

@@ -143,7 +143,12 @@ def open_session(connection: ServerConnection | None) -> Iterator[P.Session | No
         return
 
     def attempt() -> P.Session:
-        session = P.Session(connection.base_url, timeout=connection.timeout, client=connection.client)  # type: ignore[arg-type]
+        session = P.Session(
+            connection.base_url,
+            timeout=connection.timeout,  # type: ignore[arg-type]
+            client=connection.client,
+            connect_retries=connection.max_retries,  # its first batch opens it: retried when unreachable
+        )
         session.__enter__()
         return session
 
@@ -207,6 +212,7 @@ async def open_session_async(connection: ServerConnection | None) -> AsyncIterat
             connection.base_url,
             timeout=connection.timeout,  # type: ignore[arg-type]
             client=connection.async_client,
+            connect_retries=connection.max_retries,
         )
         await session.__aenter__()
         return session

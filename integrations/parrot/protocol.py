@@ -740,6 +740,12 @@ ValueKind = Literal["text", "json"]
 CRITERIA: tuple[Criteria, ...] = ("latency", "throughput")
 
 
+# What a client-chosen session id and token (`BatchRequest.create`) must look like: a token is a secret of
+# at least 256 bits in URL-safe base64 (``secrets.token_urlsafe(32)``), an id is not secret.
+SESSION_ID_PATTERN = r"^[A-Za-z0-9_-]{16,64}$"
+SESSION_TOKEN_PATTERN = r"^[A-Za-z0-9_-]{43,256}$"
+
+
 class CreateSessionRequest(_Strict):
     """``POST /v1/sessions`` (the body is optional). ``cache_salt``: the session's prompts share KV only
     with calls and requests carrying the same salt — never with other sessions' by default — closing the
@@ -956,6 +962,10 @@ class BatchRequest(_Strict):
 
     ops: list[BatchOp] = Field(default_factory=list, max_length=10_000)
     get: BatchGet | None = None
+    # Create the session first if it does not exist yet — with the path's id and the bearer token as its
+    # token, both chosen by the client (`SESSION_ID_PATTERN`, `SESSION_TOKEN_PATTERN`) — so that a session
+    # opens with its first batch: one round trip fewer than ``POST /v1/sessions`` before it.
+    create: CreateSessionRequest | None = None
 
 
 class BatchApplied(BaseModel):

@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import secrets
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
 from contextvars import ContextVar, Token
@@ -38,7 +40,6 @@ from parrot.protocol import (
     BatchGetAnswer,
     BatchSetVariable,
     BatchSubmitCall,
-    CreateSessionResponse,
     Criteria,
     GetVariableQuery,
     GetVariableResponse,
@@ -52,6 +53,8 @@ __all__ = ["Session", "current_session"]
 
 _CURRENT: ContextVar[Session | None] = ContextVar("parrot_current_session", default=None)
 
+# The first wait before trying again to connect (`Session.connect_retries`); it doubles each time.
+_CONNECT_BACKOFF_S = 0.25
 # When a 200 "pending" answer comes back early (a server wait shorter than asked), poll again after this.
 _REPOLL_S = 0.05
 # One batch request carries at most this many operations / JSON bytes (the server takes 10k ops, 8 MiB).
@@ -122,16 +125,21 @@ class _Deadline:
 class Session:
     """A session with a Parrot server: ``with P.Session(url) as s:`` or ``async with P.Session(url) as s:``.
 
-    Entering registers the session (``POST /v1/sessions``) and makes it the current session of the context
-    (semantic functions called inside submit to it); leaving deletes it on the server, which frees all it
-    owns. One httpx client is reused for every request: ``httpx.Client`` in a ``with`` block,
-    ``httpx.AsyncClient`` in an ``async with`` block, or the ``client`` you pass (not closed on exit).
+    Entering makes it the current session of the context (semantic functions called inside submit to it)
+    and chooses its id and secret token here, as variable ids are; the server creates the session with its
+    first batch (the first ``get`` or `flush`), so opening a session costs no round trip of its own — and
+    what would refuse it (a quota, a draining server, no server at all) is raised there. Leaving deletes it
+    on the server, which frees all it owns. One httpx client is reused for every request: ``httpx.Client``
+    in a ``with`` block, ``httpx.AsyncClient`` in an ``async with`` block, or the ``client`` you pass (not
+    closed on exit).
 
     ``timeout`` bounds each ordinary request (seconds); ``poll_timeout`` is how long one long-poll request
     asks the server to wait when ``get`` has no timeout of its own. ``cache_salt``: the session's prompts
     share KV (prefix cache) only with calls and requests carrying the same salt; by default they share with
     everyone's, which is what makes a common system prompt cheap — and what lets another tenant tell, from a
-    faster answer, that a prefix was sent before.
+    faster answer, that a prefix was sent before. ``connect_retries``: how many more times a request is tried
+    when no connection to the server could be made (nothing was sent, so retrying is always safe), with
+    backoff from 0.25 s.
     """
 
     def __init__(
@@ -142,8 +150,12 @@ class Session:
         poll_timeout: float = 30.0,
         client: httpx.Client | httpx.AsyncClient | None = None,
         cache_salt: str | None = None,
+        connect_retries: int = 0,
     ) -> None:
+        if connect_retries < 0:
+            raise ValueError(f"connect_retries must be >= 0, got {connect_retries}")
         self.url = server_root(url)
+        self.connect_retries = connect_retries
         self.timeout = timeout
         self.poll_timeout = poll_timeout
         self.cache_salt = cache_salt
@@ -153,6 +165,10 @@ class Session:
         self._state: Literal["new", "open", "closed"] = "new"
         self._session_id: str | None = None
         self._token: str | None = None
+        # Whether the server has the session: created by a batch it answered (`_created`), or maybe by one
+        # whose answer was lost (`_sent`: leaving deletes it then, whatever the answer would have been).
+        self._created = False
+        self._sent = False
         self._context_token: Token[Session | None] | None = None
         self._pending: deque[_Op] = deque()
         self._lock = threading.Lock()
@@ -207,18 +223,13 @@ class Session:
         while self._pending:
             await self._asend_batch(None)
 
-    def _create_body(self) -> dict[str, str] | None:
-        return None if self.cache_salt is None else {"cache_salt": self.cache_salt}
+    def _create_body(self) -> dict[str, str]:
+        return {} if self.cache_salt is None else {"cache_salt": self.cache_salt}
 
     # --------------------------------------------------------------------------------- context managers
     def __enter__(self) -> Session:
         self._open("sync")
-        try:
-            data = self._request("POST", "/v1/sessions", self._create_body(), auth=False)
-        except BaseException:
-            self._close_client()
-            raise
-        self._started(data)
+        self._started()
         return self
 
     def __exit__(
@@ -226,9 +237,10 @@ class Session:
     ) -> None:
         self._leave()
         try:
-            self._request("DELETE", f"/v1/sessions/{self._session_id}", None)
+            if self._sent:  # (a session no batch reached does not exist on the server)
+                self._request("DELETE", f"/v1/sessions/{self._session_id}", None)
         except NotFoundError:
-            pass  # expired or already gone: nothing left to free
+            pass  # expired, already gone, or never created: nothing left to free
         except ParrotError:
             if exc_type is None:
                 raise
@@ -238,12 +250,7 @@ class Session:
     async def __aenter__(self) -> Session:
         self._open("async")
         self._alock = asyncio.Lock()
-        try:
-            data = await self._arequest("POST", "/v1/sessions", self._create_body(), auth=False)
-        except BaseException:
-            await self._aclose_client()
-            raise
-        self._started(data)
+        self._started()
         return self
 
     async def __aexit__(
@@ -251,7 +258,8 @@ class Session:
     ) -> None:
         self._leave()
         try:
-            await self._arequest("DELETE", f"/v1/sessions/{self._session_id}", None)
+            if self._sent:
+                await self._arequest("DELETE", f"/v1/sessions/{self._session_id}", None)
         except NotFoundError:
             pass
         except ParrotError:
@@ -272,9 +280,9 @@ class Session:
         self._mode = mode
         self._client = given if given is not None else wanted(timeout=self.timeout)
 
-    def _started(self, data: Any) -> None:
-        created = CreateSessionResponse.model_validate(data)
-        self._session_id, self._token = created.session_id, created.token
+    def _started(self) -> None:
+        # Chosen here (`BatchRequest.create`): a uuid4 id and a 256-bit token, sent only to this server.
+        self._session_id, self._token = uuid.uuid4().hex, secrets.token_urlsafe(32)
         self._state = "open"
         self._context_token = _CURRENT.set(self)
 
@@ -349,6 +357,9 @@ class Session:
         request: dict[str, Any] = {"ops": ops}
         if get is not None and len(ops) == len(self._pending):
             request["get"] = get.model_dump(exclude_none=True)
+        if not self._created:  # the server creates the session with this batch (or has, if it is a retry)
+            request["create"] = self._create_body()
+        self._sent = True
         return len(ops), request
 
     @staticmethod
@@ -402,6 +413,7 @@ class Session:
 
     def _batch_done(self, count: int) -> None:
         """The first ``count`` queued operations were applied by the server."""
+        self._created = True
         for _ in range(count):
             op = self._pending.popleft()
             if isinstance(op, _CreateVariable):
@@ -414,6 +426,8 @@ class Session:
         """Update the queue after a batch of ``count`` operations failed with ``error``."""
         if isinstance(error, ParrotConnectionError):
             return  # maybe not applied: keep everything for a retry
+        if not self._created and error.op_index is None:
+            return  # the session was not created (a quota, a draining server): nothing was applied
         index = error.op_index
         if index is None:
             if count != 1:
@@ -606,12 +620,24 @@ class Session:
         url = self.url + path
         method = "GET" if body is None else "POST"
         wait = max(wait, (body or {}).get("get", {}).get("timeout", 0.0))
+        args = self._request_args(body, params, wait, True)
         try:
-            with self._client.stream(method, url, **self._request_args(body, params, wait, True)) as response:
+            for attempt in range(self.connect_retries + 1):
+                opened = self._client.stream(method, url, **args)
+                try:
+                    response = opened.__enter__()
+                    break
+                except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+                    if attempt == self.connect_retries:
+                        raise _gave_up(e, url, attempt + 1) from e
+                    time.sleep(_CONNECT_BACKOFF_S * 2**attempt)
+            try:
                 if not response.is_success:
                     response.read()
                     raise error_from_response(response)
                 yield (line for line in response.iter_lines() if line)
+            finally:
+                opened.__exit__(None, None, None)
         except httpx.TransportError as e:
             raise error_from_transport(e, url) from e
 
@@ -624,13 +650,24 @@ class Session:
         url = self.url + path
         method = "GET" if body is None else "POST"
         wait = max(wait, (body or {}).get("get", {}).get("timeout", 0.0))
+        args = self._request_args(body, params, wait, True)
         try:
-            args = self._request_args(body, params, wait, True)
-            async with self._client.stream(method, url, **args) as response:
+            for attempt in range(self.connect_retries + 1):
+                opened = self._client.stream(method, url, **args)
+                try:
+                    response = await opened.__aenter__()
+                    break
+                except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+                    if attempt == self.connect_retries:
+                        raise _gave_up(e, url, attempt + 1) from e
+                    await asyncio.sleep(_CONNECT_BACKOFF_S * 2**attempt)
+            try:
                 if not response.is_success:
                     await response.aread()
                     raise error_from_response(response)
                 yield (line async for line in response.aiter_lines() if line)
+            finally:
+                await opened.__aexit__(None, None, None)
         except httpx.TransportError as e:
             raise error_from_transport(e, url) from e
 
@@ -660,6 +697,14 @@ def _after_text(var: Variable, final: GetVariableResponse | None, deadline: _Dea
         var._settle(final)
     elif deadline.passed():
         raise deadline.error(var)
+
+
+def _gave_up(error: httpx.TransportError, url: str, attempts: int) -> ParrotConnectionError:
+    """The connection error of the last of ``attempts`` tries to reach ``url``."""
+    failed = error_from_transport(error, url)
+    if attempts == 1:
+        return failed
+    return ParrotConnectionError(f"{failed.message}; gave up after {attempts} attempts")
 
 
 def _batch_applied(line: str | None) -> BatchApplied:

@@ -40,6 +40,7 @@ from parrot.protocol import (
     BatchRequest,
     BatchSetVariable,
     ClusterView,
+    CreateSessionRequest,
     CreateSessionResponse,
     CreateVariableRequest,
     Criteria,
@@ -521,11 +522,27 @@ class Manager:
     def create_session(self, cache_salt: str | None = None, client: str = "") -> CreateSessionResponse:
         """A new session for ``client`` (its address: the sessions_per_client quota); with ``cache_salt``
         its prompts share KV only with requests of the same salt."""
+        session = self._new_session(cache_salt, client)
+        return CreateSessionResponse(session_id=session.session_id, token=session.token)
+
+    def open_session(
+        self, session_id: str, token: str | None, create: CreateSessionRequest | None, client: str = ""
+    ) -> Session:
+        """A batch's session: authenticated by ``token``, or — with ``create``, when no session has that id
+        yet — created with the client's id and token (`BatchRequest.create`)."""
+        if create is None or session_id in self.sessions or token is None:
+            return self.session(session_id, token)
+        return self._new_session(create.cache_salt, client, session_id=session_id, token=token)
+
+    def _new_session(
+        self, cache_salt: str | None, client: str, session_id: str | None = None, token: str | None = None
+    ) -> Session:
         self._refuse_if_draining("sessions")
         check_session(self.config.quotas, client or "(unknown)", self.sessions.open_by(client))
-        session = self.sessions.create(self._clock(), cache_salt, client=client)
+        now = self._clock()
+        session = self.sessions.create(now, cache_salt, client, session_id=session_id, token=token)
         self._tasks[session.session_id] = set()
-        return CreateSessionResponse(session_id=session.session_id, token=session.token)
+        return session
 
     def session(self, session_id: str, token: str | None) -> Session:
         return self.sessions.authenticate(session_id, token, self._clock())

@@ -7,12 +7,15 @@ simulator can drive it. The asyncio side (waiters, step tasks) lives in the mana
 from __future__ import annotations
 
 import hashlib
+import re
 import secrets
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+
+from parrot.protocol import SESSION_ID_PATTERN, SESSION_TOKEN_PATTERN
 
 from server.serve.graph import SessionGraph
 from server.serve.ir import CallOutline
@@ -37,6 +40,13 @@ class UnauthorizedError(SessionError):
 class ForbiddenError(SessionError):
     http_status = 403
     error_type = "forbidden"
+
+
+class SessionConflictError(SessionError):
+    """A client-chosen session id or token that is in use already."""
+
+    http_status = 409
+    error_type = "session_conflict"
 
 
 class UnknownSessionError(SessionError):
@@ -83,10 +93,31 @@ class SessionTable:
         """Sessions ``client`` has open now."""
         return self._per_client[client]
 
-    def create(self, now: float, cache_salt: str | None = None, client: str = "") -> Session:
+    def __contains__(self, session_id: object) -> bool:
+        return session_id in self._sessions
+
+    def create(
+        self,
+        now: float,
+        cache_salt: str | None = None,
+        client: str = "",
+        *,
+        session_id: str | None = None,
+        token: str | None = None,
+    ) -> Session:
+        """A new session: a fresh id and token, or the client's own (`BatchRequest.create`: checked against
+        the protocol's patterns — 400 — and against the ones in use — 409)."""
+        if (session_id is None) != (token is None):
+            raise ValueError("give both a session id and its token, or neither")
+        if session_id is not None and token is not None:
+            _check_chosen(session_id, token)
+            if session_id in self._sessions or _digest(token) in self._by_token:
+                raise SessionConflictError(
+                    "this session id or token is in use: choose new ones (uuid4().hex, token_urlsafe(32))"
+                )
         session = Session(
-            uuid.uuid4().hex,
-            secrets.token_urlsafe(24),
+            session_id or uuid.uuid4().hex,
+            token or secrets.token_urlsafe(24),
             last_seen=now,
             created_at=now,
             cache_salt=cache_salt,
@@ -150,6 +181,16 @@ class SessionTable:
         """Sessions idle for longer than the TTL, none waited on (not removed: the caller frees what they
         own first)."""
         return [s for s in self._sessions.values() if s.waiters == 0 and now - s.last_seen > self.ttl]
+
+
+def _check_chosen(session_id: str, token: str) -> None:
+    if not re.fullmatch(SESSION_ID_PATTERN, session_id):
+        raise SessionError(f"a session id chosen by the client must match {SESSION_ID_PATTERN}")
+    if not re.fullmatch(SESSION_TOKEN_PATTERN, token):
+        raise SessionError(
+            f"a session token chosen by the client must match {SESSION_TOKEN_PATTERN} (a secret of at least "
+            "256 bits: secrets.token_urlsafe(32))"
+        )
 
 
 def _digest(token: str) -> bytes:

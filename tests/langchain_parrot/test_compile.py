@@ -120,8 +120,8 @@ def waits(counts: Counter[tuple[str, str]]) -> int:
 
 def one_submission(counts: Counter[tuple[str, str]], outputs: int = 1) -> None:
     """One session, and no client round trip between calls: the queue is sent once and only the outputs
-    are waited for (one request carries the queue and the get of a single output)."""
-    assert counts[("POST", "/v1/sessions")] == 1
+    are waited for (one request carries the session's creation, the queue and the get of a single output)."""
+    assert counts[("POST", "/v1/sessions")] == 0 and counts[BATCH] == 1
     assert waits(counts) <= outputs + (1 if outputs > 1 else 0)
 
 
@@ -235,7 +235,8 @@ def test_batch_and_async_equal_langchain(chat: ChatParrot, served: LaunchedServe
     compiled = strict_compile(chain)
     out, counts = requests_during(served, lambda: compiled.batch(inputs))
     assert out == chain.batch(inputs)
-    assert counts[("POST", "/v1/sessions")] == 1  # every input in one session, submitted at once
+    # every input in one session (opened by its batch), submitted at once
+    assert counts[("POST", "/v1/sessions")] == 0 and counts[("POST", "/v1/sessions/{session_id}/batch")] == 1
 
     import asyncio
 
@@ -313,7 +314,7 @@ def test_opaque_steps_run_on_the_client_with_one_warning(
         compiled = compile_chain(chain)
     assert "shout (client-side)" in compiled.explain()
     _, counts = same_run(served, recorder, chain, {"x": "hello"}, compiled)
-    assert counts[("POST", "/v1/sessions")] == 1  # still one session: the value is fetched, then used
+    assert counts[("POST", "/v1/sessions")] == 0  # one session (opened by its batch): fetched, then used
     assert waits(counts) == 2  # the first output, then the last
 
 

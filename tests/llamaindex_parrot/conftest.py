@@ -129,10 +129,10 @@ def traffic(served: LaunchedServer) -> Traffic:
 def one_round_trip(counts: Counter[tuple[str, str]]) -> None:
     """The query's calls went to the server in one submission, and its answer came with one get.
 
-    Between creating and deleting its session a query sends one request submitting every call (the batch,
-    or a single call) and at most one request getting the answer (the batch may carry the get itself).
+    A query's session opens with its one request submitting every call (the batch, which creates it) and at
+    most one request getting the answer (the batch may carry the get itself); then it is deleted.
     """
-    assert counts[SESSION] == 1 and counts[DELETE] == 1, counts
+    assert counts[SESSION] == 0 and counts[DELETE] == 1, counts
     submissions = counts[CALLS] + counts[BATCH]
     assert submissions == 1, f"{submissions} submission requests (want 1): {dict(counts)}"
     assert counts[GET] <= 1, dict(counts)

@@ -113,6 +113,9 @@ class FakeServer:
         if parts[:2] != ["v1", "sessions"] or len(parts) < 3:
             raise HTTPError(404, "not_found", f"no route {request.url.path}")
         sid = parts[2]
+        opens = parts[3:] == ["batch"] and request.method == "POST" and sid not in self.sessions
+        if opens and json.loads(request.content).get("create") is not None:  # created by its first batch
+            self.sessions[sid] = request.headers.get("authorization", "").removeprefix("Bearer ")
         if sid not in self.sessions:
             raise HTTPError(404, "unknown_session", f"unknown session {sid!r}")
         if request.headers.get("authorization") != f"Bearer {self.sessions[sid]}":

@@ -40,18 +40,19 @@ def server() -> FakeServer:
 def check_figure7_requests(server: FakeServer) -> None:
     sid = server.deleted[0]
     methods = [(r.method, r.url.path) for r in server.requests]
-    # The whole DAG and the first get are one request; the second get finds its answer with a GET.
+    # The session's creation, the whole DAG and the first get are one request; the second get finds its
+    # answer with a GET.
     assert methods == [
-        ("POST", "/v1/sessions"),
         ("POST", f"/v1/sessions/{sid}/batch"),
-        ("GET", methods[2][1]),
+        ("GET", methods[1][1]),
         ("DELETE", f"/v1/sessions/{sid}"),
     ]
-    token = f"Bearer {'tok' + str(int(sid[1:]) + 1)}"
-    assert "authorization" not in server.requests[0].headers
-    assert all(r.headers["authorization"] == token for r in server.requests[1:])
+    token = server.requests[0].headers["authorization"]  # the client's own: 256 bits, URL-safe
+    assert len(token.removeprefix("Bearer ")) == 43 and len(sid) == 32
+    assert all(r.headers["authorization"] == token for r in server.requests)
 
     (batch,) = server.bodies("POST", "/batch")
+    assert batch["create"] == {}  # (the server creates the session with it)
     assert [op["op"] for op in batch["ops"]] == ["create_variable", "submit_call", "submit_call"]
     (task_id,) = [v.var_id for v in server.variables.values() if v.producer is None]
     assert server.ops("create_variable") == [{"var_id": task_id, "value": "a snake game"}]
@@ -81,12 +82,12 @@ def check_figure7_requests(server: FakeServer) -> None:
 
 def test_figure7_sync(server: FakeServer) -> None:
     with P.Session(URL, client=server.sync_client()) as s:
-        assert len(server.requests) == 1  # the session
+        assert server.requests == []  # opening a session costs no request: its first batch creates it
         task = s.variable("a snake game")
         code = write_code(task)
         test = write_tests(task, code)
         assert isinstance(code, P.Variable) and code.name == "code" and "unsent" in repr(code)
-        assert len(server.requests) == 1  # nothing is sent until a value is wanted
+        assert server.requests == []  # nothing is sent until a value is wanted
         assert code.get(criteria=P.LATENCY) == "<code:a snake game>"
         assert test.get(criteria=P.LATENCY) == "<test:a snake game,<code:a snake game>>"
         assert code.get() == "<code:a snake game>"  # settled: answered from the client's cache
@@ -98,7 +99,7 @@ async def test_figure7_async(server: FakeServer) -> None:
         task = s.variable("a snake game")
         code = write_code(task)
         test = write_tests(task, code)
-        assert len(server.requests) == 1
+        assert server.requests == []
         got = await asyncio.gather(code.aget(criteria=P.LATENCY), test.aget(criteria=P.LATENCY))
         assert got == ["<code:a snake game>", "<test:a snake game,<code:a snake game>>"]
     check_figure7_requests(server)
@@ -114,7 +115,7 @@ def test_sessions_own_clients_and_nest_through_a_contextvar(server: FakeServer) 
         assert write_code("x").session is outer
     with pytest.raises(RuntimeError, match="no active Parrot session"):
         write_code("x")
-    assert server.deleted == [inner.session_id, outer.session_id]
+    assert server.requests == []  # neither sent anything, so neither exists on the server to delete
     with pytest.raises(RuntimeError, match="entered once"), outer:
         pass
 
@@ -261,6 +262,7 @@ async def test_a_refused_text_comes_with_the_failure_async(server: FakeServer) -
 def test_a_rejected_call_fails_its_outputs_and_consumers(server: FakeServer) -> None:
     with P.Session(URL, client=server.sync_client()) as s:
         sid = s.session_id or ""
+        assert s.variable("created").get() == "created"  # (the session exists on the server from here)
         code = write_code("x")
         token, server.sessions[sid] = server.sessions[sid], "rotated"  # the server refuses this request
         with pytest.raises(P.AuthError) as info:
@@ -326,6 +328,41 @@ def test_a_connection_error_keeps_the_queue_for_a_retry(server: FakeServer) -> N
         assert code.get() == "<code:x>"
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+async def test_connect_retries_try_again_only_when_nothing_was_sent(server: FakeServer, mode: str) -> None:
+    refusals = {"left": 2}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if refusals["left"]:
+            refusals["left"] -= 1
+            raise httpx.ConnectError("connection refused", request=request)
+        return server.handle(request)
+
+    def client() -> httpx.Client | httpx.AsyncClient:
+        transport = httpx.MockTransport(handler)
+        return httpx.Client(transport=transport) if mode == "sync" else httpx.AsyncClient(transport=transport)
+
+    async def first_get(session: P.Session) -> Any:
+        code = write_code("x")
+        return code.get() if mode == "sync" else await code.aget()
+
+    async def run(retries: int) -> Any:
+        session = P.Session(URL, client=client(), connect_retries=retries)
+        if mode == "sync":
+            with session:
+                return await first_get(session)
+        async with session:
+            return await first_get(session)
+
+    assert await run(2) == "<code:x>"  # refused twice, then opened by its first batch
+    assert len(server.bodies("POST", "/batch")) == 1
+    refusals["left"] = 2
+    with pytest.raises(P.ConnectionError, match="connection refused; gave up after 2 attempts"):
+        await run(1)
+    with pytest.raises(ValueError, match="connect_retries must be >= 0"):
+        P.Session(URL, connect_retries=-1)
+
+
 ERRORS = [
     (400, P.BadRequestError),
     (401, P.AuthError),
@@ -361,9 +398,10 @@ def test_errors_outside_the_schema_and_on_entering() -> None:
     def handler(request: httpx.Request) -> httpx.Response:
         return httpx.Response(422, json={"detail": [{"loc": ["body"], "msg": "field required"}]})
 
+    session = P.Session(URL, client=httpx.Client(transport=httpx.MockTransport(handler))).__enter__()
     with pytest.raises(P.UnprocessableEntityError, match="field required") as info:
-        P.Session(URL, client=httpx.Client(transport=httpx.MockTransport(handler))).__enter__()
-    assert info.value.status == 422 and "POST http://parrot.test/v1/sessions" in info.value.message
+        session.variable("x").get()  # the first batch: the session's creation is refused with it
+    assert info.value.status == 422 and "POST http://parrot.test/v1/sessions/" in info.value.message
 
 
 def test_connection_errors_name_the_url() -> None:
@@ -372,15 +410,17 @@ def test_connection_errors_name_the_url() -> None:
 
     with (
         pytest.raises(
-            P.ConnectionError, match=r"at http://parrot.test/v1/sessions failed: connection refused"
+            P.ConnectionError, match=r"at http://parrot.test/v1/sessions/\w+/batch failed: connection refused"
         ),
-        P.Session(URL, client=httpx.Client(transport=httpx.MockTransport(handler))),
+        P.Session(URL, client=httpx.Client(transport=httpx.MockTransport(handler))) as s,
     ):
-        pass
+        s.variable("x").get()
 
 
 def test_a_deleted_session_on_exit_is_not_an_error(server: FakeServer) -> None:
     with P.Session(URL, client=server.sync_client()) as s:
+        s.flush()  # nothing queued: nothing sent, no session on the server, nothing deleted on exit
+        s.variable("x").get()
         del server.sessions[s.session_id or ""]
     with pytest.raises(RuntimeError, match="not open"):
         s.variable("late")

@@ -95,8 +95,8 @@ def test_connection_error_is_the_builtin_one() -> None:
         sock.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     # The builtin name catches it.
-    with pytest.raises(ConnectionError, match=re.escape(url)) as info, P.Session(url, timeout=2):
-        pass
+    with pytest.raises(ConnectionError, match=re.escape(url)) as info, P.Session(url, timeout=2) as s:
+        s.variable("x").get()  # the first request (the session opens with it)
     assert isinstance(info.value, P.ConnectionError) and isinstance(info.value, OSError)
     assert info.value.type == "connection"
 
