@@ -185,15 +185,15 @@ def test_tiny_run_writes_every_sweep_and_the_plot(capsys: pytest.CaptureFixture[
     point = sweeps["out"]["points"][0]
     assert set(point["clients"]) == {"parrot", "baseline"}
     assert point["clients"]["parrot"]["latency"]["n"] == 1
-    # One chain of 2 steps: the baseline makes one request per step, Parrot a session and one batch.
+    # One chain of 2 steps: the baseline makes one request per step, Parrot one batch (opening its session).
     assert point["clients"]["baseline"]["requests"] == 2
-    assert point["clients"]["parrot"]["requests"] == 2
+    assert point["clients"]["parrot"]["requests"] == 1
     bg = sweeps["bg"]["points"][0]
     assert bg["background_max_in_flight"] == 2 and bg["background_completed"] > 0
     apps = sweeps["apps"]["points"][0]
     assert len(apps["per_app_difference_s"]) == 2
     # Two apps of 2 steps each, started together: twice a lone chain's requests.
-    assert apps["clients"]["baseline"]["requests"] == 4 and apps["clients"]["parrot"]["requests"] == 4
+    assert apps["clients"]["baseline"]["requests"] == 4 and apps["clients"]["parrot"]["requests"] == 2
 
     png = tmp_path / "chain_summary.png"
     cs.plot(payload, png)

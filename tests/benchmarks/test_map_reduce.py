@@ -64,7 +64,7 @@ def test_tiny_run_checks_outputs_and_ends_with_the_result_line(
     [setting] = payload["settings"]
     assert setting["network_delay"] is False
     clients = setting["clients"]
-    assert clients["parrot"]["requests"] == 2  # session create + one batch
+    assert clients["parrot"]["requests"] == 1  # one batch, which opens the session
     assert clients["baseline"]["requests"] == 3  # two map completions + the reduce
     assert all(math.isfinite(s) for c in clients.values() for s in c["seconds"])
     simulated = payload["simulator"]

@@ -89,8 +89,8 @@ def test_tiny_run_checks_outputs_ends_with_the_result_line_and_plots(
     assert payload["benchmark"] == "multi_agent" and payload["outputs_identical"] is True
     [sim_row] = payload["simulator"]["by_files"]
     assert sim_row["files"] == 2 and set(sim_row["first_jobs"]) == set(multi_agent.CLIENTS)
-    # Requests until the answer: Parrot's session create + one batch; the baseline's one per call.
-    assert sim_row["first_jobs"]["parrot"]["requests"] == 2
+    # Requests until the answer: Parrot's one batch (opening its session); the baseline's one per call.
+    assert sim_row["first_jobs"]["parrot"]["requests"] == 1
     assert sim_row["first_jobs"]["baseline"]["requests"] == sim_row["calls"] == 1 + 1 * (3 * 2 + 2)
     assert payload["simulator"]["profile"]["name"] == payload["config"]["sim"]["profile"]
     [row] = payload["by_files"]
@@ -101,8 +101,8 @@ def test_tiny_run_checks_outputs_ends_with_the_result_line_and_plots(
     for name in multi_agent.CLIENTS:
         assert all(math.isfinite(s) and s > 0 for s in clients[name]["seconds"])
         assert row["first_jobs"][name]["peak_blocks"] > 0
-    # Parrot: session create + one batch; the baseline: one completion per call.
-    assert clients["parrot"]["requests"] == 2
+    # Parrot: one batch (opening its session); the baseline: one completion per call.
+    assert clients["parrot"]["requests"] == 1
     assert clients["baseline"]["requests"] == row["calls"]
     # Sharing: Parrot prefills less than the no-sharing ablation, which prefills what the baseline does.
     cold = {name: row["first_jobs"][name]["engine"] for name in multi_agent.CLIENTS}
