@@ -242,7 +242,8 @@ class Session:
         except NotFoundError:
             pass  # expired, already gone, or never created: nothing left to free
         except ParrotError:
-            if exc_type is None:
+            # (one the server never confirmed may not exist: if it does, it expires; the get said why)
+            if exc_type is None and self._created:
                 raise
         finally:
             self._close_client()
@@ -263,7 +264,7 @@ class Session:
         except NotFoundError:
             pass
         except ParrotError:
-            if exc_type is None:
+            if exc_type is None and self._created:
                 raise
         finally:
             await self._aclose_client()

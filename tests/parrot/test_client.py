@@ -363,6 +363,18 @@ async def test_connect_retries_try_again_only_when_nothing_was_sent(server: Fake
         P.Session(URL, connect_retries=-1)
 
 
+def test_leaving_a_session_the_server_never_confirmed_is_quiet() -> None:
+    """Down for good: the get says so; leaving, which would delete a session no batch ever opened, does not
+    raise the same error again."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused", request=request)
+
+    with P.Session(URL, client=httpx.Client(transport=httpx.MockTransport(handler))):  # noqa: SIM117 (leaves after)
+        with pytest.raises(P.ConnectionError, match="connection refused"):
+            write_code("x").get()
+
+
 ERRORS = [
     (400, P.BadRequestError),
     (401, P.AuthError),
