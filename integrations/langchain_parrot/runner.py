@@ -137,22 +137,18 @@ def run_sync(
 
 @contextmanager
 def open_session(connection: ServerConnection | None) -> Iterator[P.Session | None]:
-    """A session on the connection's server (None: no session needed), entered with retries."""
+    """A session on the connection's server (None: no session needed). Entering sends nothing: its first
+    batch opens it, and a request that cannot connect is tried again ``max_retries`` times."""
     if connection is None:
         yield None
         return
-
-    def attempt() -> P.Session:
-        session = P.Session(
-            connection.base_url,
-            timeout=connection.timeout,  # type: ignore[arg-type]
-            client=connection.client,
-            connect_retries=connection.max_retries,  # its first batch opens it: retried when unreachable
-        )
-        session.__enter__()
-        return session
-
-    session = connection.retrying(connection.url("/v1/sessions"), attempt)
+    session = P.Session(
+        connection.base_url,
+        timeout=connection.timeout,  # type: ignore[arg-type]
+        client=connection.client,
+        connect_retries=connection.max_retries,
+    )
+    session.__enter__()
     try:
         yield session
     except BaseException as e:
@@ -206,18 +202,13 @@ async def open_session_async(connection: ServerConnection | None) -> AsyncIterat
     if connection is None:
         yield None
         return
-
-    async def attempt() -> P.Session:
-        session = P.Session(
-            connection.base_url,
-            timeout=connection.timeout,  # type: ignore[arg-type]
-            client=connection.async_client,
-            connect_retries=connection.max_retries,
-        )
-        await session.__aenter__()
-        return session
-
-    session = await connection.aretrying(connection.url("/v1/sessions"), attempt)
+    session = P.Session(
+        connection.base_url,
+        timeout=connection.timeout,  # type: ignore[arg-type]
+        client=connection.async_client,
+        connect_retries=connection.max_retries,
+    )
+    await session.__aenter__()
     try:
         yield session
     except BaseException as e:
