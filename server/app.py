@@ -61,6 +61,7 @@ from server.security import (
     cluster_token_guard,
     install_auth_handler,
 )
+from server.serve.dag_view import step_info
 from server.serve.graph import GraphError
 from server.serve.manager import (
     BatchOpError,
@@ -75,7 +76,7 @@ from server.serve.manager import (
 from server.serve.openai_backend import OpenAIBackendConfig
 from server.serve.remote_engine import RemoteEngine
 from server.serve.sessions import Session, SessionError
-from server.serve.step_records import Histogram, StepRecord
+from server.serve.step_records import Histogram
 from server.serve.streams import STREAM_ANSWER, server_sent_events
 from server.serve.variables import VariableError
 from server.ui import create_ui_router
@@ -128,12 +129,6 @@ def _classify(exc: Exception) -> tuple[int, str]:
     if isinstance(exc, _TYPED):
         return exc.http_status, getattr(exc, "error_type", type(exc).__name__)  # type: ignore[attr-defined]
     return 500, "internal_error"
-
-
-def step_info(record: StepRecord) -> StepInfo:
-    """A step record as the wire answers it."""
-    fields = {name: getattr(record, name) for name in StepInfo.model_fields}
-    return StepInfo.model_validate(fields)
 
 
 def _histogram(name: str, documentation: str, histogram: Histogram) -> HistogramMetricFamily:

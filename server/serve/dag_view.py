@@ -6,7 +6,7 @@ with its prefix-sharing counts. No I/O, no clock: the caller passes ``now``.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from parrot.protocol import (
     DagStep,
@@ -25,56 +25,61 @@ from server.serve.sessions import Session
 from server.serve.step_records import StepRecord, StepRecords, task_group_key
 from server.serve.variables import Variable
 
-__all__ = ["DAG_VALUE_CHARS", "engine_views", "session_dag", "session_summary"]
+__all__ = ["DAG_VALUE_CHARS", "engine_views", "session_dag", "session_summary", "step_info"]
 
 # The most of a value the DAG carries per variable (the view polls it; the whole value is one click away).
 DAG_VALUE_CHARS = 4096
 
 
+def step_info(record: StepRecord) -> StepInfo:
+    """A step record as the wire answers it (``GET /v1/sessions/{sid}/steps``, and the DAG's steps)."""
+    return StepInfo.model_validate({name: getattr(record, name) for name in StepInfo.model_fields})
+
+
 def session_dag(session: Session, records: Sequence[StepRecord]) -> SessionDag:
     """Every step of every call ``session`` submitted (submission order) with what the server did with it,
     and every variable of the session."""
-    by_step = {(r.call_id, r.index): r for r in records}
-    pending = {(n.id.call_id, n.id.index): n for n in session.graph.steps()}
-    variables = session.graph.variables
     steps = []
-    for call in session.calls:
-        for step in call.steps:
-            key = (call.call_id, step.index)
-            record, node = by_step.get(key), pending.get(key)
-            if record is not None:
-                fields = {name: getattr(record, name) for name in StepInfo.model_fields}
-                steps.append(DagStep.model_validate({**fields, "inputs": step.inputs}))
-            else:
-                steps.append(_undispatched(call, step, node, variables.get(step.output)))
+    for call, step, record, node, output in _walk(session, records):
+        if record is not None:
+            steps.append(DagStep(**step_info(record).model_dump(), inputs=list(step.inputs)))
+        else:
+            steps.append(_undispatched(call, step, node, output))
     return SessionDag(
         session_id=session.session_id,
         steps=steps,
-        variables=[_dag_variable(v) for v in variables],
+        variables=[_dag_variable(v) for v in session.graph.variables],
     )
 
 
 def session_summary(session: Session, records: Sequence[StepRecord], now: float) -> SessionSummary:
     """One line of the cluster view: ``session``'s age and its steps and variables counted by state."""
-    by_step = {(r.call_id, r.index): r.state for r in records}
-    pending = {(n.id.call_id, n.id.index): n for n in session.graph.steps()}
-    variables = session.graph.variables
-    steps: Counter[str] = Counter()
-    for call in session.calls:
-        for step in call.steps:
-            key = (call.call_id, step.index)
-            state = by_step.get(key)
-            if state is None:
-                state, _ = _waiting_state(pending.get(key), variables.get(step.output))
-            steps[state] += 1
+    steps: Counter[str] = Counter(
+        record.state if record is not None else _waiting_state(node, output)[0]
+        for _, _, record, node, output in _walk(session, records)
+    )
     return SessionSummary(
         session_id=session.session_id,
         age_s=max(0.0, now - session.created_at),
         idle_s=max(0.0, now - session.last_seen),
         calls=len(session.calls),
         steps=dict(steps),
-        variables=dict(Counter(v.status for v in variables)),
+        variables=dict(Counter(v.status for v in session.graph.variables)),
     )
+
+
+def _walk(
+    session: Session, records: Sequence[StepRecord]
+) -> Iterator[tuple[CallOutline, StepOutline, StepRecord | None, StepNode | None, Variable]]:
+    """Every step the session submitted, in order, with its record (once dispatched), its graph node
+    (while pending) and its output variable."""
+    by_step = {(r.call_id, r.index): r for r in records}
+    pending = {(n.id.call_id, n.id.index): n for n in session.graph.steps()}
+    variables = session.graph.variables
+    for call in session.calls:
+        for step in call.steps:
+            key = (call.call_id, step.index)
+            yield call, step, by_step.get(key), pending.get(key), variables.get(step.output)
 
 
 def engine_views(statuses: Iterable[EngineStatus], steps: StepRecords) -> list[EngineView]:

@@ -140,9 +140,7 @@ class SessionTable:
             if self._by_token.get(_digest(token)) is not None:
                 raise ForbiddenError(f"this token does not belong to session {session_id!r}")
             if session is None:
-                raise UnknownSessionError(
-                    f"session {session_id!r} does not exist (never created, expired or deleted)"
-                )
+                raise _unknown(session_id)
             raise UnauthorizedError(f"wrong token for session {session_id!r}")
         session.last_seen = now
         return session
@@ -163,9 +161,7 @@ class SessionTable:
         token check, and its expiry is not refreshed (looking at a session does not keep it alive)."""
         session = self._sessions.get(session_id)
         if session is None:
-            raise UnknownSessionError(
-                f"session {session_id!r} does not exist (never created, expired or deleted)"
-            )
+            raise _unknown(session_id)
         return session
 
     def remove(self, session_id: str) -> Session | None:
@@ -181,6 +177,10 @@ class SessionTable:
         """Sessions idle for longer than the TTL, none waited on (not removed: the caller frees what they
         own first)."""
         return [s for s in self._sessions.values() if s.waiters == 0 and now - s.last_seen > self.ttl]
+
+
+def _unknown(session_id: str) -> UnknownSessionError:
+    return UnknownSessionError(f"session {session_id!r} does not exist (never created, expired or deleted)")
 
 
 def _check_chosen(session_id: str, token: str) -> None:
