@@ -19,7 +19,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import llama_index.core.instrumentation as instrument
-import parrot as P
 from llama_index.core.base.llms.types import (
     ChatMessage,
     ChatResponse,
@@ -51,7 +50,7 @@ from parrot.tokens import ServerTokenizer
 from parrot.urls import BASE_URL_ENV, DEFAULT_BASE_URL, ServerURL, server_root
 
 from llamaindex_parrot.completions import OpenAIEndpoint, chat_body, choice_text, completion_body, delta_text
-from llamaindex_parrot.dag import Plan, astream_plan, stream_plan
+from llamaindex_parrot.dag import Plan, arun_plan, astream_plan, run_plan, stream_plan
 from llamaindex_parrot.server_info import ServedModel, served_model
 from llamaindex_parrot.unrendered import UnrenderedCall, Value, unrender
 
@@ -224,18 +223,11 @@ class ParrotLLM(LLM):
             lambda kw: self._get_prompt(prompt, **kw), prompt, values, llm=self, allow_rendered=allow_rendered
         )
 
-    def _session(self) -> P.Session:
-        return P.Session(self.api_base, timeout=self.timeout)
-
     def _run(self, call: UnrenderedCall, sampling: SamplingConfig) -> str:
-        with self._session():
-            out = call.submit(sampling, model=self.model)
-            return str(out.get(criteria=P.LATENCY, timeout=self.get_timeout))
+        return run_plan(self, self._one_call_plan(call, sampling)) or ""
 
     async def _arun(self, call: UnrenderedCall, sampling: SamplingConfig) -> str:
-        async with self._session():
-            out = call.submit(sampling, model=self.model)
-            return str(await out.aget(criteria=P.LATENCY, timeout=self.get_timeout))
+        return await arun_plan(self, self._one_call_plan(call, sampling)) or ""
 
     @dispatcher.span
     def predict(self, prompt: BasePromptTemplate, **prompt_args: Any) -> str:
@@ -268,7 +260,8 @@ class ParrotLLM(LLM):
             return super().stream(prompt, **prompt_args)
         if prompt.output_parser is not None or self.output_parser is not None:
             raise NotImplementedError("Output parser is not supported for streaming.")  # as LlamaIndex
-        return stream_plan(self, self._one_call_plan(self.unrendered_call(prompt, prompt_args)))
+        call = self.unrendered_call(prompt, prompt_args)
+        return stream_plan(self, self._one_call_plan(call, self.sampling()))
 
     @dispatcher.span
     async def astream(self, prompt: BasePromptTemplate, **prompt_args: Any) -> TokenAsyncGen:
@@ -277,15 +270,16 @@ class ParrotLLM(LLM):
             return await super().astream(prompt, **prompt_args)
         if prompt.output_parser is not None or self.output_parser is not None:
             raise NotImplementedError("Output parser is not supported for streaming.")
-        return await astream_plan(self, self._one_call_plan(self.unrendered_call(prompt, prompt_args)))
+        call = self.unrendered_call(prompt, prompt_args)
+        return await astream_plan(self, self._one_call_plan(call, self.sampling()))
 
-    def _one_call_plan(self, call: UnrenderedCall) -> Callable[[], Plan]:
-        """A plan (`llamaindex_parrot.dag`) of one call: the streams share the synthesizers' session handling
-        (submitted before the stream returns; the session never the reader's current one; closed however
-        the reading ends)."""
+    def _one_call_plan(self, call: UnrenderedCall, sampling: SamplingConfig) -> Callable[[], Plan]:
+        """A plan (`llamaindex_parrot.dag`) of one call: one call runs and streams as the synthesizers' DAGs
+        do (for a stream: submitted before it returns; the session never the reader's current one; closed
+        however the reading ends)."""
 
         def plan() -> Plan:
-            return call.submit(self.sampling(), model=self.model)
+            return call.submit(sampling, model=self.model)
             yield  # (a generator: a plan)
 
         return plan
