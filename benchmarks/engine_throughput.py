@@ -62,6 +62,7 @@ from benchmarks.common import (
 from benchmarks.harness import engines, record
 from benchmarks.harness.measure import Ratio
 from server.engine import EngineConfig, LLMEngine, SamplingParams
+from server.engine.compute_thread import on_own_thread
 
 NAME = "engine_throughput"
 LABELS = {"ours": "ours", "hf": "HF", "vllm": "vLLM"}
@@ -246,7 +247,7 @@ def run_all(cfg: BenchConfig, ours: engines.OurEngine, others: list[engines.Gene
         engine.tokenizer, 4 * max(cfg.kv_prefix + cfg.kv_requests * cfg.kv_suffix, cfg.prompt_len)
     )
     log(f"memory bandwidth ({cfg.bandwidth_mib} MiB, {cfg.bandwidth_repeats} repeats) ...")
-    bandwidth = memory_bandwidth(cfg.bandwidth_mib, cfg.bandwidth_repeats)
+    bandwidth = on_own_thread(lambda: memory_bandwidth(cfg.bandwidth_mib, cfg.bandwidth_repeats), "bandwidth")
     results = []
     for batch in cfg.batches:
         prompts = make_prompts(tokens, batch, cfg)

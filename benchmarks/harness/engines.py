@@ -37,6 +37,7 @@ import torch
 from benchmarks.common import Spread, engine_model, export_hf_folder, log, safe_ratio
 from benchmarks.harness.measure import Ratio
 from server.engine import LLMEngine, SamplingParams
+from server.engine.compute_thread import on_own_thread
 from server.engine.config import cpu_has_native_bf16
 from server.engine.model_names import resolve_model
 
@@ -138,18 +139,23 @@ class HFGenerate:
 
     def run(self, prompts: Sequence[list[int]], max_new_tokens: int) -> tuple[float, Outputs]:
         input_ids, mask = left_pad(prompts, self.pad_token_id)
-        start = time.perf_counter()
-        with torch.inference_mode():
-            out = self.model.generate(
-                input_ids,
-                attention_mask=mask,
-                max_new_tokens=max_new_tokens,
-                min_new_tokens=max_new_tokens,  # as our ignore_eos: every request makes N tokens
-                do_sample=False,
-                pad_token_id=self.pad_token_id,
-            )
-        elapsed = time.perf_counter() - start
-        return elapsed, out[:, input_ids.shape[1] :].tolist()
+
+        def generate() -> tuple[float, Outputs]:
+            start = time.perf_counter()
+            with torch.inference_mode():
+                out = self.model.generate(
+                    input_ids,
+                    attention_mask=mask,
+                    max_new_tokens=max_new_tokens,
+                    min_new_tokens=max_new_tokens,  # as our ignore_eos: every request makes N tokens
+                    do_sample=False,
+                    pad_token_id=self.pad_token_id,
+                )
+            return time.perf_counter() - start, out[:, input_ids.shape[1] :].tolist()
+
+        # On a thread that ends, as our engine loads: a thread pool left on this long-lived thread would slow
+        # our engine's thread (`server.engine.compute_thread`).
+        return on_own_thread(generate, "hf-generate")
 
 
 def left_pad(prompts: Sequence[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -214,8 +220,8 @@ def load_baseline(model: str, engine: LLMEngine, workdir: Path) -> tuple[Path, A
     # Quiet: the weight-loading progress bar and the over-long-sequence warning of workload tokenizers.
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    folder = hf_folder(model, engine, workdir, engine.config.seed)
-    return folder, load_hf(folder, engine.config.torch_dtype())
+    folder = on_own_thread(lambda: hf_folder(model, engine, workdir, engine.config.seed), "hf-export")
+    return folder, on_own_thread(lambda: load_hf(folder, engine.config.torch_dtype()), "hf-load")
 
 
 def model_record(model: str, engine: LLMEngine) -> dict[str, Any]:

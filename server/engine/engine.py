@@ -16,6 +16,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -24,6 +25,7 @@ import torch
 from parrot.protocol import EngineStats
 
 from server.engine.block_manager import BlockAllocator
+from server.engine.compute_thread import on_own_thread
 from server.engine.config import EngineConfig, ModelConfig
 from server.engine.context import Context, ContextTable, blocks_for
 from server.engine.errors import (
@@ -40,7 +42,7 @@ from server.engine.errors import (
 from server.engine.generating import GeneratesBySubmit
 from server.engine.guided import CompiledGrammar, GrammarCompiler, Guide, mask_logits
 from server.engine.kv_exchange import KVExchange
-from server.engine.loader import build_model, load_checkpoint
+from server.engine.loader import Checkpoint, build_model, load_checkpoint
 from server.engine.model import LlamaForCausalLM
 from server.engine.model_names import DEFAULT_MODEL, TINY_MODEL
 from server.engine.model_runner import KVCache, ModelRunner
@@ -198,6 +200,43 @@ class LLMEngine(KVExchange, GeneratesBySubmit):
         model_name: str,
     ) -> None:
         tune_glibc_malloc()
+        # The KV cache, the packed weights and every step live on the engine thread (`compute_thread`).
+        built: Future[None] = Future()
+        self._thread = threading.Thread(
+            target=self._serve,
+            args=(built, model, tokenizer, model_config, config, model_name),
+            name=f"engine-{model_name}",
+            daemon=True,
+        )
+        self._thread.start()
+        built.result()
+
+    def _serve(
+        self,
+        built: Future[None],
+        model: LlamaForCausalLM,
+        tokenizer: Any,
+        model_config: ModelConfig,
+        config: EngineConfig,
+        model_name: str,
+    ) -> None:
+        """The engine thread: build the KV cache and the runner, answer ``built``, then run the loop."""
+        try:
+            self._build(model, tokenizer, model_config, config, model_name)
+        except BaseException as e:
+            built.set_exception(e)
+            return
+        built.set_result(None)
+        self._loop()
+
+    def _build(
+        self,
+        model: LlamaForCausalLM,
+        tokenizer: Any,
+        model_config: ModelConfig,
+        config: EngineConfig,
+        model_name: str,
+    ) -> None:
         device, dtype = config.torch_device(), config.torch_dtype()
         num_blocks = config.num_kv_blocks or max(
             1,
@@ -221,8 +260,6 @@ class LLMEngine(KVExchange, GeneratesBySubmit):
         )
         runner = ModelRunner(model, kv, config.block_size, device, config.shared_prefix_decode)
         self._init_state(runner, tokenizer, model_config, config, model_name, num_blocks, kv.copy_block)
-        self._thread = threading.Thread(target=self._loop, name=f"engine-{model_name}", daemon=True)
-        self._thread.start()
 
     def _init_state(
         self,
@@ -301,11 +338,16 @@ class LLMEngine(KVExchange, GeneratesBySubmit):
             # shape: in fp32 its greedy output stays the same however requests are batched (what tests check).
             config = replace(config, dtype="float32")
         dtype = config.torch_dtype()
-        checkpoint = load_checkpoint(name_or_path, dtype, config.seed)
-        model_config = checkpoint.config
-        max_positions = min(model_config.max_position_embeddings, config.max_model_len or 1 << 62)
-        model = build_model(model_config, checkpoint.state, max_positions, config.torch_device(), dtype)
-        return cls(model, checkpoint.tokenizer, model_config, config, checkpoint.name)
+
+        def load() -> tuple[Checkpoint, LlamaForCausalLM]:
+            checkpoint = load_checkpoint(name_or_path, dtype, config.seed)
+            cfg = checkpoint.config
+            max_positions = min(cfg.max_position_embeddings, config.max_model_len or 1 << 62)
+            return checkpoint, build_model(cfg, checkpoint.state, max_positions, config.torch_device(), dtype)
+
+        # On a thread that ends: a thread pool left here would slow the engine thread's (`compute_thread`).
+        checkpoint, model = on_own_thread(load)
+        return cls(model, checkpoint.tokenizer, checkpoint.config, config, checkpoint.name)
 
     # ----------------------------------------------------------------------------------- public API
     async def fill(
