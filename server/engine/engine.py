@@ -204,25 +204,17 @@ class LLMEngine(KVExchange, GeneratesBySubmit):
         built: Future[None] = Future()
         self._thread = threading.Thread(
             target=self._serve,
-            args=(built, model, tokenizer, model_config, config, model_name),
+            args=(built, lambda: self._build(model, tokenizer, model_config, config, model_name)),
             name=f"engine-{model_name}",
             daemon=True,
         )
         self._thread.start()
         built.result()
 
-    def _serve(
-        self,
-        built: Future[None],
-        model: LlamaForCausalLM,
-        tokenizer: Any,
-        model_config: ModelConfig,
-        config: EngineConfig,
-        model_name: str,
-    ) -> None:
-        """The engine thread: build the KV cache and the runner, answer ``built``, then run the loop."""
+    def _serve(self, built: Future[None], build: Callable[[], None]) -> None:
+        """The engine thread: ``build()`` the KV cache and the runner, answer ``built``, then run the loop."""
         try:
-            self._build(model, tokenizer, model_config, config, model_name)
+            build()
         except BaseException as e:
             built.set_exception(e)
             return
