@@ -220,8 +220,13 @@ def load_baseline(model: str, engine: LLMEngine, workdir: Path) -> tuple[Path, A
     # Quiet: the weight-loading progress bar and the over-long-sequence warning of workload tokenizers.
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    folder = on_own_thread(lambda: hf_folder(model, engine, workdir, engine.config.seed), "hf-export")
-    return folder, on_own_thread(lambda: load_hf(folder, engine.config.torch_dtype()), "hf-load")
+
+    def export_and_load() -> tuple[Path, Any]:
+        folder = hf_folder(model, engine, workdir, engine.config.seed)
+        return folder, load_hf(folder, engine.config.torch_dtype())
+
+    # On a thread that ends, as our engine loads (`server.engine.compute_thread`).
+    return on_own_thread(export_and_load, "hf-load")
 
 
 def model_record(model: str, engine: LLMEngine) -> dict[str, Any]:
