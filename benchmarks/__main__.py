@@ -1,6 +1,7 @@
 """``python -m benchmarks``: run the paper's experiments and render the results page.
 
 python -m benchmarks run [NAME ...|all] [--quick] [--model PATH]   run, then write docs/benchmarks.md
+python -m benchmarks run --tiny --jobs 2                           harness check, two scripts at a time
 python -m benchmarks report                                        re-render the page from the results
 python -m benchmarks list                                          the experiments and their figures
 """
@@ -35,6 +36,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "experiment's own, see `python -m benchmarks list`)",
     )
     run.add_argument("--timeout", type=float, default=3600.0, help="seconds one experiment may take")
+    run.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="with --tiny: experiments run this many at a time (measured sizes always run one at a time)",
+    )
     for p in (run, sub.add_parser("report", help="re-render docs/benchmarks.md from the results")):
         # Defaults under the current directory (the checkout's root, run from there), not the package's.
         p.add_argument(
@@ -58,7 +65,13 @@ def _run(args: argparse.Namespace) -> int:
 
     experiments = select(args.names)
     size = "tiny" if args.tiny else "quick" if args.quick else "full"
-    options = RunOptions(size=size, results_dir=args.results, model=args.model, timeout_s=args.timeout)
+    try:
+        options = RunOptions(
+            size=size, results_dir=args.results, model=args.model, timeout_s=args.timeout, jobs=args.jobs
+        )
+    except ValueError as exc:
+        print(f"python -m benchmarks run: {exc}", file=sys.stderr)
+        return 2
     failed: list[str] = []
     with tqdm(total=len(experiments), unit="exp", file=sys.stderr, dynamic_ncols=True) as bar:
 

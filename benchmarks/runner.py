@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -37,6 +38,16 @@ class RunOptions:
     results_dir: Path = RESULTS_DIR
     model: str | None = None
     timeout_s: float = 3600.0
+    jobs: int = 1  # experiments side by side: only a tiny run, whose figures mean nothing, may share the machine
+
+    def __post_init__(self) -> None:
+        if self.jobs < 1:
+            raise ValueError(f"jobs must be at least 1, got {self.jobs}")
+        if self.jobs > 1 and self.size != "tiny":
+            raise ValueError(
+                f"jobs={self.jobs} runs experiments side by side, which only a tiny harness check may do: "
+                f"{self.size}-size figures need the machine to themselves (use jobs=1)"
+            )
 
     def model_for(self, experiment: Experiment) -> str:
         """The model ``experiment`` runs on."""
@@ -175,18 +186,24 @@ def run_all(
     options: RunOptions,
     on_progress: Callable[[Experiment, dict[str, Any] | None], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """Run ``experiments`` one after the other (each owns the machine while it runs); ``on_progress`` is
-    called before each (record None) and after it (its record)."""
+    """Run ``experiments`` one after the other, each owning the machine while it runs (``options.jobs`` at
+    a time for a tiny run); ``on_progress`` is called before each (record None) and after it (its record).
+    The records come back in the order of ``experiments``."""
     machine = machine_info()
-    records = []
-    for experiment in experiments:
+
+    def run(experiment: Experiment) -> dict[str, Any]:
         if on_progress is not None:
             on_progress(experiment, None)
         record = run_one(experiment, options, machine)
-        records.append(record)
         if on_progress is not None:
             on_progress(experiment, record)
-    return records
+        return record
+
+    if options.jobs == 1:
+        return [run(e) for e in experiments]
+    # Threads only wait on the scripts' processes; each script is its own process.
+    with ThreadPoolExecutor(max_workers=options.jobs, thread_name_prefix="bench-run") as pool:
+        return list(pool.map(run, experiments))
 
 
 def load_records(results_dir: Path = RESULTS_DIR) -> dict[str, dict[str, Any]]:

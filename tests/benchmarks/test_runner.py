@@ -62,6 +62,14 @@ def test_command_lines_per_size_and_model(tmp_path: Path) -> None:
     assert "--model" not in command(turns, RunOptions(size="tiny"), out)  # harness checks stay tiny
 
 
+def test_only_a_tiny_run_may_run_experiments_side_by_side() -> None:
+    assert RunOptions(size="tiny", jobs=2).jobs == 2
+    with pytest.raises(ValueError, match="quick-size figures need the machine to themselves"):
+        RunOptions(size="quick", jobs=2)
+    with pytest.raises(ValueError, match="at least 1"):
+        RunOptions(size="tiny", jobs=0)
+
+
 def test_paper_figures_parse_as_numbers_or_ranges() -> None:
     assert paper_range("12x") == (12.0, 12.0)
     assert paper_range("1.38-1.88x") == (1.38, 1.88)
@@ -99,10 +107,11 @@ def test_the_committed_results_carry_every_headline_metric() -> None:
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, dict[str, Any]], Path]:
-    """Every experiment run once, tiny, through the runner; then the page rendered."""
+    """Every experiment run once, tiny, through the runner (two at a time); then the page rendered."""
     root = tmp_path_factory.mktemp("bench")
-    options = RunOptions(size="tiny", results_dir=root / "results", timeout_s=600)
-    run_all(EXPERIMENTS, options)
+    options = RunOptions(size="tiny", results_dir=root / "results", timeout_s=600, jobs=2)
+    records = run_all(EXPERIMENTS, options)
+    assert [r["name"] for r in records] == NAMES  # in the registry's order, whichever finished first
     records = load_records(options.results_dir)
     page = write_report(records, root / "docs")
     return records, page
