@@ -419,13 +419,18 @@ def shared_prefix_decode_attention(
     scale: float,
     *,
     plan: DecodePlan | None = None,
+    suffix: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Shared-prefix decode attention (torch path); see :func:`kernels.shared_prefix_decode_attention`.
-    ``plan``: `plan_decode` of the suffix tables and lengths, when the caller keeps one across layers."""
+    ``plan``: `plan_decode` of the suffix tables and lengths, when the caller keeps one across layers;
+    ``suffix``: the suffix pass's partial (float32 out, lse), when the caller computed it another way (the
+    C++ kernel); it is merged into in place."""
     _, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    out, lse = paged_decode_partial(q, k_cache, v_cache, suffix_block_tables, suffix_lens, scale, plan=plan)
+    out, lse = suffix or paged_decode_partial(
+        q, k_cache, v_cache, suffix_block_tables, suffix_lens, scale, plan=plan
+    )
 
     groups = [int(g) for g in group_of.tolist()]
     plens = [int(n) for n in prefix_lens.tolist()]

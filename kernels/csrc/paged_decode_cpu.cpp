@@ -1,0 +1,268 @@
+// Paged decode attention on CPU, read straight from the block cache: one task per (sequence, KV head), its
+// query heads attended together with an online softmax over the sequence's blocks, accumulated in float32.
+// Returns the normalised output and its log-sum-exp (the partial state the shared-prefix path merges).
+//
+// Why a kernel of our own: torch's fused CPU attention pays microseconds of fixed cost per (sequence, head)
+// pair (GEMMs of 1-8 query rows) and needs the blocks gathered into a contiguous workspace first; decode of a
+// small model at batch 16-64 spends most of its attention time on those.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#include <sleef.h>  // torch links SLEEF: its vectorised exp
+#endif
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Scalar loads of the cache dtype as float32 (the portable path).
+inline float load(const float* p, int64_t i) { return p[i]; }
+inline float load(const c10::Half* p, int64_t i) { return static_cast<float>(p[i]); }
+inline float load(const c10::BFloat16* p, int64_t i) { return static_cast<float>(p[i]); }
+
+// What one task works on.
+template <typename T>
+struct Task {
+  const T* q;             // [G, D] query heads of this KV head
+  const T* k_cache;       // [num_blocks, block_size, KVH, D], offset to this KV head
+  const T* v_cache;
+  const int32_t* table;   // this sequence's blocks
+  int64_t len;            // keys to attend
+  int64_t group, head_dim, token_stride, block_size;
+  float scale;
+  float* out;             // [G, D] float32
+  float* lse;             // [G]
+};
+
+// Online-softmax bookkeeping after a block's scores are known: rescale the running state to the new maximum
+// and turn the scores into probabilities in place. Returns the correction applied to earlier outputs.
+inline float softmax_step(float* scores, int64_t n, float& m, float& l) {
+  float block_max = kNegInf;
+  for (int64_t j = 0; j < n; ++j) block_max = std::max(block_max, scores[j]);
+  const float new_m = std::max(m, block_max);
+  const float correction = std::exp(m - new_m);  // exp(-inf) = 0 on the first block
+  float sum = 0.0f;
+  for (int64_t j = 0; j < n; ++j) {
+    scores[j] = std::exp(scores[j] - new_m);
+    sum += scores[j];
+  }
+  l = l * correction + sum;
+  m = new_m;
+  return correction;
+}
+
+inline void finish(float* out, float* lse, int64_t group, int64_t head_dim, const float* m, const float* l) {
+  for (int64_t g = 0; g < group; ++g) {
+    if (l[g] > 0.0f) {
+      const float inv = 1.0f / l[g];
+      for (int64_t d = 0; d < head_dim; ++d) out[g * head_dim + d] *= inv;
+      lse[g] = m[g] + std::log(l[g]);
+    } else {
+      lse[g] = kNegInf;  // an empty sequence: output 0, log-sum-exp -inf
+    }
+  }
+}
+
+// Any head_dim, any ISA: plain loops.
+template <typename T>
+void attend_scalar(const Task<T>& t, float* scratch) {
+  const int64_t G = t.group, D = t.head_dim, BS = t.block_size;
+  float* qf = scratch;          // [G, D]
+  float* scores = qf + G * D;   // [G, BS]
+  std::vector<float> m(G, kNegInf), l(G, 0.0f);
+  for (int64_t i = 0; i < G * D; ++i) qf[i] = load(t.q, i) * t.scale;
+  std::fill(t.out, t.out + G * D, 0.0f);
+  for (int64_t start = 0; start < t.len; start += BS) {
+    const int64_t n = std::min(BS, t.len - start);
+    const int64_t base = static_cast<int64_t>(t.table[start / BS]) * BS * t.token_stride;
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t g = 0; g < G; ++g) {
+        float s = 0.0f;
+        for (int64_t d = 0; d < D; ++d) s += qf[g * D + d] * load(t.k_cache + base + j * t.token_stride, d);
+        scores[g * BS + j] = s;
+      }
+    for (int64_t g = 0; g < G; ++g) {
+      const float c = softmax_step(scores + g * BS, n, m[g], l[g]);
+      for (int64_t d = 0; d < D; ++d) t.out[g * D + d] *= c;
+    }
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < D; ++d)
+          t.out[g * D + d] += scores[g * BS + j] * load(t.v_cache + base + j * t.token_stride, d);
+  }
+  finish(t.out, t.lse, G, D, m.data(), l.data());
+}
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {  // bf16 is the top half of a float32
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// head_dim = 16 * C, block_size <= 16 (one vector of scores per query head): the common LLaMA shapes.
+template <typename T, int C>
+void attend_avx512(const Task<T>& t) {
+  const int64_t G = t.group, stride = t.token_stride, BS = t.block_size;
+  constexpr int64_t D = 16 * C;
+  __m512 qv[8][C];  // G <= 8 (checked by the caller)
+  __m512 acc[8][C];
+  float m[8], l[8];
+  const __m512 scale = _mm512_set1_ps(t.scale);
+  for (int64_t g = 0; g < G; ++g) {
+    for (int c = 0; c < C; ++c) {
+      qv[g][c] = _mm512_mul_ps(load16(t.q + g * D + 16 * c), scale);
+      acc[g][c] = _mm512_setzero_ps();
+    }
+    m[g] = kNegInf;
+    l[g] = 0.0f;
+  }
+  alignas(64) float probs[8][16];
+  for (int64_t start = 0; start < t.len; start += BS) {
+    const int64_t n = std::min(BS, t.len - start);
+    const __mmask16 live = static_cast<__mmask16>((1u << n) - 1u);
+    const T* kb = t.k_cache + static_cast<int64_t>(t.table[start / BS]) * BS * stride;
+    const T* vb = t.v_cache + static_cast<int64_t>(t.table[start / BS]) * BS * stride;
+    if (start + BS < t.len) {  // blocks lie anywhere in the cache: ask for the next one's rows early
+      const int64_t next = static_cast<int64_t>(t.table[start / BS + 1]) * BS * stride;
+      for (int64_t j = 0; j < BS; ++j)
+        for (int64_t byte = 0; byte < D * static_cast<int64_t>(sizeof(T)); byte += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(t.k_cache + next + j * stride) + byte, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(t.v_cache + next + j * stride) + byte, _MM_HINT_T0);
+        }
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      __m512 kv[C];
+      for (int c = 0; c < C; ++c) kv[c] = load16(kb + j * stride + 16 * c);
+      for (int64_t g = 0; g < G; ++g) {
+        __m512 dot = _mm512_mul_ps(qv[g][0], kv[0]);
+        for (int c = 1; c < C; ++c) dot = _mm512_fmadd_ps(qv[g][c], kv[c], dot);
+        probs[g][j] = _mm512_reduce_add_ps(dot);  // a shuffle tree, not 16 dependent adds
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      const __m512 s = _mm512_mask_loadu_ps(_mm512_set1_ps(kNegInf), live, probs[g]);
+      const float new_m = std::max(m[g], _mm512_reduce_max_ps(s));
+      const __m512 p = Sleef_expf16_u10(_mm512_sub_ps(s, _mm512_set1_ps(new_m)));  // masked lanes: 0
+      const float correction = std::exp(m[g] - new_m);
+      l[g] = l[g] * correction + _mm512_reduce_add_ps(p);
+      m[g] = new_m;
+      _mm512_store_ps(probs[g], p);
+      const __m512 cv = _mm512_set1_ps(correction);
+      for (int c = 0; c < C; ++c) acc[g][c] = _mm512_mul_ps(acc[g][c], cv);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      __m512 vv[C];
+      for (int c = 0; c < C; ++c) vv[c] = load16(vb + j * stride + 16 * c);
+      for (int64_t g = 0; g < G; ++g) {
+        const __m512 p = _mm512_set1_ps(probs[g][j]);
+        for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(t.out + g * D + 16 * c, acc[g][c]);
+  finish(t.out, t.lse, G, D, m, l);
+}
+#endif
+
+template <typename T>
+void attend(const Task<T>& t, float* scratch) {
+#if defined(__AVX512F__)
+  if (t.group <= 8 && t.block_size <= 16) {
+    switch (t.head_dim) {
+      case 32: return attend_avx512<T, 2>(t);
+      case 64: return attend_avx512<T, 4>(t);
+      case 128: return attend_avx512<T, 8>(t);
+      default: break;
+    }
+  }
+#endif
+  attend_scalar<T>(t, scratch);
+}
+
+std::tuple<at::Tensor, at::Tensor> paged_decode_partial(const at::Tensor& q, const at::Tensor& k_cache,
+                                                        const at::Tensor& v_cache,
+                                                        const at::Tensor& block_tables,
+                                                        const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3, "q must be [batch, heads, head_dim]");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "k_cache and v_cache must be [num_blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(), "CPU tensors");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "q, k_cache and v_cache must share one dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
+              "block_tables and context_lens must be int32");
+  const int64_t batch = q.size(0), heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == head_dim && heads % kv_heads == 0, "head shapes disagree");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == batch && context_lens.size(0) == batch,
+              "one block table and one length per sequence");
+  const int64_t group = heads / kv_heads;
+  const auto qc = q.contiguous(), kc = k_cache.contiguous(), vc = v_cache.contiguous();
+  const auto tables = block_tables.contiguous(), lens = context_lens.contiguous();
+  const int64_t max_blocks = tables.size(1), num_blocks = kc.size(0);
+  const int32_t* table_ptr = tables.data_ptr<int32_t>();
+  const int32_t* len_ptr = lens.data_ptr<int32_t>();
+  for (int64_t b = 0; b < batch; ++b) {  // bounds first: a bad table must never read outside the cache
+    const int64_t len = len_ptr[b];
+    TORCH_CHECK(len >= 0 && len <= max_blocks * block_size, "context length ", len, " outside its table");
+    for (int64_t i = 0; i < (len + block_size - 1) / block_size; ++i) {
+      const int32_t blk = table_ptr[b * max_blocks + i];
+      TORCH_CHECK(blk >= 0 && blk < num_blocks, "block ", blk, " outside the cache");
+    }
+  }
+  auto out = at::empty({batch, heads, head_dim}, q.options().dtype(at::kFloat));
+  auto lse = at::empty({batch, heads}, q.options().dtype(at::kFloat));
+  float* out_ptr = out.data_ptr<float>();
+  float* lse_ptr = lse.data_ptr<float>();
+  auto run = [&](auto* type_tag) {
+    using T = std::remove_pointer_t<decltype(type_tag)>;
+    const T* q_ptr = reinterpret_cast<const T*>(qc.data_ptr());
+    const T* k_ptr = reinterpret_cast<const T*>(kc.data_ptr());
+    const T* v_ptr = reinterpret_cast<const T*>(vc.data_ptr());
+    at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scratch(group * head_dim + group * block_size);
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t b = i / kv_heads, h = i % kv_heads, row = b * heads + h * group;
+        const Task<T> task{q_ptr + row * head_dim, k_ptr + h * head_dim, v_ptr + h * head_dim,
+                           table_ptr + b * max_blocks, len_ptr[b], group, head_dim, kv_heads * head_dim,
+                           block_size, static_cast<float>(scale), out_ptr + row * head_dim, lse_ptr + row};
+        attend<T>(task, scratch.data());
+      }
+    });
+  };
+  switch (q.scalar_type()) {
+    case at::kFloat: run(static_cast<float*>(nullptr)); break;
+    case at::kBFloat16: run(static_cast<c10::BFloat16*>(nullptr)); break;
+    case at::kHalf: run(static_cast<c10::Half*>(nullptr)); break;
+    default: TORCH_CHECK(false, "paged_decode_partial: float32, bfloat16 or float16, not ", q.scalar_type());
+  }
+  return {out, lse};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(parrot_cpu, m) {
+  m.def(
+      "paged_decode_partial(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+      "Tensor context_lens, float scale) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(parrot_cpu, CPU, m) { m.impl("paged_decode_partial", &paged_decode_partial); }
