@@ -45,7 +45,7 @@ _build_lock = threading.Lock()  # two engines of one process may start together:
 
 
 def _cpu_tag() -> str:
-    """A short digest of what the binary depends on: the CPU's instruction sets, the torch build, the source."""
+    """A short digest of what the binary depends on: the CPU's instruction sets, torch, the source."""
     flags = ""
     try:
         with open("/proc/cpuinfo") as f:

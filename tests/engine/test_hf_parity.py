@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from kernels import cpu_attention
 from server.engine import EngineConfig, LLMEngine, SamplingParams
 from tests.engine.conftest import hf_greedy, prompts
 
@@ -29,7 +30,19 @@ async def test_single_request_matches_hf(engine: LLMEngine, gqa_model: Path) -> 
     assert await run_prompt(engine, prompt) == hf_greedy(gqa_model, prompt, GREEDY.max_tokens)
 
 
-async def test_batch_of_8_different_lengths_matches_hf(engine: LLMEngine, gqa_model: Path) -> None:
+@pytest.fixture(params=["cpp_kernel", "torch_path"])
+def cpu_decode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Which CPU decode attention runs: our C++ kernel (where it builds) or the torch path."""
+    if request.param == "torch_path":
+        monkeypatch.setattr(cpu_attention, "paged_decode_kernel", lambda: None)
+    elif cpu_attention.paged_decode_kernel() is None:
+        pytest.skip("the CPU kernel could not be built here")
+    return str(request.param)
+
+
+async def test_batch_of_8_different_lengths_matches_hf(
+    engine: LLMEngine, gqa_model: Path, cpu_decode: str
+) -> None:
     batch = prompts(8, seed=2, low=2, high=60)
     ours = await asyncio.gather(*(run_prompt(engine, p) for p in batch))
     assert ours == [hf_greedy(gqa_model, p, GREEDY.max_tokens) for p in batch]
@@ -148,7 +161,7 @@ async def test_results_unchanged_after_blocks_are_reused(engine: LLMEngine) -> N
     assert engine.stats().blocks_used == 0
 
 
-async def test_shared_prefix_grouping_does_not_change_outputs(gqa_model: Path) -> None:
+async def test_shared_prefix_grouping_does_not_change_outputs(gqa_model: Path, cpu_decode: str) -> None:
     prefix = prompts(1, seed=14, low=70, high=71)[0]
     suffixes = prompts(6, seed=15, low=1, high=25)
 

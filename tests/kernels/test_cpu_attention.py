@@ -22,7 +22,9 @@ TOL = {
 }
 
 
-def _expected(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, scale: float):
+def _expected(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     outs, lses = [], []
     for b in range(q.shape[0]):
         n = int(lens[b])
@@ -41,7 +43,8 @@ def _expected(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: torch.T
 )
 @pytest.mark.parametrize("seed", range(3))
 def test_matches_the_reference(dtype: torch.dtype, head_dim: int, block_size: int, seed: int) -> None:
-    case = random_case(seed, head_dim=head_dim, block_size=block_size, allow_empty_suffix=True).to("cpu", dtype)
+    case = random_case(seed, head_dim=head_dim, block_size=block_size, allow_empty_suffix=True)
+    case = case.to("cpu", dtype)
     q, k, v = case.q, case.k_cache, case.v_cache
     tables, lens = case.suffix_block_tables, case.suffix_lens
     out, lse = kernel(q, k, v, tables, lens, case.scale)
@@ -68,12 +71,16 @@ def test_many_query_heads_per_kv_head_and_an_empty_sequence() -> None:
 def test_a_table_pointing_outside_the_cache_is_refused_not_read() -> None:
     k = v = torch.zeros(4, 16, 1, 64)
     q = torch.zeros(1, 1, 64)
+
+    def i32(rows: list) -> torch.Tensor:
+        return torch.tensor(rows, dtype=torch.int32)
+
     with pytest.raises(RuntimeError, match="block 9 outside the cache"):
-        kernel(q, k, v, torch.tensor([[9]], dtype=torch.int32), torch.tensor([5], dtype=torch.int32), 1.0)
+        kernel(q, k, v, i32([[9]]), i32([5]), 1.0)
     with pytest.raises(RuntimeError, match="context length 17 outside its table"):
-        kernel(q, k, v, torch.tensor([[0]], dtype=torch.int32), torch.tensor([17], dtype=torch.int32), 1.0)
+        kernel(q, k, v, i32([[0]]), i32([17]), 1.0)
     with pytest.raises(RuntimeError, match="share one dtype"):
-        kernel(q.double(), k, v, torch.tensor([[0]], dtype=torch.int32), torch.tensor([1], dtype=torch.int32), 1.0)
+        kernel(q.double(), k, v, i32([[0]]), i32([1]), 1.0)
 
 
 def test_turned_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
