@@ -134,12 +134,32 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
     return gen
 
 
+# Vocabulary chunk of the two-pass argmax (`greedy_tokens`).
+_ARGMAX_CHUNK = 128
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)`` for ``[N, vocab]`` logits: the first index of each row's maximum.
+
+    On CPU torch's argmax over a row is a scalar loop (SmolLM2's 49k vocabulary at 64 rows: 1.6 ms, fp32)
+    where its max is vectorised (0.1 ms), so the row is cut into chunks: the first chunk holding the
+    row's maximum (argmax of the chunk maxima), then the first maximum inside it (0.2 ms in all; the same
+    index, ties and NaN included, since both passes take the first maximum).
+    """
+    rows, vocab = logits.shape
+    if logits.device.type != "cpu" or vocab % _ARGMAX_CHUNK or not logits.is_contiguous():
+        return logits.argmax(dim=-1)
+    chunks = logits.view(rows, vocab // _ARGMAX_CHUNK, _ARGMAX_CHUNK)
+    best = chunks.amax(dim=-1).argmax(dim=-1)
+    return best * _ARGMAX_CHUNK + chunks[torch.arange(rows), best].argmax(dim=-1)
+
+
 def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
 ) -> list[int]:
     """Pick one token per row of ``logits`` ([N, vocab]) under each row's parameters."""
     logits = logits.float()
-    out = logits.argmax(dim=-1).tolist()
+    out = greedy_tokens(logits).tolist()
     for i, p in enumerate(params):
         if p.temperature < _TINY:  # greedy; below float32's range it would divide by zero (the limit: greedy)
             continue

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from server.engine import ContextBusyError, LLMEngine, SamplingParams
-from server.engine.sampling import sample
+from server.engine.sampling import greedy_tokens, sample
 from tests.engine.conftest import prompts
 
 _ids = itertools.count(1000)
@@ -21,6 +21,19 @@ async def gen(engine: LLMEngine, prompt: list[int], sampling: SamplingParams) ->
     r = await engine.generate(cid, sampling)
     await engine.free_context(cid)
     return r.token_ids, r.text, r.finish_reason
+
+
+@pytest.mark.parametrize("vocab", [49152, 1000, 256])  # chunked (SmolLM2's), not a chunk multiple, one chunk
+def test_greedy_tokens_equal_argmax_with_ties_and_nan(vocab: int) -> None:
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(9, vocab, generator=gen)
+    logits[1, [7, vocab - 3]] = 100.0  # a tie: the first index wins
+    logits[2, vocab - 1] = 100.0  # the last column
+    logits[3] = -torch.inf
+    logits[4, [5, 200]] = torch.nan  # argmax takes the first NaN as the maximum
+    logits[5, 130:140] = 55.0
+    assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
+    assert torch.equal(greedy_tokens(logits[:, :-1].contiguous()), logits[:, :-1].argmax(dim=-1))
 
 
 def test_sampler_filters() -> None:
