@@ -267,7 +267,7 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_partial(const at::Tensor& q, con
 
 }  // namespace
 
-TORCH_LIBRARY(parrot_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(parrot_cpu, m) {
   m.def(
       "paged_decode_partial(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor context_lens, float scale) -> (Tensor, Tensor)");

@@ -4,7 +4,7 @@ One step's tokens are flattened with no padding: first one token per decoding se
 Prefill attends over [cached tokens of the context + the chunk] causally; decode goes through `kernels`
 (Triton on CUDA, the torch form of the same two-phase algorithm on CPU), with sequences that share an
 ancestor context grouped so the shared prefix is read once for the whole group. On CPU decode runs our C++
-kernel over the block cache (`kernels.cpu_attention`) where it could be built; otherwise the torch path, with
+kernel over the block cache (`kernels.cpu_kernels`) where it could be built; otherwise the torch path, with
 its chunking planned by the step's first layer and kept on the `DecodeBatch` for the others.
 """
 
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from kernels import cpu_attention, torch_path
+from kernels import cpu_kernels, torch_path
 
 
 @dataclass
@@ -154,13 +154,13 @@ def _decode(
 def _decode_cpu(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: DecodeBatch, scale: float
 ) -> torch.Tensor:
-    """Our C++ kernel over the block cache where it is built (`kernels.cpu_attention`), else the torch path
+    """Our C++ kernel over the block cache where it is built (`kernels.cpu_kernels`), else the torch path
     with its chunking planned once per step; shared prefixes through the torch path's prefix pass."""
     g = batch.groups
     tables, lens = (
         (batch.block_tables, batch.context_lens) if g is None else (g.suffix_block_tables, g.suffix_lens)
     )
-    native = cpu_attention.paged_decode_kernel()
+    native = cpu_kernels.paged_decode_kernel()
     suffix = None
     if native is not None:
         suffix = native(q, k_cache, v_cache, tables, lens, scale)

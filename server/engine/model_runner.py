@@ -8,7 +8,7 @@ from typing import Literal
 import torch
 
 import kernels
-from kernels import cpu_attention
+from kernels import cpu_kernels
 from server.engine.attention import (
     AttentionBackend,
     AttentionMetadata,
@@ -89,7 +89,7 @@ class ModelRunner:
         self.backend = backend or PagedAttentionBackend()
         model.prepare_weights()  # one GEMM for q/k/v and one for gate/up, packed where it pays
         if device.type == "cpu":
-            cpu_attention.paged_decode_kernel()  # built (or found in the cache) now, not in the first step
+            cpu_kernels.paged_decode_kernel()  # built (or found in the cache) now, not in the first step
         k = kv.k[0]
         self._kv_bytes_per_token = 2 * k.shape[2] * k.shape[3] * k.element_size()
         self.grouped_decode_steps = 0  # decode steps that took the shared-prefix path

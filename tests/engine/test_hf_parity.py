@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels import cpu_attention
+from kernels import cpu_kernels
 from server.engine import EngineConfig, LLMEngine, SamplingParams
 from tests.engine.conftest import hf_greedy, prompts
 
@@ -34,8 +34,8 @@ async def test_single_request_matches_hf(engine: LLMEngine, gqa_model: Path) -> 
 def cpu_decode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Which CPU decode attention runs: our C++ kernel (where it builds) or the torch path."""
     if request.param == "torch_path":
-        monkeypatch.setattr(cpu_attention, "paged_decode_kernel", lambda: None)
-    elif cpu_attention.paged_decode_kernel() is None:
+        monkeypatch.setattr(cpu_kernels, "paged_decode_kernel", lambda: None)
+    elif cpu_kernels.paged_decode_kernel() is None:
         pytest.skip("the CPU kernel could not be built here")
     return str(request.param)
 

@@ -1,0 +1,158 @@
+"""Our C++ kernels for CPU against references we did not write in C++.
+
+Decode attention equals the float64 reference: outputs and log-sum-exps, every path of it (AVX-512 for head
+dims 32/64/128 with blocks of up to 16 and up to 8 query heads per KV head, plain loops otherwise), every
+cache dtype, empty and ragged sequences over shuffled blocks; bad tables are refused. The fused add + RMSNorm
+equals the torch ops it replaces (the Hugging Face reference's arithmetic).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kernels import cpu_kernels, reference
+from server.engine.model import RMSNorm
+from tests.kernels.cases import random_case
+
+kernel = cpu_kernels.paged_decode_kernel()
+add_rms_norm = cpu_kernels.add_rms_norm_kernel()
+pytestmark = pytest.mark.skipif(
+    kernel is None, reason="the CPU kernels could not be built here (see the log)"
+)
+
+TOL = {
+    torch.float32: {"rtol": 1e-5, "atol": 1e-5},
+    torch.bfloat16: {"rtol": 2e-2, "atol": 2e-2},
+    torch.float16: {"rtol": 2e-3, "atol": 2e-3},
+}
+
+
+def _expected(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    outs, lses = [], []
+    for b in range(q.shape[0]):
+        n = int(lens[b])
+        o, lse = reference.attend(
+            q[b], reference.gather_tokens(k, tables[b], n), reference.gather_tokens(v, tables[b], n), scale
+        )
+        outs.append(o)
+        lses.append(lse)
+    return torch.stack(outs).float(), torch.stack(lses).float()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("head_dim", "block_size"),
+    [(64, 16), (128, 16), (32, 8), (64, 32), (48, 16)],  # the last two take the plain loops
+)
+@pytest.mark.parametrize("seed", range(3))
+def test_matches_the_reference(dtype: torch.dtype, head_dim: int, block_size: int, seed: int) -> None:
+    case = random_case(seed, head_dim=head_dim, block_size=block_size, allow_empty_suffix=True)
+    case = case.to("cpu", dtype)
+    q, k, v = case.q, case.k_cache, case.v_cache
+    tables, lens = case.suffix_block_tables, case.suffix_lens
+    out, lse = kernel(q, k, v, tables, lens, case.scale)
+    want_out, want_lse = _expected(q, k, v, tables, lens, case.scale)
+    assert out.dtype == lse.dtype == torch.float32 and out.shape == q.shape
+    torch.testing.assert_close(out, want_out, **TOL[dtype])
+    torch.testing.assert_close(lse, want_lse, **TOL[dtype])
+
+
+def test_many_query_heads_per_kv_head_and_an_empty_sequence() -> None:
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(12, 16, 1, 64, generator=gen)
+    v = torch.randn(12, 16, 1, 64, generator=gen)
+    q = torch.randn(3, 12, 64, generator=gen)  # 12 query heads on one KV head: past the vector path's 8
+    tables = torch.tensor([[3, 7, 1], [0, 0, 0], [11, 2, 5]], dtype=torch.int32)
+    lens = torch.tensor([40, 0, 33], dtype=torch.int32)
+    out, lse = kernel(q, k, v, tables, lens, 0.125)
+    want_out, want_lse = _expected(q, k, v, tables, lens, 0.125)
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, want_lse)
+    assert torch.all(out[1] == 0) and torch.all(lse[1] == -math.inf)
+
+
+def test_a_table_pointing_outside_the_cache_is_refused_not_read() -> None:
+    k = v = torch.zeros(4, 16, 1, 64)
+    q = torch.zeros(1, 1, 64)
+
+    def i32(rows: list) -> torch.Tensor:
+        return torch.tensor(rows, dtype=torch.int32)
+
+    with pytest.raises(RuntimeError, match="block 9 outside the cache"):
+        kernel(q, k, v, i32([[9]]), i32([5]), 1.0)
+    with pytest.raises(RuntimeError, match="context length 17 outside its table"):
+        kernel(q, k, v, i32([[0]]), i32([17]), 1.0)
+    with pytest.raises(RuntimeError, match="share one dtype"):
+        kernel(q.double(), k, v, i32([[0]]), i32([1]), 1.0)
+
+
+def test_turned_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpu_kernels.DISABLE_ENV, "0")
+    cpu_kernels.clear_cache()
+    try:
+        assert cpu_kernels.paged_decode_kernel() is None and cpu_kernels.add_rms_norm_kernel() is None
+    finally:
+        monkeypatch.delenv(cpu_kernels.DISABLE_ENV)
+        cpu_kernels.clear_cache()
+    assert cpu_kernels.paged_decode_kernel() is not None
+
+
+def _torch_norm(norm: RMSNorm, h: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+    """The reference ops (what the model runs for fp32), on a copy of h that is updated in place."""
+    if delta is not None:
+        h.add_(delta)
+    x = h.float()
+    x = x * x.pow(2).mean(-1, keepdim=True).add_(norm.eps).rsqrt_()
+    return x.to(h.dtype).mul_(norm.weight)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("hidden", [576, 40])  # vector lanes; plain loops
+@pytest.mark.parametrize(("rows", "with_delta"), [(1, True), (7, True), (64, True), (5, False)])
+def test_add_rms_norm_equals_the_torch_ops(
+    dtype: torch.dtype, hidden: int, rows: int, with_delta: bool
+) -> None:
+    gen = torch.Generator().manual_seed(rows * hidden)
+    norm = RMSNorm(hidden, 1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(hidden, generator=gen))
+    h = (torch.randn(rows, hidden, generator=gen) * 3).to(dtype)
+    delta = torch.randn(rows, hidden, generator=gen).to(dtype) if with_delta else None
+    want_h = h.clone()
+    with torch.no_grad():
+        want = _torch_norm(norm, want_h, delta)
+        got = add_rms_norm(h, delta, norm.weight, norm.eps)
+    assert torch.equal(h, want_h)  # the residual stream gets exactly the in-place add's result
+    # Only the sum of squares' order differs: at most one rounding step apart in the output dtype.
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    if dtype != torch.float32:  # rounded to 8-11 bits, nearly every element is the same number
+        assert (got != want).float().mean() < 0.01
+
+
+def test_the_model_norm_takes_the_kernel_for_bf16_and_the_reference_ops_for_fp32() -> None:
+    for dtype in (torch.bfloat16, torch.float32):
+        norm = RMSNorm(64, 1e-6).to(dtype)
+        h, delta = torch.randn(3, 64).to(dtype), torch.randn(3, 64).to(dtype)
+        a, b = h.clone(), h.clone()
+        with torch.no_grad():
+            got = norm(a, delta)
+            want = _torch_norm(norm, b, delta)
+        assert torch.equal(a, b)
+        if dtype == torch.float32:
+            assert torch.equal(got, want)  # bit for bit: the Hugging Face parity tests rely on it
+        else:
+            torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1.6e-2)
+
+
+def test_add_rms_norm_refuses_mismatched_shapes() -> None:
+    h = torch.zeros(2, 16)
+    with pytest.raises(RuntimeError, match="delta must be like h"):
+        add_rms_norm(h, torch.zeros(3, 16), torch.ones(16), 1e-6)
+    with pytest.raises(RuntimeError, match="weight must be"):
+        add_rms_norm(h, None, torch.ones(8), 1e-6)
