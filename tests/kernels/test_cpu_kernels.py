@@ -102,6 +102,26 @@ def test_turned_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cpu_kernels.paged_decode_kernel() is not None
 
 
+def test_a_failed_build_falls_back_to_torch_and_says_why(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import torch.utils.cpp_extension
+
+    def no_compiler(**_: object) -> None:
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiler)
+    cpu_kernels.clear_cache()
+    try:
+        with caplog.at_level("WARNING", logger="kernels.cpu_kernels"):
+            assert cpu_kernels.paged_decode_kernel() is None
+        assert "CPU kernels unavailable, using torch ops: Ninja is required" in caplog.text
+    finally:
+        monkeypatch.undo()
+        cpu_kernels.clear_cache()
+    assert cpu_kernels.paged_decode_kernel() is not None
+
+
 def _torch_norm(norm: RMSNorm, h: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
     """The reference ops (what the model runs for fp32), on a copy of h that is updated in place."""
     if delta is not None:
