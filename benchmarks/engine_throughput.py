@@ -1,12 +1,12 @@
 """Engine throughput: our paged-KV engine vs Hugging Face ``generate`` (and vLLM) on the same weights.
 
-Batches of 1, 16 and 64 prompts (stdlib docstrings, lengths spread over ``[spread * L, L]``), greedy,
-exactly N new tokens each, on CPU; ours in its default dtype (fp32 on CPU) or ``--dtype``, HF in the same,
-vLLM in ``--vllm-dtype``. ``T(1)`` / ``T(N)``: wall time from submitting the batch to every request's
-first / N-th token (ours: ``fill`` + ``generate`` per request, all at once; HF: ``generate`` over the
-left-padded batch; vLLM: ``LLM.generate`` on the same token ids, prefix caching off, timed in its worker
-process, ``benchmarks/vllm_worker.py``). Medians over at least ``--repeats`` interleaved repeats after a
-warm-up, ± half the range of the per-repeat figures (`benchmarks.harness.engines.time_batch`):
+Batches of 1, 16 and 64 prompts (stdlib docstrings, lengths spread over ``[spread * L, L]``), greedy, exactly
+N new tokens each, on CPU; ours in its default dtype (bf16 where the CPU has native bf16, else fp32) or
+``--dtype``, HF in the same, vLLM in ``--vllm-dtype``. ``T(1)`` / ``T(N)``: wall time from submitting the
+batch to every request's first / N-th token (ours: ``fill`` + ``generate`` per request, all at once; HF:
+``generate`` over the left-padded batch; vLLM: ``LLM.generate`` on the same token ids, prefix caching off,
+timed in its worker process, ``benchmarks/vllm_worker.py``). Medians over at least ``--repeats`` interleaved
+repeats after a warm-up, ± half the range of the per-repeat figures (`benchmarks.harness.engines.time_batch`):
 
 * **prefill tok/s** = real (unpadded) prompt tokens / ``T(1)``;
 * **decode tok/s** = ``B (N - 1) / (T(N) - T(1))``; **end-to-end tok/s** = ``B N / T(N)``.
