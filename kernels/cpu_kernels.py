@@ -33,7 +33,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["DISABLE_ENV", "AddRMSNorm", "PartialAttention", "add_rms_norm_kernel", "paged_decode_kernel"]
+__all__ = [
+    "DISABLE_ENV",
+    "AddRMSNorm",
+    "PartialAttention",
+    "add_rms_norm_kernel",
+    "decode_kernel_covers",
+    "paged_decode_kernel",
+]
 
 log = logging.getLogger(__name__)
 
@@ -89,9 +96,23 @@ def _ops() -> Any | None:
 
 def paged_decode_kernel() -> PartialAttention | None:
     """The paged decode attention kernel, built on the first call; None where the kernels are off or
-    cannot be built (the reason is logged)."""
+    cannot be built (the reason is logged), or where torch's CPU capability is not AVX-512: the kernel's
+    plain loops are no match for torch's vectorised path, so they never replace it (see also
+    `decode_kernel_covers`)."""
     ops = _ops()
-    return None if ops is None else ops.paged_decode_partial
+    return None if ops is None or not _avx512() else ops.paged_decode_partial
+
+
+def decode_kernel_covers(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> bool:
+    """Whether `paged_decode_kernel` runs these shapes vectorised (head dim 32/64/128, blocks of at most 16
+    tokens, at most 8 query heads per KV head); elsewhere the torch path is the faster one."""
+    group = num_heads // num_kv_heads
+    return head_dim in (32, 64, 128) and block_size <= 16 and group <= 8
+
+
+@functools.cache
+def _avx512() -> bool:
+    return torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
 def add_rms_norm_kernel() -> AddRMSNorm | None:

@@ -161,6 +161,10 @@ def _decode_cpu(
         (batch.block_tables, batch.context_lens) if g is None else (g.suffix_block_tables, g.suffix_lens)
     )
     native = cpu_kernels.paged_decode_kernel()
+    if native is not None and not cpu_kernels.decode_kernel_covers(
+        q.shape[1], k_cache.shape[2], k_cache.shape[3], k_cache.shape[1]
+    ):
+        native = None
     suffix = None
     if native is not None:
         suffix = native(q, k_cache, v_cache, tables, lens, scale)

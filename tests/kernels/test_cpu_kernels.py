@@ -91,6 +91,30 @@ def test_a_table_pointing_outside_the_cache_is_refused_not_read() -> None:
         kernel(q.double(), k, v, i32([[0]]), i32([1]), 1.0)
 
 
+def test_the_engine_takes_the_kernel_only_where_it_is_vectorised() -> None:
+    assert cpu_kernels.decode_kernel_covers(9, 3, 64, 16)  # SmolLM2
+    assert cpu_kernels.decode_kernel_covers(32, 8, 128, 16)  # Llama-3-8B
+    assert not cpu_kernels.decode_kernel_covers(32, 32, 80, 16)  # head dim 80: the plain loops
+    assert not cpu_kernels.decode_kernel_covers(4, 2, 64, 32)  # blocks of 32
+    assert not cpu_kernels.decode_kernel_covers(12, 1, 64, 16)  # 12 query heads per KV head
+
+
+def test_an_uncovered_shape_takes_the_torch_path_in_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    from server.engine.attention import DecodeBatch, _decode_cpu
+
+    def fail(*_: object) -> None:
+        raise AssertionError("the C++ kernel ran an uncovered shape")
+
+    monkeypatch.setattr(cpu_kernels, "paged_decode_kernel", lambda: fail)
+    case = random_case(1, head_dim=48)  # not a vector head dim
+    batch = DecodeBatch(block_tables=case.suffix_block_tables, context_lens=case.suffix_lens)
+    got = _decode_cpu(case.q, case.k_cache, case.v_cache, batch, case.scale)
+    want = reference.paged_decode_attention(
+        case.q, case.k_cache, case.v_cache, case.suffix_block_tables, case.suffix_lens, case.scale
+    )
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_turned_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(cpu_kernels.DISABLE_ENV, "0")
     cpu_kernels.clear_cache()
