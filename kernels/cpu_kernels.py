@@ -38,6 +38,7 @@ __all__ = [
     "AddRMSNorm",
     "PartialAttention",
     "add_rms_norm_kernel",
+    "clear_cache",
     "decode_kernel_covers",
     "paged_decode_kernel",
 ]

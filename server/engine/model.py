@@ -43,8 +43,15 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
         """The norm of ``x``; with ``delta``, ``x += delta`` first, in place (``x``: the residual stream)."""
-        if delta is not None and x.dtype != torch.float32 and x.device.type == "cpu" and x.is_contiguous():
-            fused = add_rms_norm_kernel()  # one pass instead of ~9 ops; fp32 keeps the reference's ops
+        if (
+            delta is not None
+            and x.dtype != torch.float32  # fp32 keeps the reference's ops, bit for bit
+            and x.device.type == "cpu"
+            and x.is_contiguous()
+            and delta.shape == x.shape
+            and delta.dtype == self.weight.dtype == x.dtype
+        ):
+            fused = add_rms_norm_kernel()  # one pass instead of ~9 ops
             if fused is not None:
                 return fused(x, delta.contiguous(), self.weight, self.eps)
         if delta is not None:
