@@ -43,22 +43,9 @@ inline void bf16_store(c10::BFloat16* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
 }
 
-// hidden % 16 == 0, bf16: the same arithmetic sixteen lanes at a time.
-template <>
-void norm_row<c10::BFloat16>(c10::BFloat16* hr, const c10::BFloat16* dr, const c10::BFloat16* weight,
-                             c10::BFloat16* o, int64_t hidden, float eps, float* x) {
-  if (hidden % 16 != 0) {
-    float sum = 0.0f;
-    for (int64_t i = 0; i < hidden; ++i) {
-      if (dr != nullptr) hr[i] = c10::BFloat16(static_cast<float>(hr[i]) + static_cast<float>(dr[i]));
-      x[i] = static_cast<float>(hr[i]);
-      sum += x[i] * x[i];
-    }
-    const float inv = 1.0f / std::sqrt(sum / static_cast<float>(hidden) + eps);
-    for (int64_t i = 0; i < hidden; ++i)
-      o[i] = c10::BFloat16(static_cast<float>(c10::BFloat16(x[i] * inv)) * static_cast<float>(weight[i]));
-    return;
-  }
+// bf16 with hidden % 16 == 0: the same arithmetic sixteen lanes at a time.
+void norm_row_bf16_avx512(c10::BFloat16* hr, const c10::BFloat16* dr, const c10::BFloat16* weight,
+                          c10::BFloat16* o, int64_t hidden, float eps, float* x) {
   __m512 acc = _mm512_setzero_ps();
   for (int64_t i = 0; i < hidden; i += 16) {
     __m512 v = bf16_load(hr + i);
@@ -80,9 +67,20 @@ template <typename T>
 void norm_rows(T* h, const T* delta, const T* weight, T* out, int64_t rows, int64_t hidden, float eps) {
   at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
     std::vector<float> x(hidden);
-    for (int64_t r = begin; r < end; ++r)
-      norm_row<T>(h + r * hidden, delta != nullptr ? delta + r * hidden : nullptr, weight, out + r * hidden,
-                  hidden, eps, x.data());
+    for (int64_t r = begin; r < end; ++r) {
+      T* hr = h + r * hidden;
+      const T* dr = delta != nullptr ? delta + r * hidden : nullptr;
+      T* o = out + r * hidden;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (hidden % 16 == 0) {
+          norm_row_bf16_avx512(hr, dr, weight, o, hidden, eps, x.data());
+          continue;
+        }
+      }
+#endif
+      norm_row<T>(hr, dr, weight, o, hidden, eps, x.data());
+    }
   });
 }
 
