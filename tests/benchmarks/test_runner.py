@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from benchmarks.__main__ import main
 from benchmarks.common import REPO_ROOT
 from benchmarks.experiments import EXPERIMENTS, Experiment, Metric, by_name
 from benchmarks.report import headline, paper_range, write_report
@@ -68,6 +69,15 @@ def test_only_a_tiny_run_may_run_experiments_side_by_side() -> None:
         RunOptions(size="quick", jobs=2)
     with pytest.raises(ValueError, match="at least 1"):
         RunOptions(size="tiny", jobs=0)
+
+
+def test_the_cli_refuses_jobs_for_a_measured_size_before_running_anything(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    code = main(["run", "map_reduce", "--quick", "--jobs", "2", "--results", str(tmp_path / "r")])
+    assert code == 2
+    assert "quick-size figures need the machine to themselves" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
 
 
 def test_paper_figures_parse_as_numbers_or_ranges() -> None:
