@@ -280,6 +280,7 @@ def write_json(path: str | Path, payload: dict[str, Any]) -> None:
             return [clean(v) for v in x]
         return x
 
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(clean(payload), indent=2) + "\n")
 
 

@@ -6,9 +6,12 @@ the prefix once per sequence; shared-prefix decode reads it once per batch, so t
 of the speedup is ``B(P+S) / (P+B*S)``. Both run on the same caches, in the same process, and their outputs
 are checked against each other.
 
-On CPU this times the torch path in float32; on CUDA the Triton kernels in bfloat16.
+On CPU this times the torch path in float32 (wall time); on CUDA the Triton kernels in bfloat16 (``--dtype``:
+float16), as device time with the L2 cache flushed before each call (CUDA events), with the wall time of an
+eager call (host launch overhead included) beside it.
 
     python -m benchmarks.kernels [--quick] [--json PATH] [--repeats N] [--device cpu|cuda]
+        [--dtype bfloat16|float16|float32]
     (or python benchmarks/kernels.py ...)
 
 The last line is ``RESULT kernels speedup_b<B>_p<P>=... ceiling_b<B>_p<P>=... ...``.
@@ -17,6 +20,7 @@ The last line is ``RESULT kernels speedup_b<B>_p<P>=... ceiling_b<B>_p<P>=... ..
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -52,6 +56,10 @@ class Row:
     ceiling: float
     frac_of_ceiling: float
     max_abs_diff: float
+    # CUDA: the times above are device times with the L2 cache flushed before each call (what the kernels
+    # do); these are wall times of a call as an eager caller sees them, host launch overhead included.
+    plain_wall_ms: float = math.nan
+    shared_wall_ms: float = math.nan
 
 
 def ceiling(batch: int, prefix: int, suffix: int) -> float:
@@ -70,8 +78,22 @@ def _time_once(fn: Callable[[], torch.Tensor], device: torch.device) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
-def run_case(batch: int, prefix: int, suffix: int, repeats: int, device: torch.device) -> Row:
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+def _device_ms(fn: Callable[[], torch.Tensor], flush: torch.Tensor) -> float:
+    """Device time of one call of ``fn`` in milliseconds, the L2 cache flushed first (as `triton.testing`'s
+    ``do_bench`` does); the flush keeps the GPU busy while the host enqueues ``fn``, so launch overhead
+    stays out of the figure."""
+    flush.zero_()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def run_case(
+    batch: int, prefix: int, suffix: int, repeats: int, device: torch.device, dtype: torch.dtype
+) -> Row:
     gen = torch.Generator().manual_seed(batch * 100_003 + prefix)
     n_prefix = -(-prefix // BLOCK)
     n_suffix = -(-suffix // BLOCK)
@@ -122,10 +144,16 @@ def run_case(batch: int, prefix: int, suffix: int, repeats: int, device: torch.d
     # Interleave the two so that drift in machine state (frequency, other load) hits both alike, and take
     # the speedup as the median of the back-to-back pairs' ratios: on a shared machine whose speed shifts
     # between runs, a pair sees one state, while a ratio of two medians can mix states.
-    plain_ms, shared_ms = [], []
+    plain_ms, shared_ms, plain_wall, shared_wall = [], [], [], []
+    flush = torch.empty(1 << 28, dtype=torch.float32, device=device) if device.type == "cuda" else None
     for _ in range(repeats):
-        plain_ms.append(_time_once(plain, device))
-        shared_ms.append(_time_once(shared, device))
+        plain_wall.append(_time_once(plain, device))
+        shared_wall.append(_time_once(shared, device))
+        if flush is not None:
+            plain_ms.append(_device_ms(plain, flush))
+            shared_ms.append(_device_ms(shared, flush))
+    if flush is None:
+        plain_ms, shared_ms = plain_wall, shared_wall
     speedup = statistics.median(p / s for p, s in zip(plain_ms, shared_ms, strict=True))
     ceil = ceiling(batch, prefix, suffix)
     return Row(
@@ -138,6 +166,8 @@ def run_case(batch: int, prefix: int, suffix: int, repeats: int, device: torch.d
         ceil,
         speedup / ceil,
         diff,
+        statistics.median(plain_wall),
+        statistics.median(shared_wall),
     )
 
 
@@ -152,30 +182,39 @@ def main(argv: list[str] | None = None) -> None:
     add_size_flags(parser, "prefix 1k/4k only, fewer repeats (~1 min on CPU)")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats per case (median)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float16", "float32"),
+        help="default: bfloat16 on CUDA, float32 on CPU",
+    )
     args = parser.parse_args(argv)
 
     device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     # The engine process runs with this allocator setting; time the kernels as the engine runs them.
     tune_glibc_malloc()
     batches = [2, 8] if args.tiny else [8, 32, 64]
     prefixes = [256] if args.tiny else [1024, 4096] if args.quick else [1024, 4096, 6144]
     suffix = 16 if args.tiny else SUFFIX
     repeats = args.repeats or (1 if args.tiny else 5 if args.quick else 15)
-    where = "triton bf16" if device.type == "cuda" else f"torch fp32, {torch.get_num_threads()} threads"
+    short = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    where = (
+        f"triton {short}" if device.type == "cuda" else f"torch {short}, {torch.get_num_threads()} threads"
+    )
     print(f"shared-prefix vs paged decode on {device} ({where}); heads {HEADS}/{KV_HEADS}, dim {HEAD_DIM}")
     print(
         f"{'batch':>5} {'prefix':>6} {'suffix':>6} {'plain ms':>9} {'shared ms':>9} {'speedup':>8} "
-        f"{'ceiling':>8} {'of ceil':>7} {'max diff':>9}"
+        f"{'ceiling':>8} {'of ceil':>7} {'max diff':>9} {'wall ms plain/shared':>21}"
     )
     rows = []
     for prefix in prefixes:
         for batch in batches:
-            row = run_case(batch, prefix, suffix, repeats, device)
+            row = run_case(batch, prefix, suffix, repeats, device, dtype)
             rows.append(row)
             print(
                 f"{row.batch:>5} {row.prefix:>6} {row.suffix:>6} {row.plain_ms:>9.2f} {row.shared_ms:>9.2f} "
                 f"{row.speedup:>7.2f}x {row.ceiling:>7.2f}x {row.frac_of_ceiling:>7.0%} "
-                f"{row.max_abs_diff:>9.2e}",
+                f"{row.max_abs_diff:>9.2e} {row.plain_wall_ms:>10.3f}/{row.shared_wall_ms:<10.3f}",
                 flush=True,
             )
 
@@ -185,6 +224,8 @@ def main(argv: list[str] | None = None) -> None:
             {
                 "benchmark": "kernels",
                 "device": str(device),
+                "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+                "dtype": str(dtype).removeprefix("torch."),
                 "backend": where,
                 "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "block": BLOCK},
                 "repeats": repeats,

@@ -38,7 +38,8 @@ class RunOptions:
     results_dir: Path = RESULTS_DIR
     model: str | None = None
     timeout_s: float = 3600.0
-    jobs: int = 1  # experiments side by side: only a tiny run, whose figures mean nothing, may share the machine
+    # Experiments side by side: only a tiny run, whose figures mean nothing, may share the machine.
+    jobs: int = 1
 
     def __post_init__(self) -> None:
         if self.jobs < 1:

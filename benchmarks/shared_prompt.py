@@ -111,12 +111,14 @@ def expected_blocks(ids: list[list[int]], prefix: int, new_tokens: int, block_si
     return {PARROT: shared, NO_KERNEL: shared, BASELINE: sum(blocks(c, block_size) for c in cached)}
 
 
-def compared(cfg: BenchConfig, longest_prompt: int, block_size: int = 16) -> list[systems.System]:
+def compared(
+    cfg: BenchConfig, longest_prompt: int, block_size: int = 16, device: str = "cpu"
+) -> list[systems.System]:
     """Two engines, with and without the kernel, each with room for the baseline's biggest batch at its
     longest (nothing waits for memory) and a step trace; neither caches OpenAI-route prefixes."""
     most = max(cfg.batches)
     kv = most * blocks(longest_prompt + cfg.max_tokens, block_size) + 64  # + the warm-up's spare
-    engine = EngineConfig(num_kv_blocks=kv, max_num_seqs=max(64, most), device="cpu", trace_steps=100_000)
+    engine = EngineConfig(num_kv_blocks=kv, max_num_seqs=max(64, most), device=device, trace_steps=100_000)
     kernel = replace(engine, shared_prefix_decode=cfg.kernel_mode)
     return [
         systems.parrot(PARROT, kernel, openai_prefix_cache=False),
@@ -278,6 +280,9 @@ def arguments(argv: list[str] | None) -> tuple[argparse.Namespace, BenchConfig]:
     p.add_argument("--batches", type=int, nargs="+", help="batch sizes (default 8 16 32 64)")
     p.add_argument("--query-tokens", type=int, nargs=2, metavar=("MIN", "MAX"), help="query lengths")
     p.add_argument("--kernel-mode", choices=("auto", "always"), help="parrot's shared_prefix_decode")
+    p.add_argument(
+        "--device", default="cpu", help="the engines' device (default cpu; cuda: the Triton kernels)"
+    )
     args = p.parse_args(argv)
     args.batches = tuple(sorted(set(args.batches))) if args.batches else None
     args.min_query_tokens, args.max_query_tokens = args.query_tokens or (None, None)
@@ -296,7 +301,7 @@ def main(argv: list[str] | None = None) -> None:
     longest = max(len(tokenizer.encode(p)) for p in workload.prompts(most))
     if longest + cfg.max_tokens >= max_model_len:
         raise SystemExit(f"a prompt of {longest} tokens plus the answer exceeds the window ({max_model_len})")
-    setup = compared(cfg, longest)
+    setup = compared(cfg, longest, device=args.device)
     log(f"system prompt {used} tokens (asked {cfg.system_tokens}); starting two servers ({args.model}) ...")
     with systems.serve(args.model, setup, delay=None) as servers:
         # The baseline's client on the no-kernel server: its OpenAI route shares nothing.

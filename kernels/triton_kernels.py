@@ -412,9 +412,15 @@ def _launch_paged(
         slot_base, split_tokens, scale * LOG2E,
         GROUP=group, PAGE=page, HEAD_DIM=head_dim,
         BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=BLOCK_N,
-        BLOCK_D=triton.next_power_of_2(head_dim), WRITE_FINAL=write_final,
+        BLOCK_D=_dot_width(head_dim), WRITE_FINAL=write_final,
         DOT_PREC=_dot_precision(q), num_warps=4,
     )  # fmt: skip
+
+
+def _dot_width(head_dim: int) -> int:
+    """The head-dim tile of the kernels that use ``tl.dot``: a power of two, at least 16 (the smallest
+    product shape the GPU's matrix units take; the extra columns are masked)."""
+    return max(16, triton.next_power_of_2(head_dim))
 
 
 def _dot_precision(q: torch.Tensor) -> str:
@@ -588,7 +594,7 @@ def shared_prefix_decode_attention(
         part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
         p_per, scale * LOG2E,
         GROUP=group, PAGE=page, HEAD_DIM=head_dim, BLOCK_M=PREFIX_BLOCK_M, BLOCK_N=BLOCK_N,
-        BLOCK_D=triton.next_power_of_2(head_dim), DOT_PREC=_dot_precision(q), num_warps=4,
+        BLOCK_D=_dot_width(head_dim), DOT_PREC=_dot_precision(q), num_warps=4,
     )  # fmt: skip
     _launch_paged(q, k_cache, v_cache, suffix_tables, slens, scale, out=None, part_o=part_o,
                   part_lse=part_lse, slot_base=p_splits, splits=s_splits, split_tokens=s_per)  # fmt: skip

@@ -139,6 +139,8 @@ class HFGenerate:
 
     def run(self, prompts: Sequence[list[int]], max_new_tokens: int) -> tuple[float, Outputs]:
         input_ids, mask = left_pad(prompts, self.pad_token_id)
+        device = next(self.model.parameters()).device
+        input_ids, mask = input_ids.to(device), mask.to(device)
 
         def generate() -> tuple[float, Outputs]:
             start = time.perf_counter()
@@ -151,6 +153,8 @@ class HFGenerate:
                     do_sample=False,
                     pad_token_id=self.pad_token_id,
                 )
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
             return time.perf_counter() - start, out[:, input_ids.shape[1] :].tolist()
 
         # On a thread that ends, as our engine loads: a thread pool left on this long-lived thread would slow

@@ -147,6 +147,15 @@ def _proc_cpuinfo_flags() -> frozenset[str]:
     return frozenset()
 
 
+def step_activation_bytes(model: ModelConfig, config: EngineConfig, dtype: torch.dtype) -> int:
+    """A bound on one step's activations: the widest per-token tensors (q/k/v, gate/up and the MLP's
+    product, residual and norm) for ``max_num_batched_tokens`` tokens, twice for the allocator's overlap,
+    plus fp32 logits of ``max_num_seqs`` rows."""
+    qkv = (model.num_attention_heads + 2 * model.num_key_value_heads) * model.head_dim
+    per_token = (qkv + 3 * model.intermediate_size + 4 * model.hidden_size) * dtype.itemsize
+    return 2 * config.max_num_batched_tokens * per_token + config.max_num_seqs * model.vocab_size * 4
+
+
 EngineRole = Literal["prefill", "decode", "both"]
 ENGINE_ROLES: tuple[str, ...] = ("prefill", "decode", "both")
 
@@ -156,13 +165,15 @@ class EngineConfig:
     """Serving knobs.
 
     The KV cache holds ``num_kv_blocks`` blocks if given, else as many as fit in ``kv_cache_memory_bytes``,
-    else (default) 256 MiB on CPU and ``gpu_memory_utilization`` of the GPU memory left free by the weights.
+    else (default) 256 MiB on CPU; on a GPU, what is left of ``gpu_memory_utilization`` x the GPU's total
+    memory after this engine's weights and step activations (as vLLM sizes it), so engines sharing one GPU
+    each take their own fraction (e.g. 0.4 each for two).
     """
 
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.85
+    gpu_memory_utilization: float = 0.85  # of the GPU's total memory, this engine's weights included
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     # FIFO token cap: the head of the waiting queue joins the running batch only while the running
@@ -189,21 +200,38 @@ class EngineConfig:
     # prompts and keep their KV for the next turn, lending it to decode instances (`kv_exchange`);
     # "decode" instances run decodes over it (`remote_kv`); "both" is the colocated default.
     role: EngineRole = "both"
+    # On a GPU, replay pure decode steps as CUDA graphs captured per batch-size bucket at start
+    # (`server.engine.cuda_graphs`; vLLM's default too). False: every step eager (vLLM's enforce_eager).
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         check_policy(self.scheduling, self.sjf_aging_s)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.role not in ENGINE_ROLES:
             raise ValueError(f"unknown engine role {self.role!r}; use one of {', '.join(ENGINE_ROLES)}")
 
-    def kv_cache_bytes(self) -> int:
-        """The memory the KV cache may take (called after the weights are loaded)."""
+    def kv_cache_bytes(self, model_bytes: int = 0, activation_bytes: int = 0) -> int:
+        """The memory the KV cache may take, given this engine's weights and its steps' activations (called
+        after the weights are loaded). On a GPU: ``gpu_memory_utilization`` of the total, less those, and
+        never more than is free (less 2%: the allocator's slack); `ValueError` when nothing is left."""
         if self.kv_cache_memory_bytes is not None:
             return self.kv_cache_memory_bytes
         device = self.torch_device()
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            return int(free * self.gpu_memory_utilization)
-        return 256 * 1024 * 1024
+        if device.type != "cuda":
+            return 256 * 1024 * 1024
+        free, total = torch.cuda.mem_get_info(device)
+        budget = int(self.gpu_memory_utilization * total) - model_bytes - activation_bytes
+        usable = min(budget, free - total // 50)
+        if usable <= 0:
+            raise ValueError(
+                f"no GPU memory left for the KV cache: gpu_memory_utilization={self.gpu_memory_utilization} "
+                f"of {total / 2**30:.1f} GiB is {self.gpu_memory_utilization * total / 2**30:.1f} GiB, "
+                f"the weights take {model_bytes / 2**30:.1f} GiB and step activations "
+                f"~{activation_bytes / 2**30:.1f} GiB, "
+                f"{free / 2**30:.1f} GiB is free; raise gpu_memory_utilization or set num_kv_blocks"
+            )
+        return usable
 
     def torch_device(self) -> torch.device:
         return torch.device(self.device)

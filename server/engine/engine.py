@@ -24,9 +24,10 @@ from typing import Any, Protocol, TypeVar
 import torch
 from parrot.protocol import EngineStats
 
+from server.engine import cuda_graphs
 from server.engine.block_manager import BlockAllocator
 from server.engine.compute_thread import on_own_thread
-from server.engine.config import EngineConfig, ModelConfig
+from server.engine.config import EngineConfig, ModelConfig, step_activation_bytes
 from server.engine.context import Context, ContextTable, blocks_for
 from server.engine.errors import (
     ContextBusyError,
@@ -45,7 +46,7 @@ from server.engine.kv_exchange import KVExchange
 from server.engine.loader import Checkpoint, build_model, load_checkpoint
 from server.engine.model import LlamaForCausalLM
 from server.engine.model_names import DEFAULT_MODEL, TINY_MODEL
-from server.engine.model_runner import KVCache, ModelRunner
+from server.engine.model_runner import GraphSettings, KVCache, ModelRunner
 from server.engine.remote_kv import KVLease, KVSourceLostError, RemotePrefix, RemoteRows
 from server.engine.request import FinishReason, GenerateResult, Request
 from server.engine.sampling import SamplingParams, make_generator, sample, token_logprobs
@@ -232,7 +233,7 @@ class LLMEngine(KVExchange, GeneratesBySubmit):
         device, dtype = config.torch_device(), config.torch_dtype()
         num_blocks = config.num_kv_blocks or max(
             1,
-            config.kv_cache_bytes()
+            config.kv_cache_bytes(model.num_bytes(), step_activation_bytes(model_config, config, dtype))
             // KVCache.bytes_per_block(
                 model_config.num_hidden_layers,
                 config.block_size,
@@ -241,16 +242,21 @@ class LLMEngine(KVExchange, GeneratesBySubmit):
                 dtype,
             ),
         )
+        graph_backend = cuda_graphs.graph_backend(config)
         kv = KVCache(
             model_config.num_hidden_layers,
-            num_blocks,
+            num_blocks + (graph_backend is not None),  # the last: graphs' scratch block, never allocated
             config.block_size,
             model_config.num_key_value_heads,
             model_config.head_dim,
             device,
             dtype,
         )
-        runner = ModelRunner(model, kv, config.block_size, device, config.shared_prefix_decode)
+        graphs = None
+        if graph_backend is not None:
+            max_len = min(model_config.max_position_embeddings, config.max_model_len or 1 << 62)
+            graphs = GraphSettings(graph_backend, config.max_num_seqs, max_len, scratch_block=num_blocks)
+        runner = ModelRunner(model, kv, config.block_size, device, config.shared_prefix_decode, graphs=graphs)
         self._init_state(runner, tokenizer, model_config, config, model_name, num_blocks, kv.copy_block)
 
     def _init_state(

@@ -180,6 +180,10 @@ class LlamaForCausalLM(nn.Module):
         self.tie_weights()
         self.rope = rope
 
+    def num_bytes(self) -> int:
+        """Bytes of the weights (a tied matrix once)."""
+        return sum(p.numel() * p.element_size() for p in self.parameters())
+
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -19,6 +20,7 @@ from server.engine.attention import (
     pad_tables,
 )
 from server.engine.context import Context, blocks_for
+from server.engine.cuda_graphs import DecodeGraphs, GraphBackend, try_capture
 from server.engine.model import LlamaForCausalLM
 from server.engine.remote_kv import RemoteRows, build_remote_rows
 from server.engine.scheduler import ScheduledChunk
@@ -71,6 +73,17 @@ def shared_prefix_blocks(tables: list[list[int]], full_blocks: list[int]) -> int
     return lcp
 
 
+@dataclass(frozen=True)
+class GraphSettings:
+    """How decode steps are captured as graphs: up to ``max_batch`` sequences, contexts up to
+    ``max_model_len`` tokens, padding rows aimed at ``scratch_block`` (a KV block no context owns)."""
+
+    backend: GraphBackend
+    max_batch: int
+    max_model_len: int
+    scratch_block: int
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -80,6 +93,7 @@ class ModelRunner:
         device: torch.device,
         shared_prefix_decode: Literal["auto", "always", "never"] = "auto",
         backend: AttentionBackend | None = None,
+        graphs: GraphSettings | None = None,
     ) -> None:
         self.model = model
         self.kv = kv
@@ -96,6 +110,23 @@ class ModelRunner:
         # The last step's rows attended over remote KV (None: none), read by the engine after `run` for
         # the bytes exchanged and the contexts whose KV holder was lost.
         self.remote_rows: RemoteRows | None = None
+        # Pure decode steps replayed as CUDA graphs (`cuda_graphs`); None: every step runs eagerly.
+        self.graphs = self._capture_graphs(graphs) if graphs is not None else None
+
+    def _capture_graphs(self, settings: GraphSettings) -> DecodeGraphs | None:
+        cfg = self.model.config
+        graphs = DecodeGraphs(
+            lambda ids, positions, meta: self.model(ids, positions, self.kv.k, self.kv.v, meta, self.backend),
+            max_batch=settings.max_batch,
+            max_blocks=blocks_for(settings.max_model_len, self.block_size),
+            block_size=self.block_size,
+            scratch_block=settings.scratch_block,
+            hidden_size=cfg.hidden_size,
+            dtype=self.kv.k[0].dtype,
+            device=self.device,
+            backend=settings.backend,
+        )
+        return try_capture(graphs)
 
     def run(self, batch: list[ScheduledChunk]) -> torch.Tensor:
         """Run the step; return the final hidden state of each chunk's last token ([len(batch), hidden]).
@@ -128,6 +159,10 @@ class ModelRunner:
                 decode=self._decode_batch(decodes) if decodes else None,
                 prefills=[],
             )
+            if len(decodes) == len(batch) and self.graphs is not None:
+                replayed = self._replay(meta, ids, positions)
+                if replayed is not None:
+                    return replayed
             row = len(decodes)
             for i, c in enumerate(decodes):
                 last_row[id(c)] = i
@@ -167,6 +202,21 @@ class ModelRunner:
                 out.append(hidden[read])
                 read += 1
         return torch.stack(out)
+
+    def _replay(self, meta: AttentionMetadata, ids: list[int], positions: list[int]) -> torch.Tensor | None:
+        """A pure decode step through its CUDA graph; None when it has shared-prefix groups or no graph
+        holds it (the caller then runs it eagerly)."""
+        decode = meta.decode
+        assert decode is not None and self.graphs is not None
+        if decode.groups is not None:
+            return None
+        return self.graphs.run(
+            torch.tensor(ids, dtype=torch.int64, device=self.device),
+            torch.tensor(positions, dtype=torch.int64, device=self.device),
+            meta.slot_mapping,
+            decode.block_tables,
+            decode.context_lens,
+        )
 
     def _remote_rows(self, chunks: list[ScheduledChunk], first_row: int) -> RemoteRows:
         """Each token of each chunk is a query row over its local keys up to itself plus the remote prefix."""

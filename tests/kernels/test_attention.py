@@ -1,7 +1,8 @@
 """Every backend of the decode-attention kernels equals the reference over randomized problems.
 
 The Triton kernels run here through the interpreter (tests/conftest.py sets TRITON_INTERPRET=1 without
-CUDA), so shapes stay small; the ``gpu`` tests repeat the checks on CUDA in fp16/bf16.
+CUDA), so shapes stay small; with a GPU the same tests run them on CUDA (the inputs are moved there and the
+outputs back), and the ``gpu`` tests add fp16/bf16 and long contexts.
 """
 
 from __future__ import annotations
@@ -29,9 +30,29 @@ SEEDS = range(12)
 FP32 = {"rtol": 1e-5, "atol": 2e-5}
 HALF = {"rtol": 2e-3, "atol": 2e-3}
 ROOT = Path(__file__).resolve().parents[2]
+# Where the Triton backend runs: the interpreter on CPU tensors, or the GPU.
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _on_backend(case: Case, backend: str) -> Case:
+    """The case where ``backend`` runs it (CPU cases go to the GPU for Triton there)."""
+    if backend == "triton" and case.q.device.type != TRITON_DEVICE:
+        return case.to(TRITON_DEVICE, case.q.dtype)
+    return case
+
+
+def _merge(backend: str, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    device = TRITON_DEVICE if backend == "triton" else args[0].device
+    out, lse = kernels.merge_attention_states(*(a.to(device) for a in args), backend=backend)  # type: ignore[arg-type]
+    return out.to(args[0].device), lse.to(args[0].device)
 
 
 def _paged(case: Case, backend: str) -> torch.Tensor:
+    home, case = case.q.device, _on_backend(case, backend)
+    return _paged_here(case, backend).to(home)
+
+
+def _paged_here(case: Case, backend: str) -> torch.Tensor:
     return kernels.paged_decode_attention(
         case.q,
         case.k_cache,
@@ -44,7 +65,8 @@ def _paged(case: Case, backend: str) -> torch.Tensor:
 
 
 def _shared(case: Case, backend: str) -> torch.Tensor:
-    return kernels.shared_prefix_decode_attention(*case.shared_args, backend=backend)  # type: ignore[arg-type]
+    home, case = case.q.device, _on_backend(case, backend)
+    return kernels.shared_prefix_decode_attention(*case.shared_args, backend=backend).to(home)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -196,7 +218,7 @@ def _partials(seed: int, shape: tuple[int, ...] = (5, 3), dim: int = 64) -> tupl
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_merge_matches_reference(backend: str) -> None:
     args = _partials(0)
-    out, lse = kernels.merge_attention_states(*args, backend=backend)  # type: ignore[arg-type]
+    out, lse = _merge(backend, *args)
     ref_out, ref_lse = reference.merge_attention_states(*args)
     torch.testing.assert_close(out, ref_out, **FP32)
     torch.testing.assert_close(lse, ref_lse, **FP32)
@@ -215,7 +237,7 @@ def test_merge_equals_attention_over_the_union(backend: str) -> None:
     oa, la = reference.attend(q, k[:20], v[:20], 0.3)
     ob, lb = reference.attend(q, k[20:], v[20:], 0.3)
     full, full_lse = reference.attend(q, k, v, 0.3)
-    out, lse = kernels.merge_attention_states(oa.float(), la.float(), ob.float(), lb.float(), backend=backend)  # type: ignore[arg-type]
+    out, lse = _merge(backend, oa.float(), la.float(), ob.float(), lb.float())
     torch.testing.assert_close(out, full.float(), **FP32)
     torch.testing.assert_close(lse, full_lse.float(), **FP32)
 
@@ -229,7 +251,7 @@ def test_merge_guards_empty_partials(backend: str) -> None:
     out_b[1] = math.inf
     lse_a[2] = lse_b[2] = -math.inf  # both empty: zeros and -inf, no NaN
     out_a[2] = out_b[2] = math.nan
-    out, lse = kernels.merge_attention_states(out_a, lse_a, out_b, lse_b, backend=backend)  # type: ignore[arg-type]
+    out, lse = _merge(backend, out_a, lse_a, out_b, lse_b)
     torch.testing.assert_close(out[0], out_b[0], **FP32)
     torch.testing.assert_close(lse[0], lse_b[0], **FP32)
     torch.testing.assert_close(out[1], out_a[1], **FP32)
@@ -294,7 +316,7 @@ def test_triton_kernels_compile_for_cuda() -> None:
 @pytest.mark.skipif(not kernels.triton_available(), reason="no triton")
 def test_triton_tile_cache_follows_in_place_updates() -> None:
     """The per-step grouping cache must notice the engine rewriting group_of in place."""
-    case = random_case(42, min_batch=6, min_groups=2)
+    case = _on_backend(random_case(42, min_batch=6, min_groups=2), "triton")  # mutated where it runs
     case.group_of.fill_(0)
     first = _shared(case, "triton")
     torch.testing.assert_close(first, reference.shared_prefix_decode_attention(*case.shared_args), **FP32)

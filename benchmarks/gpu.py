@@ -1,0 +1,322 @@
+"""One command that measures the GPU path: ``python -m benchmarks.gpu --out DIR``.
+
+Made for a bare CUDA machine with torch and triton preinstalled and no network (what else the project needs
+travels as wheels: see ``--check-imports``). Each step runs in its own process with a time limit, so one
+failure or hang costs only that step, and the whole run stays within ``--budget-s`` (default 9 minutes):
+
+1. ``env``: the GPU, driver, torch and triton versions;
+2. ``tests``: the ``gpu`` tests plus the engine's HF parity tests (their engines default to CUDA there);
+3. ``kernels_bf16`` / ``kernels_fp16``: shared-prefix vs paged decode (`benchmarks.kernels`), every shape;
+4. ``kernel_tuning``: the Triton kernels' tile and split-KV settings swept around the shipped ones
+   (`benchmarks.kernel_tuning`);
+5. ``engine``: our engine vs HF ``generate`` at batch 1/16/64/256 on random-weight SmolLM2-135M,
+   Llama-3.2-1B and Llama-2-7B shapes, and the simulator's latency model fitted on the 7B
+   (`benchmarks.gpu_engine`);
+6. ``random_model`` + ``shared_prompt``: the quick shared-system-prompt experiment
+   (`benchmarks.shared_prompt`) on CUDA, over a random SmolLM2-shaped model written as a folder.
+
+Every step writes ``DIR/<step>.json`` (and its log ``DIR/<step>.log``); ``DIR/gpu.json`` gathers the
+metrics (``kernel_speedup_b32_p4096``, ``kernel_speedup_b64_p4096``, ``decode_ratio_vs_hf_b64`` and the
+rest) with the GPU's name, and a short table is printed last. Copy ``DIR/gpu.json`` to
+``benchmarks/results/gpu.json`` for the results page.
+
+    python -m benchmarks.gpu --out DIR [--budget-s 540] [--only STEP ...] [--tiny]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Step:
+    name: str
+    command: list[str]
+    limit_s: float
+    env: dict[str, str] = field(default_factory=dict)
+
+
+# The gpu tests, the Triton kernels' tests (on CUDA there) and engine tests whose engines run on CUDA there.
+TESTS = (
+    "tests/kernels/test_attention.py",
+    "tests/engine/test_cuda_engine.py",
+    "tests/engine/test_cuda_graphs.py",
+    "tests/engine/test_hf_parity.py",
+    "tests/engine/test_partial_fork.py",
+)
+
+
+def steps(out: Path, tiny: bool, tests_k: str | None = None, shapes: list[str] | None = None) -> list[Step]:
+    py = [sys.executable]
+    size = ["--tiny"] if tiny else []
+    tests = [*py, "-m", "pytest", "-v", "-p", "no:cacheprovider", "--timeout", "120"]
+    tests += [f"--junitxml={out / 'tests.xml'}", *(["-k", tests_k] if tests_k else []), *TESTS]
+    engine_args = ["--shapes", *shapes] if shapes else []
+    kernels = {
+        short: Step(
+            f"kernels_{short}",
+            [
+                *py,
+                "-m",
+                "benchmarks.kernels",
+                *size,
+                "--dtype",
+                dtype,
+                "--json",
+                str(out / f"kernels_{short}.json"),
+            ],
+            90,
+        )
+        for short, dtype in (("bf16", "bfloat16"), ("fp16", "float16"))
+    }
+    return [
+        Step("env", [*py, "-m", "benchmarks.gpu", "--env-json", str(out / "env.json")], 60),
+        kernels["bf16"],
+        # The CPU kernel's fixture variant would only build a C++ extension there: off.
+        Step("tests", tests, 150 if not tiny else 600, env={"PARROT_CPU_KERNELS": "0"}),
+        Step(
+            "engine",
+            [*py, "-m", "benchmarks.gpu_engine", *size, *engine_args, "--json", str(out / "engine.json")]
+            + ([] if tiny else ["--profile-shape", "llama-2-7b"]),
+            270,
+        ),
+        kernels["fp16"],
+        Step(
+            "kernel_tuning",
+            [*py, "-m", "benchmarks.kernel_tuning", *size, "--json", str(out / "kernel_tuning.json")],
+            90,
+        ),
+        Step(
+            "random_model",
+            [*py, "-m", "benchmarks.harness.random_models", "smollm2-135m", str(out / "smollm2-135m-random")],
+            60,
+        ),
+        Step(
+            "shared_prompt",
+            [
+                *py,
+                "-m",
+                "benchmarks.shared_prompt",
+                "--tiny" if tiny else "--quick",
+                "--device",
+                "cuda" if not tiny else "cpu",
+                "--model",
+                str(out / "smollm2-135m-random"),
+                "--json",
+                str(out / "shared_prompt.json"),
+            ],
+            120,
+        ),
+    ]
+
+
+def run_step(step: Step, out: Path, deadline: float) -> dict[str, Any]:
+    """Run one step within its limit and the run's deadline; its output goes to ``DIR/<step>.log``."""
+    limit = max(1.0, min(step.limit_s, deadline - time.monotonic()))
+    log_path = out / f"{step.name}.log"
+    started = time.monotonic()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **step.env}
+    with log_path.open("w") as log:
+        try:
+            proc = subprocess.run(
+                step.command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=limit, env=env
+            )
+            status = "ok" if proc.returncode == 0 else f"exit {proc.returncode}"
+        except subprocess.TimeoutExpired:
+            status = f"timed out after {limit:.0f} s"
+    seconds = time.monotonic() - started
+    tail = log_path.read_text(errors="replace").splitlines()[-3:]
+    print(f"[{step.name}] {status} in {seconds:.0f} s: {' | '.join(tail)[-200:]}", flush=True)
+    return {"status": status, "seconds": round(seconds, 1)}
+
+
+def archive(folder: Path, path: Path) -> None:
+    """``folder`` as a .tar.gz at ``path`` (written aside, then moved), without model folders."""
+    import tarfile
+
+    partial = path.with_suffix(".partial")
+    with tarfile.open(partial, "w:gz") as tar:
+        tar.add(folder, arcname=folder.name, filter=lambda m: None if m.name.endswith("-random") else m)
+    partial.replace(path)
+
+
+def env_info() -> dict[str, Any]:
+    import torch
+
+    info: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info |= {
+            "gpu": props.name,
+            "sm_count": props.multi_processor_count,
+            "memory_gib": round(props.total_memory / 2**30, 1),
+            "capability": f"{props.major}.{props.minor}",
+        }
+    try:  # paged varlen flash attention (a lead for prefill over the block cache without gathering)
+        import inspect
+
+        from torch.nn.attention import varlen
+
+        info["varlen_attn"] = str(inspect.signature(varlen.varlen_attn))
+    except (ImportError, AttributeError) as e:
+        info["varlen_attn"] = f"unavailable: {e}"
+    try:
+        smi = ["nvidia-smi", "--query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem", "--format=csv"]
+        info["nvidia_smi"] = subprocess.run(smi, capture_output=True, text=True, timeout=20).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        info["nvidia_smi"] = None
+    return info
+
+
+def _load(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def gather(out: Path, statuses: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """``DIR/gpu.json``: the GPU, every step's status, the headline metrics and each step's payload."""
+    env = _load(out / "env.json") or {}
+    metrics: dict[str, float] = {}
+    for short in ("bf16", "fp16"):
+        payload = _load(out / f"kernels_{short}.json") or {}
+        for row in payload.get("rows", []):
+            key = f"b{row['batch']}_p{row['prefix']}"
+            metrics[f"kernel_speedup_{key}" + ("" if short == "bf16" else "_fp16")] = row["speedup"]
+            if short == "bf16":
+                metrics[f"kernel_frac_of_ceiling_{key}"] = row["frac_of_ceiling"]
+    metrics |= result_metrics(out / "engine.log")
+    metrics |= {f"shared_prompt_{k}": v for k, v in result_metrics(out / "shared_prompt.log").items()}
+    metrics |= {f"tuning_{k}": v for k, v in result_metrics(out / "kernel_tuning.log").items()}
+    tests = _junit_counts(out / "tests.xml")
+    return {
+        "benchmark": "gpu",
+        "gpu": env.get("gpu"),
+        "env": env,
+        "steps": statuses,
+        "tests": tests,
+        "metrics": metrics,
+        "payloads": {
+            name: _load(out / f"{name}.json")
+            for name in ("kernels_bf16", "kernels_fp16", "kernel_tuning", "engine", "shared_prompt")
+        },
+    }
+
+
+def result_metrics(log_path: Path) -> dict[str, float]:
+    """The figures of the ``RESULT`` line a step's log ends with (none: empty)."""
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return {}
+    line = next((x for x in reversed(lines) if x.startswith("RESULT ")), "")
+    out: dict[str, float] = {}
+    for item in line.split()[2:]:
+        key, _, value = item.partition("=")
+        try:
+            out[key] = float(value)
+        except ValueError:
+            continue
+    return out
+
+
+def _junit_counts(path: Path) -> dict[str, Any] | None:
+    import xml.etree.ElementTree as ET
+
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError):
+        return None
+    suite = root if root.tag == "testsuite" else root.find("testsuite")
+    if suite is None:
+        return None
+    counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    failed = [
+        f"{case.get('classname')}::{case.get('name')}"
+        for case in suite.iter("testcase")
+        if case.find("failure") is not None or case.find("error") is not None
+    ]
+    return counts | {"failed": failed}
+
+
+def summary(record: dict[str, Any]) -> str:
+    lines = [f"GPU: {record['gpu']}"]
+    for name, s in record["steps"].items():
+        lines.append(f"  {name:<14} {s['status']:<22} {s['seconds']:>6.0f} s")
+    if record["tests"]:
+        t = record["tests"]
+        lines.append(
+            f"tests: {t['tests']} run, {t['failures']} failed, {t['errors']} errors, {t['skipped']} skipped"
+        )
+        lines += [f"  FAILED {name}" for name in t["failed"][:10]]
+    for key, value in sorted(record["metrics"].items()):
+        if key.startswith(
+            (
+                "kernel_speedup_b32_p4096",
+                "kernel_speedup_b64_p4096",
+                "decode_ratio_vs_hf",
+                "floor_ratio",
+                "shared_prompt",
+            )
+        ):
+            lines.append(f"  {key} = {value:.3g}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, help="folder for every step's JSON and log")
+    p.add_argument("--budget-s", type=float, default=540.0, help="the whole run's time limit (default 540)")
+    p.add_argument("--only", nargs="+", help="run only these steps")
+    p.add_argument("--tiny", action="store_true", help="smallest sizes: a harness check (on CPU too)")
+    p.add_argument("--tests-k", help="pytest -k expression for the tests step")
+    p.add_argument("--shapes", nargs="+", help="model shapes of the engine step (default: all)")
+    p.add_argument(
+        "--archive", type=Path, help="also write DIR as a .tar.gz here after every step (partial results)"
+    )
+    p.add_argument("--env-json", type=Path, help=argparse.SUPPRESS)  # the env step itself
+    args = p.parse_args(argv)
+    if args.env_json:
+        args.env_json.write_text(json.dumps(env_info(), indent=2) + "\n")
+        return
+    if args.out is None:
+        p.error("--out DIR is required")
+    args.out.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + args.budget_s
+    statuses: dict[str, dict[str, Any]] = {}
+    chosen = [
+        s
+        for s in steps(args.out, args.tiny, args.tests_k, args.shapes)
+        if not args.only or s.name in args.only
+    ]
+    for step in sorted(chosen, key=lambda s: args.only.index(s.name) if args.only else 0):
+        if time.monotonic() > deadline - 5:
+            statuses[step.name] = {"status": "not run: out of time", "seconds": 0.0}
+            continue
+        statuses[step.name] = run_step(step, args.out, deadline)
+        record = gather(args.out, statuses)
+        (args.out / "gpu.json").write_text(json.dumps(record, indent=2) + "\n")
+        if args.archive:
+            archive(args.out, args.archive)
+    print(summary(gather(args.out, statuses)))
+
+
+if __name__ == "__main__":
+    main()

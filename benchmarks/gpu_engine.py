@@ -1,0 +1,352 @@
+"""Engine throughput on a GPU: our engine vs Hugging Face ``generate`` on random-weight LLaMA models.
+
+Models are built from the configs of real ones (`benchmarks.harness.random_models`: SmolLM2-135M,
+Llama-3.2-1B, Llama-2-7B shapes), once per shape, and our engine runs over HF's very tensors. Per batch size
+the same measurement as `benchmarks.engine_throughput` (``T(1)`` and ``T(N)`` of each system, interleaved;
+prefill, decode and end-to-end tok/s; the share of requests whose greedy tokens equal ours). A batch size
+whose KV (ours and HF's) and weights would not fit the GPU is skipped and said so.
+
+Batch-1 floor: the bytes one decode step must read (weights + the KV of the context) over the GPU's copy
+bandwidth measured in the same run; ours at batch 1 is reported as ``floor_ratio`` (time per token over
+the floor time; the issue's goal is <= 1.5). ``--profile-shape``: also traces our engine over a sweep of
+batch shapes (`server.sim.calibrate`) and fits the simulator's latency model to it (`server.sim.latency`),
+written as ``<json stem>.profile.json``.
+
+    python -m benchmarks.gpu_engine [--quick | --tiny] [--json PATH] [--shapes S ...] [--batches B ...]
+        [--device cuda] [--dtype bfloat16] [--profile-shape llama-2-7b]
+
+Last line: ``RESULT gpu_engine decode_ratio_vs_hf_b64=... decode_ratio_vs_hf_b64_<shape>=...
+floor_ratio_b1_<shape>=...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import statistics
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks import engine_throughput as et
+from benchmarks.common import engine_model, log, result_line, write_json
+from benchmarks.harness import engines, random_models
+from server.engine import EngineConfig, LLMEngine
+
+NAME = "gpu_engine"
+EAGER = "ours_eager"  # our engine with CUDA graphs off, as a system of the comparison
+# The calibration sweep of --profile-shape (`server.sim.calibrate`).
+PROFILE_BATCHES, PROFILE_PROMPTS, PROFILE_NEW = (1, 8, 32, 64), (128, 512), 12
+
+
+@dataclass(frozen=True)
+class GpuConfig:
+    shapes: tuple[str, ...] = tuple(random_models.SHAPES)
+    batches: tuple[int, ...] = (1, 16, 64, 256)
+    prompt_len: int = 256
+    spread: float = 0.5
+    new_tokens: int = 32
+    repeats: int = 2
+    max_num_batched_tokens: int = 8192
+    memory_fraction: float = 0.85  # of the GPU's memory all systems' weights and KV may take
+    profile_shape: str | None = None
+    # Also run our engine with every step eager (no CUDA graphs) over the same weights: the graphs' gain.
+    compare_eager: bool = True
+
+
+QUICK = GpuConfig()
+TINY = GpuConfig(shapes=("smollm2-135m",), batches=(1, 4), prompt_len=16, new_tokens=4, repeats=1)
+
+
+@dataclass
+class ShapeResult:
+    shape: str
+    parameters: int
+    weight_bytes: int
+    kv_bytes_per_token: int
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    skipped: dict[int, str] = field(default_factory=dict)  # batch -> why
+    floor: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+
+
+def copy_bandwidth(device: torch.device, mib: int = 1024, repeats: int = 10) -> float:
+    """Bytes per second a device-to-device copy moves, read and write counted (median of ``repeats``)."""
+    src = torch.ones(mib << 18, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    rates = []
+    for _ in range(repeats + 1):
+        _sync(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        rates.append(2 * src.numel() * 4 / (time.perf_counter() - start))
+    return statistics.median(rates[1:])
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _fits(cfg: GpuConfig, batch: int, kv_per_token: int, weight_bytes: int, device: torch.device) -> str:
+    """Why ``batch`` does not fit (empty: it fits): each system's KV at the longest, weights twice (ours
+    fuses its own copy of the projections)."""
+    if device.type != "cuda":
+        return ""
+    total = torch.cuda.get_device_properties(device).total_memory
+    caches = 3 if cfg.compare_eager else 2
+    need = caches * batch * (cfg.prompt_len + cfg.new_tokens + 16) * kv_per_token + 2 * weight_bytes
+    if need > cfg.memory_fraction * total:
+        return f"needs ~{need / 2**30:.0f} GiB ({caches} KV caches + weights) of {total / 2**30:.0f} GiB"
+    return ""
+
+
+def engine_config(cfg: GpuConfig, batches: list[int], device: str, dtype: str) -> EngineConfig:
+    """KV blocks for the largest batch that fits, every context at its longest; nothing preempted."""
+    most = max(batches, default=1)
+    per_seq = et.blocks(cfg.prompt_len + cfg.new_tokens, EngineConfig.block_size) + 1
+    return EngineConfig(
+        num_kv_blocks=most * per_seq + 64,
+        max_num_seqs=max(most, 16),
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_model_len=cfg.prompt_len + cfg.new_tokens + 64,
+        device=device,
+        dtype=dtype,
+    )
+
+
+def run_shape(cfg: GpuConfig, shape: str, device: torch.device, dtype: str, bandwidth: float) -> ShapeResult:
+    torch_dtype = getattr(torch, dtype)
+    kv_per_token = random_models.kv_bytes_per_token(shape, torch_dtype)
+    params = random_models.parameter_count(shape)
+    weight_bytes = params * torch_dtype.itemsize
+    out = ShapeResult(shape, params, weight_bytes, kv_per_token)
+    batches = []
+    for b in cfg.batches:
+        why = _fits(cfg, b, kv_per_token, weight_bytes, device)
+        if why:
+            out.skipped[b] = why
+        else:
+            batches.append(b)
+    config = engine_config(cfg, batches, str(device), dtype)
+    eager_config = replace(config, cuda_graphs=False)
+    if cfg.profile_shape == shape:  # room for the calibration sweep's largest shape too
+        longest = max(PROFILE_PROMPTS) + PROFILE_NEW
+        sweep = max(PROFILE_BATCHES) * (et.blocks(longest, config.block_size) + 1) + 64
+        blocks = max(config.num_kv_blocks or 0, sweep)
+        config = replace(config, trace_steps=100_000, max_model_len=2 * longest, num_kv_blocks=blocks)
+    log(f"{shape}: building {params / 1e9:.2f}B random parameters on {device} ({dtype}) ...")
+    pair = random_models.load_pair(shape, config)
+    eager: LLMEngine | None = None
+    try:
+        ours = engines.OurEngine(pair.engine)
+        hf = engines.HFGenerate(pair.hf, pad_token_id=0)
+        systems: list[engines.Generator] = [hf]
+        if cfg.compare_eager and device.type == "cuda":
+            model = engine_model(pair.engine)
+            eager = LLMEngine(model, pair.engine.tokenizer, pair.engine.model_config, eager_config, shape)
+            eager_runner = engines.OurEngine(eager)
+            eager_runner.name = EAGER
+            systems.insert(0, eager_runner)
+        bench = et.BenchConfig(
+            batches=tuple(batches),
+            prompt_len=cfg.prompt_len,
+            spread=cfg.spread,
+            new_tokens=cfg.new_tokens,
+            repeats=cfg.repeats,
+            min_time_s=0.0,
+        )
+        tokens = et.workload(pair.engine.tokenizer, 4 * cfg.prompt_len)
+        for b in batches:
+            prompts = et.make_prompts(tokens, b, bench)
+            log(f"{shape} batch {b}: {sum(map(len, prompts))} prompt tokens, {cfg.new_tokens} new each")
+            result = et.measure_batch(ours, systems, prompts, bench)
+            out.rows.append(_row(result))
+        b1 = next((r for r in out.rows if r["batch"] == 1), None)
+        if b1 is not None:
+            context = b1["prompt_tokens"] + cfg.new_tokens / 2  # the mean context of the decode steps
+            floor_s = (weight_bytes + context * kv_per_token) / bandwidth
+            tps = b1["ours"]["decode_tps"]
+            out.floor = {"floor_tps": 1 / floor_s, "decode_tps": tps, "floor_ratio": 1 / (floor_s * tps)}
+        if cfg.profile_shape == shape:
+            out.floor["profile"] = _profile(pair.engine, shape)  # type: ignore[assignment]
+        ours.close()
+        if eager is not None:
+            eager_runner.close()
+    finally:
+        pair.engine.shutdown()
+        if eager is not None:
+            eager.shutdown()
+        del pair
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+def _row(r: et.BatchResult) -> dict[str, Any]:
+    systems = {
+        name: {
+            kind: getattr(rates, attr).value
+            for kind, attr in (
+                ("prefill_tps", "prefill_tps"),
+                ("decode_tps", "decode_tps"),
+                ("e2e_tps", "e2e_tps"),
+            )
+        }
+        | {"t_first": rates.t_first, "t_full": rates.t_full}
+        for name, rates in r.systems.items()
+    }
+    return {
+        "batch": r.batch,
+        "prompt_tokens": r.prompt_tokens,
+        "repeats": r.repeats,
+        **systems,
+        "decode_ratio_vs_hf": r.ratio("decode", "hf").median,
+        "prefill_ratio_vs_hf": r.ratio("prefill", "hf").median,
+        "e2e_ratio_vs_hf": r.ratio("e2e", "hf").median,
+        "same_tokens_hf": r.same_tokens["hf"],
+        **(
+            {
+                "decode_graphs_vs_eager": r.ratio("decode", EAGER).median,
+                "same_tokens_eager": r.same_tokens[EAGER],
+            }
+            if EAGER in r.systems
+            else {}
+        ),
+        "engine_preemptions": r.engine_preemptions,
+    }
+
+
+def _profile(engine: Any, shape: str) -> dict[str, Any]:
+    """Trace our engine over a sweep of batch shapes and fit the simulator's latency model to it."""
+    from server.sim.calibrate import calibrate
+    from server.sim.latency import fit_latency_model
+
+    log(f"{shape}: calibration sweep for the simulator's latency model ...")
+    loop = asyncio.new_event_loop()
+    try:
+        trace = loop.run_until_complete(
+            calibrate(
+                engine, batch_sizes=PROFILE_BATCHES, prompt_lens=PROFILE_PROMPTS, new_tokens=PROFILE_NEW
+            )
+        )
+    finally:
+        loop.close()
+    name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    model = fit_latency_model(
+        trace,
+        f"{shape} on {name}",
+        kv_tokens=engine.stats().blocks_total * engine.block_size,
+        max_model_len=engine.max_model_len,
+        shared_prefix_decode=False,
+        source=f"measured: our engine, random-weight {shape} shape, {name}, {len(trace)} traced steps",
+    )
+    steps = [{"features": asdict(s.features), "seconds": s.seconds} for s in trace]
+    return {"model": asdict(model), "steps": steps}
+
+
+def metrics(results: list[ShapeResult]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for s in results:
+        for r in s.rows:
+            out[f"decode_ratio_vs_hf_b{r['batch']}_{s.shape}"] = r["decode_ratio_vs_hf"]
+            if "decode_graphs_vs_eager" in r:
+                out[f"graphs_vs_eager_b{r['batch']}_{s.shape}"] = r["decode_graphs_vs_eager"]
+        if "floor_ratio" in s.floor:
+            out[f"floor_ratio_b1_{s.shape}"] = s.floor["floor_ratio"]
+    # The headline: the largest model that ran batch 64.
+    for s in reversed(results):
+        row = next((r for r in s.rows if r["batch"] == 64), None)
+        if row is not None:
+            out["decode_ratio_vs_hf_b64"] = row["decode_ratio_vs_hf"]
+            break
+    return out
+
+
+def table(results: list[ShapeResult]) -> str:
+    lines = [
+        f"{'shape':<14} {'batch':>5} {'ours dec tok/s':>14} {'HF dec tok/s':>12} {'ours/HF':>8} "
+        f"{'prefill ours/HF':>15} {'same tok':>8}"
+    ]
+    for s in results:
+        if s.error:
+            lines.append(f"{s.shape:<14} error: {s.error.splitlines()[-1][:90]}")
+        for r in s.rows:
+            ours, hf = r["ours"]["decode_tps"], r["hf"]["decode_tps"]
+            lines.append(
+                f"{s.shape:<14} {r['batch']:>5} {ours:>14.0f} {hf:>12.0f} {r['decode_ratio_vs_hf']:>7.2f}x "
+                f"{r['prefill_ratio_vs_hf']:>14.2f}x {r['same_tokens_hf']:>8.0%}"
+            )
+        for b, why in s.skipped.items():
+            lines.append(f"{s.shape:<14} {b:>5} skipped: {why}")
+        if s.floor:
+            lines.append(
+                f"{s.shape:<14} batch 1: {s.floor['decode_tps']:.0f} tok/s, floor {s.floor['floor_tps']:.0f} "
+                f"tok/s (bytes / copy bandwidth): {s.floor['floor_ratio']:.2f}x the floor time"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="the default sizes (kept for the runner's flags)")
+    p.add_argument("--tiny", action="store_true", help="one small shape, batches 1/4: a harness check")
+    p.add_argument("--json", type=Path, help="write the payload here")
+    p.add_argument("--shapes", nargs="+", choices=list(random_models.SHAPES))
+    p.add_argument("--batches", type=int, nargs="+")
+    p.add_argument("--repeats", type=int)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--profile-shape", choices=list(random_models.SHAPES))
+    args = p.parse_args(argv)
+    cfg = TINY if args.tiny else QUICK
+    overrides = {
+        "shapes": args.shapes,
+        "batches": args.batches,
+        "repeats": args.repeats,
+        "profile_shape": args.profile_shape,
+    }
+    cfg = replace(cfg, **{k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items() if v})
+    device = torch.device(args.device)
+    dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    bandwidth = copy_bandwidth(device, 1024 if device.type == "cuda" else 64)
+    log(f"copy bandwidth on {device}: {bandwidth / 1e9:.0f} GB/s (read + write)")
+    results = []
+    for shape in cfg.shapes:
+        try:
+            results.append(run_shape(cfg, shape, device, dtype, bandwidth))
+        except Exception as e:  # one shape's failure is recorded; the others still run
+            import traceback
+
+            log(f"{shape} failed: {e!r}")
+            failed = ShapeResult(shape, 0, 0, 0, error=traceback.format_exc())
+            results.append(failed)
+    print(table(results))
+    found = metrics(results)
+    if args.json:
+        profile = next((s.floor.pop("profile") for s in results if "profile" in s.floor), None)
+        write_json(
+            args.json,
+            {
+                "benchmark": NAME,
+                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                "dtype": dtype,
+                "config": asdict(cfg),
+                "copy_bandwidth_bytes_per_s": bandwidth,
+                "shapes": [asdict(s) for s in results],
+                "metrics": found,
+            },
+        )
+        if profile is not None:
+            write_json(args.json.with_suffix(".profile.json"), profile)
+    print(result_line(NAME, found))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""CUDA-graph decode (`server.engine.cuda_graphs`): buckets, static buffers and padding, checked on CPU with a
+graph backend that re-runs the recorded step (the real capture is a ``gpu`` test in test_cuda_engine.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from server.engine import EngineConfig, LLMEngine, cuda_graphs
+from tests.engine.conftest import prompts
+from tests.engine.test_hf_parity import run_prompt
+
+
+class ReplayingBackend:
+    """Records a step by running it, and replays it by running it again (what a graph does, minus speed)."""
+
+    def __init__(self) -> None:
+        self.captured = 0
+
+    def capture(self, step: Callable[[], None]) -> Callable[[], None]:
+        step()
+        self.captured += 1
+        return step
+
+    def replay(self, graph: Callable[[], None]) -> None:
+        graph()
+
+
+def test_batch_sizes_and_buckets() -> None:
+    assert cuda_graphs.graph_batch_sizes(1) == [1]
+    assert cuda_graphs.graph_batch_sizes(6) == [1, 2, 4, 6]
+    assert cuda_graphs.graph_batch_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert cuda_graphs.graph_batch_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert cuda_graphs.graph_batch_sizes(0) == []
+    sizes = cuda_graphs.graph_batch_sizes(40)
+    assert [cuda_graphs.bucket_for(n, sizes) for n in (1, 3, 5, 9, 17, 33, 40, 41)] == [
+        1, 4, 8, 16, 32, 40, 40, None,
+    ]  # fmt: skip
+
+
+def test_eager_unless_on_a_gpu() -> None:
+    assert cuda_graphs.graph_backend(EngineConfig(device="cpu")) is None
+    assert cuda_graphs.graph_backend(EngineConfig(device="cuda", cuda_graphs=False)) is None
+    assert isinstance(cuda_graphs.graph_backend(EngineConfig(device="cuda")), cuda_graphs.CudaGraphBackend)
+
+
+def _engine(path: Path, backend: object | None, **overrides: object) -> LLMEngine:
+    config = EngineConfig(**{"device": "cpu", "dtype": "float32", "num_kv_blocks": 128, "max_num_seqs": 6,
+                             **overrides})  # fmt: skip
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cuda_graphs, "graph_backend", lambda _config: backend)
+        return LLMEngine.from_pretrained(path, config)
+
+
+async def test_replayed_decode_equals_eager(gqa_model: Path) -> None:
+    batch = prompts(5, seed=31, low=2, high=70)  # 5 rows: bucket 6, one padding row
+    backend = ReplayingBackend()
+    with _engine(gqa_model, backend) as graphed:
+        ours = await asyncio.gather(*(run_prompt(graphed, p) for p in batch))
+        single = await run_prompt(graphed, batch[0])  # bucket 1
+        runner = graphed._runner
+        assert runner.graphs is not None and runner.graphs.replays > 0
+        assert graphed.stats().blocks_used == 0  # padding never took a block
+    assert backend.captured == len(cuda_graphs.graph_batch_sizes(6))
+    with _engine(gqa_model, None) as eager:
+        assert eager._runner.graphs is None
+        expected = await asyncio.gather(*(run_prompt(eager, p) for p in batch))
+    assert ours == expected and single == expected[0]
+
+
+async def test_grouped_steps_run_eagerly_and_agree(gqa_model: Path) -> None:
+    prefix = prompts(1, seed=32, low=40, high=41)[0]
+    suffixes = prompts(4, seed=33, low=1, high=9)
+
+    async def run(backend: object | None) -> list[list[int]]:
+        with _engine(gqa_model, backend, shared_prefix_decode="always") as eng:
+            await eng.fill(0, prefix)
+            await asyncio.gather(*(eng.fill(i + 1, s, parent_context_id=0) for i, s in enumerate(suffixes)))
+            out = await asyncio.gather(*(run_generate(eng, i + 1) for i in range(len(suffixes))))
+            assert eng.stats().grouped_decode_steps > 0
+            return out
+
+    assert await run(ReplayingBackend()) == await run(None)
+
+
+async def run_generate(engine: LLMEngine, cid: int) -> list[int]:
+    from tests.engine.test_hf_parity import GREEDY
+
+    return (await engine.generate(cid, GREEDY)).token_ids
+
+
+def test_failed_capture_falls_back_to_eager(gqa_model: Path, caplog: pytest.LogCaptureFixture) -> None:
+    class Broken(ReplayingBackend):
+        def capture(self, step: Callable[[], None]) -> Callable[[], None]:
+            raise RuntimeError("capture not supported")
+
+    with _engine(gqa_model, Broken()) as engine:
+        assert engine._runner.graphs is None
+    assert "CUDA graph capture failed" in caplog.text
