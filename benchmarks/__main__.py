@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from benchmarks import gpu_report
 from benchmarks.common import output_root
 from benchmarks.experiments import EXPERIMENTS, Experiment
 from benchmarks.report import write_report
@@ -86,7 +87,7 @@ def _run(args: argparse.Namespace) -> int:
             bar.update()
 
         run_all(experiments, options, progress)
-    page = write_report(load_records(args.results), args.docs)
+    page = write_report(load_records(args.results), args.docs, gpu_report.load(args.results))
     print(f"results in {args.results}, page {page}")
     if failed:
         print(f"failed: {', '.join(failed)} (see their .log in {args.results})", file=sys.stderr)
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{e.name:<18} {e.figure:<16} {e.backend:<9} {model:<8} {e.title}")
         return 0
     if args.command == "report":
-        print(write_report(load_records(args.results), args.docs))
+        print(write_report(load_records(args.results), args.docs, gpu_report.load(args.results)))
         return 0
     return _run(args)
 

@@ -205,7 +205,7 @@ def gather(out: Path, statuses: dict[str, dict[str, Any]]) -> dict[str, Any]:
     metrics |= result_metrics(out / "engine.log")
     metrics |= {f"shared_prompt_{k}": v for k, v in result_metrics(out / "shared_prompt.log").items()}
     metrics |= {f"tuning_{k}": v for k, v in result_metrics(out / "kernel_tuning.log").items()}
-    tests = _junit_counts(out / "tests.xml")
+    tests = _junit_counts(out / "tests.xml") or _log_counts(out / "tests.log")
     return {
         "benchmark": "gpu",
         "gpu": env.get("gpu"),
@@ -235,6 +235,27 @@ def result_metrics(log_path: Path) -> dict[str, float]:
         except ValueError:
             continue
     return out
+
+
+def _log_counts(path: Path) -> dict[str, Any] | None:
+    """Outcomes read from pytest's ``-v`` lines when it wrote no report (stopped at the time limit): what
+    ran before it stopped."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    outcome = {word: [ln.split()[0] for ln in lines if f" {word}" in ln and "::" in ln] for word in
+               ("PASSED", "FAILED", "ERROR", "SKIPPED")}  # fmt: skip
+    if not any(outcome.values()):
+        return None
+    return {
+        "tests": sum(map(len, outcome.values())),
+        "failures": len(outcome["FAILED"]),
+        "errors": len(outcome["ERROR"]),
+        "skipped": len(outcome["SKIPPED"]),
+        "failed": outcome["FAILED"] + outcome["ERROR"],
+        "incomplete": True,  # no junit report: the run stopped before the end
+    }
 
 
 def _junit_counts(path: Path) -> dict[str, Any] | None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks import gpu_report
 from benchmarks.common import REPO_ROOT, markdown_table
 from benchmarks.experiments import EXPERIMENTS, Experiment, Metric
 from benchmarks.plotting import pyplot, save
@@ -232,8 +233,12 @@ def _spread_cell(record: Mapping[str, Any], value: Any) -> str:
     return "" if spread is None else f"{fmt_metric(spread[0], '')}-{fmt_metric(spread[1], '')}"
 
 
-def render_page(records: Mapping[str, Mapping[str, Any]], plots: Mapping[str, Sequence[str]]) -> str:
-    """The markdown page: the summary table, then a section per experiment."""
+def render_page(
+    records: Mapping[str, Mapping[str, Any]],
+    plots: Mapping[str, Sequence[str]],
+    gpu: Mapping[str, Any] | None = None,
+) -> str:
+    """The markdown page: the summary table, a section per experiment, then the GPU run's (`gpu_report`)."""
     lines = [
         "# Benchmarks: the Parrot paper's evaluation, side by side",
         "",
@@ -243,7 +248,8 @@ def render_page(records: Mapping[str, Mapping[str, Any]], plots: Mapping[str, Se
         'the same engine code (DESIGN.md, "How performance is measured"). The *Paper* column quotes the',
         "Parrot paper (OSDI'24, section 8). Absolute times are CPU or simulated times, never GPU claims:",
         "real-engine rows run the embedded tiny LLaMA on CPU; simulator rows are virtual seconds of a",
-        "latency profile.",
+        "latency profile. The last section, [gpu](#gpu), is the one measured on a GPU (`python -m",
+        "benchmarks.gpu` on a lent H100).",
         "",
         "The *Goal / tolerance* column holds each run to what is stored for it: a goal its headline",
         "metric's label states in `benchmarks/experiments.py` (`(goal >= 1.5)`; a range counts as reached",
@@ -271,6 +277,8 @@ def render_page(records: Mapping[str, Mapping[str, Any]], plots: Mapping[str, Se
         lines += [f"![headline ratios, ours vs the paper's]({plots['summary'][0]})", "", SUMMARY_CAPTION, ""]
     for e in EXPERIMENTS:
         lines += _section(e, records.get(e.name), plots.get(e.name, ()))
+    if gpu is not None:
+        lines += gpu_report.section(gpu)
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -533,10 +541,15 @@ def write_plots(records: Mapping[str, Mapping[str, Any]], img_dir: Path) -> dict
     return out
 
 
-def write_report(records: Mapping[str, Mapping[str, Any]], docs_dir: Path = DOCS_DIR) -> Path:
-    """Write the plots into ``docs_dir/img`` and the page into ``docs_dir/benchmarks.md``; return its path."""
+def write_report(
+    records: Mapping[str, Mapping[str, Any]],
+    docs_dir: Path = DOCS_DIR,
+    gpu: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write the plots into ``docs_dir/img`` and the page into ``docs_dir/benchmarks.md`` (with the GPU
+    record's section when given); return its path."""
     docs_dir.mkdir(parents=True, exist_ok=True)
     plots = write_plots(records, docs_dir / "img")
     page = docs_dir / PAGE
-    page.write_text(render_page(records, plots))
+    page.write_text(render_page(records, plots, gpu))
     return page

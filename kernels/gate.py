@@ -8,8 +8,12 @@ table). Results are identical either way; only speed differs.
 
 Thresholds:
 
-* CUDA (Triton kernels): at least 8 members and a prefix of at least 256 tokens. Below that a plain paged
-  decode launch already fills the GPU and the prefix is cheap to read.
+* CUDA (Triton kernels): at least 128 MiB of KV reads saved per layer. Measured on an H100 (bf16, 8 KV
+  heads x 128 dims = 4 KiB per token, device time with the L2 cache flushed, `benchmarks.kernels`): the
+  grouped pass was slower below that (8 sequences sharing 1k tokens, 29 MiB saved: 0.60x) and faster from
+  about there on (8 x 4k, 117 MiB: 1.06x; 32 x 1k, 124 MiB: 1.18x; 64 x 1k: 1.34x; 64 x 4k: 2.48x). The
+  former gate (8 members, 256 tokens) grouped steps the kernel made slower. Grouped steps also run without
+  the engine's CUDA graphs (`server.engine.cuda_graphs`), a cost this kernel-level crossover leaves out.
 * CPU (torch path): at least 2 members and at least 6 MiB of KV reads saved per layer,
   ``(members - 1) * prefix_len * kv_bytes_per_token``. Measured on 2 cores: the grouped pass costs a fixed
   ~0.2 ms per layer (prefix pass, merge), which plain decode spends reading about that much KV. With the
@@ -21,15 +25,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = [
-    "CPU_MIN_SAVED_BYTES",
-    "CUDA_MIN_MEMBERS",
-    "CUDA_MIN_PREFIX",
-    "should_share_prefix",
-]
+__all__ = ["CPU_MIN_SAVED_BYTES", "CUDA_MIN_SAVED_BYTES", "should_share_prefix"]
 
-CUDA_MIN_MEMBERS = 8
-CUDA_MIN_PREFIX = 256
+CUDA_MIN_SAVED_BYTES = 128 << 20
 CPU_MIN_SAVED_BYTES = 6 << 20
 _DEFAULT_KV_BYTES_PER_TOKEN = 2 * 8 * 128 * 4
 
@@ -48,11 +46,11 @@ def should_share_prefix(
         prefix_len: shared tokens (the engine shares whole blocks).
         device: where attention runs (``torch.device`` or a string such as ``"cuda:0"`` / ``"cpu"``).
         kv_bytes_per_token: K plus V bytes of one token in one layer
-            (``2 * num_kv_heads * head_dim * element_size``); used on CPU, default 8 KiB.
+            (``2 * num_kv_heads * head_dim * element_size``); default 8 KiB.
     """
     if num_members < 2 or prefix_len <= 0:
         return False
+    saved = (num_members - 1) * prefix_len * (kv_bytes_per_token or _DEFAULT_KV_BYTES_PER_TOKEN)
     if torch.device(device).type == "cuda":
-        return num_members >= CUDA_MIN_MEMBERS and prefix_len >= CUDA_MIN_PREFIX
-    per_token = kv_bytes_per_token or _DEFAULT_KV_BYTES_PER_TOKEN
-    return (num_members - 1) * prefix_len * per_token >= CPU_MIN_SAVED_BYTES
+        return saved >= CUDA_MIN_SAVED_BYTES
+    return saved >= CPU_MIN_SAVED_BYTES

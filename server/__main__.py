@@ -204,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         log.info("the OpenAI routes require an API key (%d configured)", len(settings.api_keys))
     config = EngineConfig(
         num_kv_blocks=args.num_kv_blocks,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        cuda_graphs=not args.enforce_eager,
         max_running_tokens=args.max_running_tokens,
         dtype=args.dtype,
         scheduling=args.scheduling,

@@ -84,10 +84,32 @@ def add_listen_args(parser: argparse.ArgumentParser, port: int) -> None:
     parser.add_argument("--port", type=int, default=port, help="port to listen on (0: a free one, logged)")
 
 
+def _fraction(text: str) -> float:
+    """A number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text} is not in (0, 1]")
+    return value
+
+
 def add_memory_args(parser: argparse.ArgumentParser) -> None:
-    """``--num-kv-blocks`` and ``--dtype``: each engine's KV cache size and number format."""
+    """``--num-kv-blocks``, ``--gpu-memory-utilization``, ``--dtype`` and ``--enforce-eager``: each engine's
+    KV cache size, number format and whether its GPU decode steps replay CUDA graphs (vLLM's names)."""
     parser.add_argument(
         "--num-kv-blocks", type=int, default=None, help="KV cache blocks of each engine (default: what fits)"
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=_fraction,
+        default=0.85,
+        help="share of the GPU's memory each engine may take, weights included (several engines on one GPU: "
+        "split it, e.g. 0.4 each)",
+    )
+    parser.add_argument(
+        "--enforce-eager", action="store_true", help="on a GPU, run every step eagerly (no CUDA graphs)"
     )
     parser.add_argument(
         "--dtype",

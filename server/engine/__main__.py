@@ -110,6 +110,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        cuda_graphs=not args.enforce_eager,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         max_running_tokens=args.max_running_tokens,

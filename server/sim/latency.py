@@ -80,11 +80,16 @@ def fit_latency_model(
     """Least-squares fit (non-negative coefficients) of step time to step features.
 
     Steps are weighted by 1/time so short decode steps count as much as long prefills (what matters is
-    relative error per step). ``shared_prefix_decode`` says whether the traced engine read shared prefixes
-    once (its grouping was on and paid off) — the feature used for KV reads follows it.
+    relative error per step); steps that ran no model are left out. ``shared_prefix_decode`` says whether
+    the traced engine read shared prefixes once (its grouping was on and paid off) — the feature used for
+    KV reads follows it.
     """
+    # A step that ran no model (every chunk 0 tokens: a generate's first token sampled from a stored hidden
+    # state) costs sampling alone; its time says nothing of these coefficients and, weighted by 1/time,
+    # would outweigh the real steps.
+    records = [r for r in records if r.features.prefill_tokens or r.features.decode_seqs]
     if len(records) < 5:
-        raise ValueError(f"need at least 5 traced steps to fit a latency model, got {len(records)}")
+        raise ValueError(f"need at least 5 traced model steps to fit a latency model, got {len(records)}")
     x = np.array([_row(r.features, shared_prefix_decode) for r in records], dtype=np.float64)
     y = np.array([r.seconds for r in records], dtype=np.float64)
     w = 1.0 / np.maximum(y, 1e-6)

@@ -100,3 +100,30 @@ def test_failed_capture_falls_back_to_eager(gqa_model: Path, caplog: pytest.LogC
     with _engine(gqa_model, Broken()) as engine:
         assert engine._runner.graphs is None
     assert "CUDA graph capture failed" in caplog.text
+
+
+def test_engine_flags_as_vllm_names_them() -> None:
+    from server.engine.__main__ import engine_config, parse_args
+
+    config = engine_config(parse_args(["--gpu-memory-utilization", "0.4", "--enforce-eager"]))
+    assert config.gpu_memory_utilization == 0.4 and not config.cuda_graphs
+    assert engine_config(parse_args([])).cuda_graphs
+    with pytest.raises(SystemExit):
+        parse_args(["--gpu-memory-utilization", "1.5"])
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        EngineConfig(gpu_memory_utilization=0.0)
+
+
+def test_gpu_kv_budget_is_this_engines_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    """KV = utilization x total - weights - activations, never more than is free; a clear error if none."""
+    import torch
+
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (60 * gib, 80 * gib))
+    config = EngineConfig(device="cuda", gpu_memory_utilization=0.4)
+    assert config.kv_cache_bytes(model_bytes=14 * gib, activation_bytes=2 * gib) == 16 * gib
+    # Less free than the share allows (another engine holds the rest): what is free, less 2% slack.
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * gib, 80 * gib))
+    assert config.kv_cache_bytes(model_bytes=14 * gib) == 10 * gib - 80 * gib // 50
+    with pytest.raises(ValueError, match="no GPU memory left for the KV cache"):
+        EngineConfig(device="cuda", gpu_memory_utilization=0.1).kv_cache_bytes(model_bytes=14 * gib)

@@ -209,3 +209,25 @@ def test_a_map_reduce_app_runs_on_the_real_manager_over_simulated_engines() -> N
     # run at full capacity on one engine.
     assert reasons == {"0/task_group": 6, "0/find_engine": 1}
     assert 0.4 < now < 5  # two delayed requests (session, batch) plus the work: seconds, not minutes
+
+
+def test_h100_profile_is_the_fit_of_its_recorded_trace() -> None:
+    """The measured GPU profile is exactly what the latency fit makes of the steps recorded on the H100."""
+    import json
+    from pathlib import Path
+
+    from server.engine.step_features import StepFeatures, StepRecord
+    from server.sim.latency import fit_latency_model, load_profile
+
+    record = json.loads((Path(__file__).parents[2] / "benchmarks/results/gpu.json").read_text())
+    trace = [StepRecord(StepFeatures(**s["features"]), s["seconds"]) for s in record["profile_trace"]]
+    shipped = load_profile("h100-llama7b")
+    fitted = fit_latency_model(
+        trace, shipped.name, kv_tokens=shipped.kv_tokens, max_model_len=shipped.max_model_len
+    )
+    for field in ("base", "prefill_token", "prefill_pair", "decode_seq", "kv_token"):
+        assert getattr(fitted, field) == pytest.approx(getattr(shipped, field), rel=1e-6, abs=1e-12)
+    # And it predicts the traced model steps it was fitted to: measured 2.6% median error, 16% at p90.
+    model_steps = [r for r in trace if r.features.prefill_tokens or r.features.decode_seqs]
+    errors = sorted(abs(shipped.seconds(r.features) - r.seconds) / r.seconds for r in model_steps)
+    assert errors[len(errors) // 2] < 0.05 and errors[int(0.9 * len(errors))] < 0.25

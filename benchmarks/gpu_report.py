@@ -1,0 +1,136 @@
+"""The results page's GPU section, rendered from ``benchmarks/results/gpu.json`` (`benchmarks.gpu`'s record).
+
+The GPU runs on a machine lent by chance, not through the runner, so its record is its own file and this
+section its own part of the page: the GPU, the tests, the kernels, the engine against HF ``generate`` and
+the simulator profile fitted there, each against the goals of the GPU issue.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import markdown_table
+
+RECORD = "gpu.json"
+# The GPU issue's goals: metric, comparison, bound, what it means.
+GOALS = (
+    ("kernel_speedup_b32_p4096", ">=", 9.0, "shared-prefix kernel vs paged decode, batch 32, 4k prefix"),
+    ("kernel_speedup_b64_p4096", ">=", 12.0, "shared-prefix kernel vs paged decode, batch 64, 4k prefix"),
+    ("decode_ratio_vs_hf_b64", ">=", 3.0, "engine decode vs HF generate at batch 64 (7B shape)"),
+    ("floor_ratio_b1_llama-2-7b", "<=", 1.5, "batch-1 decode time over its memory-bandwidth floor (7B)"),
+)
+
+
+def load(results_dir: Path) -> dict[str, Any] | None:
+    """The GPU record in ``results_dir``, or None when no GPU run was recorded."""
+    path = results_dir / RECORD
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _met(value: float, op: str, bound: float) -> bool:
+    return value >= bound if op == ">=" else value <= bound
+
+
+def section(record: Mapping[str, Any]) -> list[str]:
+    """Markdown lines of the GPU section."""
+    env, metrics = record.get("env", {}), record.get("metrics", {})
+    lines = [
+        "## gpu",
+        "",
+        f"**The GPU path, measured** — {record.get('gpu')}, torch {env.get('torch')}, triton "
+        f"{env.get('triton')}; `{record.get('command', 'python -m benchmarks.gpu --out DIR')}` at "
+        f"{record.get('measured_at', '?')}, commit `{record.get('commit', '?')}`. Models are random-weight "
+        "LLaMAs at real shapes (`benchmarks/harness/random_models.py`): speed does not depend on weights.",
+        "",
+    ]
+    rows = []
+    for key, op, bound, label in GOALS:
+        value = metrics.get(key)
+        verdict = "—" if value is None else "✓" if _met(value, op, bound) else "✗"
+        shown = "not measured" if value is None else f"{value:.2f}"
+        rows.append([label, f"`{key}`", shown, f"{op} {bound:g}", verdict])
+    lines += [markdown_table(["Goal", "Metric", "Ours", "Goal", ""], rows, [False, False, True, True, False])]
+    tests = record.get("tests") or {}
+    if tests:
+        partial = " (stopped by the run's time budget before the end)" if tests.get("incomplete") else ""
+        lines += [
+            "",
+            f"Tests on the GPU: {tests['tests']} run, {tests['failures']} failed, {tests['errors']} errors, "
+            f"{tests['skipped']} skipped{partial}.",
+        ]
+    lines += ["", *_kernels(record), "", *_engine(record)]
+    profile = record.get("profile")
+    if profile:
+        coefficients = ", ".join(
+            f"{k} {profile[k]:.3g} s"
+            for k in ("base", "prefill_token", "prefill_pair", "decode_seq", "kv_token")
+        )
+        lines += ["", f"Simulator profile `{profile['name']}` fitted on this run: {coefficients}.", ""]
+    return lines
+
+
+def _kernels(record: Mapping[str, Any]) -> list[str]:
+    payload = (record.get("payloads") or {}).get("kernels_bf16") or {}
+    if not payload.get("rows"):
+        return []
+    rows = [
+        [
+            str(r["batch"]),
+            str(r["prefix"]),
+            f"{r['plain_ms']:.3f}",
+            f"{r['shared_ms']:.3f}",
+            f"{r['speedup']:.2f}x",
+            f"{r['ceiling']:.2f}x",
+            f"{r.get('plain_wall_ms', float('nan')):.3f} / {r.get('shared_wall_ms', float('nan')):.3f}",
+        ]
+        for r in payload["rows"]
+    ]
+    headers = ["batch", "prefix", "paged ms", "shared ms", "speedup", "ceiling", "wall ms paged / shared"]
+    return [
+        "Shared-prefix vs paged decode attention, one layer (GQA 32/8, head dim 128, bf16, suffix 256): "
+        "device time with the L2 cache flushed before each call; the wall time of an eager call beside it.",
+        "",
+        markdown_table(headers, rows, [True] * len(headers)),
+    ]
+
+
+def _engine(record: Mapping[str, Any]) -> list[str]:
+    payload = (record.get("payloads") or {}).get("engine") or {}
+    rows = []
+    for shape in payload.get("shapes", []):
+        for r in shape.get("rows", []):
+            eager = r.get("ours_eager", {}).get("decode_tps")
+            rows.append(
+                [
+                    shape["shape"],
+                    str(r["batch"]),
+                    f"{r['ours']['decode_tps']:.0f}",
+                    "—" if eager is None else f"{eager:.0f}",
+                    f"{r['hf']['decode_tps']:.0f}",
+                    f"{r['decode_ratio_vs_hf']:.2f}x",
+                    f"{r['prefill_ratio_vs_hf']:.2f}x",
+                    f"{r['same_tokens_hf']:.0%}",
+                ]
+            )
+    if not rows:
+        return []
+    headers = [
+        "shape",
+        "batch",
+        "ours decode tok/s",
+        "ours eager",
+        "HF",
+        "ours/HF",
+        "prefill ours/HF",
+        "same tok",
+    ]
+    return [
+        "Engine decode (CUDA graphs on; *eager*: the same engine with them off, same weights) against HF "
+        "`generate`, bf16, prompts 128-256 tokens, 32 new tokens. Random weights leave near-ties, so bf16 "
+        "greedy tokens agree with HF's only in part; graphs and eager agree on every token.",
+        "",
+        markdown_table(headers, rows, [False] + [True] * (len(headers) - 1)),
+    ]

@@ -1,0 +1,110 @@
+"""The GPU measurement command (`benchmarks.gpu`) and its parts, checked where they can be on CPU: the steps'
+orchestration and record, the random real-shape models, the tuning sweep's decisions and the page's GPU
+section (from the committed H100 record)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import gpu, gpu_report, kernel_tuning
+from benchmarks.harness import random_models
+from benchmarks.report import render_page
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_two_steps_run_end_to_end_on_cpu(tmp_path: Path) -> None:
+    out, archive = tmp_path / "gpu", tmp_path / "gpu.tgz"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.gpu",
+            "--out",
+            str(out),
+            "--tiny",
+            "--only",
+            "env",
+            "kernels_bf16",
+            "--archive",
+            str(archive),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    record = json.loads((out / "gpu.json").read_text())
+    assert set(record["steps"]) == {"env", "kernels_bf16"}
+    assert all(s["status"] == "ok" for s in record["steps"].values())
+    assert "kernel_speedup_b2_p256" in record["metrics"]  # the tiny shapes' figures, gathered
+    assert record["env"]["torch"] == torch.__version__
+    with tarfile.open(archive) as tar:
+        assert "gpu/kernels_bf16.json" in tar.getnames()
+    assert "kernels_bf16" in done.stdout  # the summary table, printed last
+
+
+def test_a_step_over_its_time_is_stopped_and_recorded(tmp_path: Path) -> None:
+    step = gpu.Step("sleepy", [sys.executable, "-c", "import time; time.sleep(30)"], limit_s=1)
+    status = gpu.run_step(step, tmp_path, deadline=float("inf"))
+    assert status["status"] == "timed out after 1 s"
+
+
+def test_test_counts_from_a_cut_off_pytest_log(tmp_path: Path) -> None:
+    (tmp_path / "tests.log").write_text(
+        "tests/a.py::test_one PASSED [ 10%]\ntests/a.py::test_two FAILED [ 20%]\n"
+        "tests/a.py::test_three SKIPPED (no) [ 30%]\nsome other line\n"
+    )
+    counts = gpu._log_counts(tmp_path / "tests.log")
+    assert counts is not None
+    assert (counts["tests"], counts["failures"], counts["skipped"]) == (3, 1, 1)
+    assert counts["failed"] == ["tests/a.py::test_two"] and counts["incomplete"]
+    (tmp_path / "x.log").write_text("RESULT kernels speedup_b8_p1024=0.6 ceiling=nan bad=x\n")
+    assert gpu.result_metrics(tmp_path / "x.log") == {
+        "speedup_b8_p1024": 0.6,
+        "ceiling": pytest.approx(float("nan"), nan_ok=True),
+    }
+
+
+def test_random_model_shapes_and_shared_weights() -> None:
+    # Parameter counts of the real models these shapes copy (from their configs).
+    assert random_models.parameter_count("smollm2-135m") == 134_515_008
+    assert round(random_models.parameter_count("llama-3.2-1b") / 1e9, 2) == 1.24
+    assert round(random_models.parameter_count("llama-2-7b") / 1e9, 2) == 6.74
+    assert random_models.kv_bytes_per_token("llama-2-7b", torch.bfloat16) == 512 * 1024
+    with pytest.raises(ValueError, match="unknown model shape"):
+        random_models.hf_config("llama-70b")
+
+
+def test_tuning_decisions() -> None:
+    rows = [
+        {"setting": "BLOCK_N", "value": v, "plain_ms": p, "shared_ms": s}
+        for v, p, s in ((32, 1.0, 1.0), (64, 0.8, 0.9), (128, 0.7, 1.5))
+    ]
+    assert kernel_tuning.best_values(rows) == {"BLOCK_N": 64}
+    gate = [
+        {"prefix": 1024, "batch": b, "speedup": x}
+        for b, x in ((2, 0.5), (4, 1.1), (8, 0.9), (16, 1.2), (32, 1.5))
+    ] + [{"prefix": 128, "batch": 2, "speedup": 0.4}]
+    assert kernel_tuning.gate_crossover(gate) == {128: None, 1024: 16}
+
+
+def test_page_has_the_gpu_section_from_the_committed_record() -> None:
+    record = gpu_report.load(ROOT / "benchmarks" / "results")
+    assert record is not None and "H100" in record["gpu"]
+    for key in ("kernel_speedup_b32_p4096", "kernel_speedup_b64_p4096", "decode_ratio_vs_hf_b64"):
+        assert key in record["metrics"]
+    page = render_page({}, {}, record)
+    section = page[page.index("## gpu") :]
+    assert "| engine decode vs HF generate at batch 64 (7B shape)" in section
+    assert f"{record['metrics']['decode_ratio_vs_hf_b64']:.2f}" in section
+    assert "## gpu" not in render_page({}, {})
+    assert gpu_report.load(ROOT / "tests") is None
