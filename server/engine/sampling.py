@@ -157,30 +157,54 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
 ) -> list[int]:
-    """Pick one token per row of ``logits`` ([N, vocab]) under each row's parameters."""
+    """Pick one token per row of ``logits`` ([N, vocab]) under each row's parameters.
+
+    Every row is sampled where the logits are (on the GPU there), in one batch: temperature, top-k and
+    top-p as tensors of per-row values, then inverse-CDF sampling. Each request's own generator (on the
+    CPU) draws only its row's uniform number, so a seeded request picks the same tokens whatever else is
+    in the batch; one transfer brings the N tokens back.
+    """
     logits = logits.float()
-    out = greedy_tokens(logits).tolist()
-    for i, p in enumerate(params):
-        if p.temperature < _TINY:  # greedy; below float32's range it would divide by zero (the limit: greedy)
-            continue
-        # Per-request generators live on the CPU; one row of logits is cheap to bring there.
-        # Shifted by the max first (softmax does not change): a tiny temperature then sends the others to
-        # -inf instead of overflowing every logit to inf (NaN probabilities).
-        row = logits[i].cpu()
-        row = (row - row.max()) / p.temperature
-        if p.top_k > 0 and p.top_k < row.numel():
-            kth = torch.topk(row, p.top_k).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        probs = torch.softmax(row, dim=-1)
-        if p.top_p < 1.0:
-            sorted_probs, order = torch.sort(probs, descending=True)
-            # keep the smallest set whose mass reaches top_p (the token that crosses it stays in)
-            drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
-            drop[0] = False  # the most likely token always stays (a top_p below float32's range is 0)
-            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        out[i] = int(torch.multinomial(probs, 1, generator=generators[i]).item())
-    return out
+    picked = greedy_tokens(logits)
+    rows = [i for i, p in enumerate(params) if p.temperature >= _TINY]  # below: greedy (the limit)
+    if rows:
+        chosen = [params[i] for i in rows]
+        uniforms = torch.stack([torch.rand((), generator=generators[i]) for i in rows])
+        picked[rows] = _sample_rows(logits[rows], chosen, uniforms.to(logits.device))
+    return picked.tolist()
+
+
+def _per_row(values: list[float], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(1)
+
+
+def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], uniforms: torch.Tensor) -> torch.Tensor:
+    """Temperature, top-k and top-p over ``logits`` ([n, vocab], fp32), then the token whose cumulative
+    probability first exceeds each row's uniform number (scaled to the kept mass)."""
+    vocab = logits.shape[1]
+    # Shifted by the max first (softmax does not change): a tiny temperature then sends the others to -inf
+    # instead of overflowing every logit to inf (NaN probabilities).
+    x = (logits - logits.amax(dim=1, keepdim=True)) / _per_row([p.temperature for p in params], logits)
+    order = None
+    if any(0 < p.top_k < vocab or p.top_p < 1.0 for p in params):
+        x, order = torch.sort(x, dim=1, descending=True)
+        keep_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        ranks = torch.arange(vocab, device=x.device).unsqueeze(0)
+        x = x.masked_fill(ranks >= _per_row(keep_k, x), float("-inf"))  # ties at the k-th are cut too
+    probs = torch.softmax(x, dim=1)
+    if order is not None:
+        # The smallest set whose mass reaches top_p (the token that crosses it stays in); the likeliest
+        # token always stays (a top_p below float32's range is 0).
+        top_p = _per_row([p.top_p for p in params], probs)
+        drop = (probs.cumsum(dim=1) - probs >= top_p) & (ranks > 0)
+        probs = probs.masked_fill(drop, 0.0)
+    cdf = probs.cumsum(dim=1)
+    target = (uniforms * cdf[:, -1]).unsqueeze(1)
+    index = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    # Rounding can put the target at the total mass: the last token with any probability then.
+    last = torch.where(probs > 0, torch.arange(vocab, device=probs.device), 0).amax(dim=1)
+    index = torch.minimum(index, last)
+    return index if order is None else order.gather(1, index.unsqueeze(1)).squeeze(1)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], tops: list[int]) -> list[TokenLogprob]:

@@ -51,6 +51,42 @@ def test_sampler_filters() -> None:
     assert {0, 1, 2, 3} <= set(hot)
 
 
+@pytest.mark.parametrize(
+    ("params", "expected"),
+    [
+        # softmax([0, 1, 2, 3] / 1.0)
+        (SamplingParams(temperature=1.0), [0.0321, 0.0871, 0.2369, 0.6439]),
+        # / 2.0: flatter
+        (SamplingParams(temperature=2.0), [0.1015, 0.1674, 0.2760, 0.4551]),
+        # top-k 2 renormalises the two likeliest
+        (SamplingParams(temperature=1.0, top_k=2), [0.0, 0.0, 0.2689, 0.7311]),
+        # top-p 0.8: 0.6439 alone is short of it, with 0.2369 it is reached
+        (SamplingParams(temperature=1.0, top_p=0.8), [0.0, 0.0, 0.2689, 0.7311]),
+    ],
+)
+def test_sampled_frequencies_follow_the_filtered_distribution(
+    params: SamplingParams, expected: list[float]
+) -> None:
+    """20,000 draws (each row its own seeded generator) land within 4 standard errors of each probability."""
+    n = 20_000
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]]).expand(n, 4)
+    gens = [torch.Generator().manual_seed(i) for i in range(n)]
+    counts = torch.bincount(torch.tensor(sample(logits, [params] * n, gens)), minlength=4) / n
+    for got, p in zip(counts.tolist(), expected, strict=True):
+        assert abs(got - p) <= 4 * (p * (1 - p) / n) ** 0.5 + 1e-9, (counts, expected)
+
+
+def test_a_seeded_row_ignores_the_rest_of_the_batch() -> None:
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(3))
+    mine = SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=5)
+    alone = sample(logits[2:3], [mine], [torch.Generator().manual_seed(5)])
+    others = [SamplingParams(temperature=t) for t in (0.0, 1.5, 0.7)] + [SamplingParams(), SamplingParams()]
+    params = [*others[:2], mine, *others[2:]]
+    gens = [None, torch.Generator().manual_seed(1), torch.Generator().manual_seed(5)]
+    gens += [torch.Generator().manual_seed(2), None, None]
+    assert sample(logits, params, gens)[2] == alone[0]
+
+
 async def test_seeded_sampling_is_reproducible_and_batch_independent(engine: LLMEngine) -> None:
     prompt = prompts(1, seed=20)[0]
     sp = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
