@@ -140,8 +140,7 @@ def load_pair(shape: str, config: EngineConfig, seed: int = 0) -> ModelPair:
     model_config = ModelConfig.from_hf_dict(hf_config(shape))
     # `build_model` moves each tensor to (device, dtype): already there, so ours shares HF's storage.
     state = {name: t.detach() for name, t in hf.state_dict().items()}
-    max_positions = min(model_config.max_position_embeddings, config.max_model_len or 1 << 62)
-    model = build_model(model_config, state, max_positions, device, dtype)
+    model = build_model(model_config, state, config.model_len(model_config), device, dtype)
     engine = LLMEngine(model, load_tokenizer("tiny"), model_config, config, shape)
     parameters = sum(p.numel() for p in hf.parameters())
     return ModelPair(shape, engine, hf, parameters)

@@ -233,6 +233,10 @@ class EngineConfig:
             )
         return usable
 
+    def model_len(self, model: ModelConfig) -> int:
+        """The context window: ``max_model_len`` if set, never past the model's positions."""
+        return min(model.max_position_embeddings, self.max_model_len or model.max_position_embeddings)
+
     def torch_device(self) -> torch.device:
         return torch.device(self.device)
 

@@ -254,7 +254,7 @@ class LLMEngine(KVExchange, GeneratesBySubmit):
         )
         graphs = None
         if graph_backend is not None:
-            max_len = min(model_config.max_position_embeddings, config.max_model_len or 1 << 62)
+            max_len = config.model_len(model_config)
             graphs = GraphSettings(graph_backend, config.max_num_seqs, max_len, scratch_block=num_blocks)
         runner = ModelRunner(model, kv, config.block_size, device, config.shared_prefix_decode, graphs=graphs)
         self._init_state(runner, tokenizer, model_config, config, model_name, num_blocks, kv.copy_block)
@@ -279,7 +279,7 @@ class LLMEngine(KVExchange, GeneratesBySubmit):
         self.tokenizer = tokenizer
         self.vocab_size = model_config.vocab_size
         self.block_size = config.block_size
-        self.max_model_len = min(model_config.max_position_embeddings, config.max_model_len or 1 << 62)
+        self.max_model_len = config.model_len(model_config)
         eos = set(model_config.eos_token_ids)
         if getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(tokenizer.eos_token_id)
@@ -340,7 +340,7 @@ class LLMEngine(KVExchange, GeneratesBySubmit):
         def load() -> tuple[Checkpoint, LlamaForCausalLM]:
             checkpoint = load_checkpoint(name_or_path, dtype, config.seed)
             cfg = checkpoint.config
-            max_positions = min(cfg.max_position_embeddings, config.max_model_len or 1 << 62)
+            max_positions = config.model_len(cfg)
             return checkpoint, build_model(cfg, checkpoint.state, max_positions, config.torch_device(), dtype)
 
         # On a thread that ends: a thread pool left here would slow the engine thread's (`compute_thread`).
