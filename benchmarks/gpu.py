@@ -1,8 +1,10 @@
 """One command that measures the GPU path: ``python -m benchmarks.gpu --out DIR``.
 
-Made for a bare CUDA machine with torch and triton preinstalled and no network (what else the project needs
-travels as wheels: see ``--check-imports``). Each step runs in its own process with a time limit, so one
-failure or hang costs only that step, and the whole run stays within ``--budget-s`` (default 9 minutes):
+Made for a bare CUDA machine with torch, triton and transformers preinstalled and no network: what else
+the project needs travels as wheels (12 MB; ``--wheels`` prints the ``pip download`` line that fetches them
+for Python 3.12, and the ``pip install --target`` line to run there first). Each step runs in its own
+process with a time limit, so one failure or hang costs only that step, and the whole run stays within
+``--budget-s`` (default 9 minutes):
 
 1. ``env``: the GPU, driver, torch and triton versions;
 2. ``tests``: the ``gpu`` tests plus the engine's HF parity tests (their engines default to CUDA there);
@@ -34,6 +36,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from benchmarks.harness.gpu_record import archive, env_info, gather, summary, wheel_commands
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -140,167 +144,6 @@ def run_step(step: Step, out: Path, deadline: float) -> dict[str, Any]:
     return {"status": status, "seconds": round(seconds, 1)}
 
 
-def archive(folder: Path, path: Path) -> None:
-    """``folder`` as a .tar.gz at ``path`` (written aside, then moved), without model folders."""
-    import tarfile
-
-    partial = path.with_suffix(".partial")
-    with tarfile.open(partial, "w:gz") as tar:
-        tar.add(folder, arcname=folder.name, filter=lambda m: None if m.name.endswith("-random") else m)
-    partial.replace(path)
-
-
-def env_info() -> dict[str, Any]:
-    import torch
-
-    info: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda}
-    try:
-        import triton
-
-        info["triton"] = triton.__version__
-    except ImportError:
-        info["triton"] = None
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        info |= {
-            "gpu": props.name,
-            "sm_count": props.multi_processor_count,
-            "memory_gib": round(props.total_memory / 2**30, 1),
-            "capability": f"{props.major}.{props.minor}",
-        }
-    try:  # paged varlen flash attention (a lead for prefill over the block cache without gathering)
-        import inspect
-
-        from torch.nn.attention import varlen
-
-        info["varlen_attn"] = str(inspect.signature(varlen.varlen_attn))
-    except (ImportError, AttributeError) as e:
-        info["varlen_attn"] = f"unavailable: {e}"
-    try:
-        smi = ["nvidia-smi", "--query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem", "--format=csv"]
-        info["nvidia_smi"] = subprocess.run(smi, capture_output=True, text=True, timeout=20).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        info["nvidia_smi"] = None
-    return info
-
-
-def _load(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def gather(out: Path, statuses: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """``DIR/gpu.json``: the GPU, every step's status, the headline metrics and each step's payload."""
-    env = _load(out / "env.json") or {}
-    metrics: dict[str, float] = {}
-    for short in ("bf16", "fp16"):
-        payload = _load(out / f"kernels_{short}.json") or {}
-        for row in payload.get("rows", []):
-            key = f"b{row['batch']}_p{row['prefix']}"
-            metrics[f"kernel_speedup_{key}" + ("" if short == "bf16" else "_fp16")] = row["speedup"]
-            if short == "bf16":
-                metrics[f"kernel_frac_of_ceiling_{key}"] = row["frac_of_ceiling"]
-    metrics |= result_metrics(out / "engine.log")
-    metrics |= {f"shared_prompt_{k}": v for k, v in result_metrics(out / "shared_prompt.log").items()}
-    metrics |= {f"tuning_{k}": v for k, v in result_metrics(out / "kernel_tuning.log").items()}
-    tests = _junit_counts(out / "tests.xml") or _log_counts(out / "tests.log")
-    return {
-        "benchmark": "gpu",
-        "gpu": env.get("gpu"),
-        "env": env,
-        "steps": statuses,
-        "tests": tests,
-        "metrics": metrics,
-        "payloads": {
-            name: _load(out / f"{name}.json")
-            for name in ("kernels_bf16", "kernels_fp16", "kernel_tuning", "engine", "shared_prompt")
-        },
-    }
-
-
-def result_metrics(log_path: Path) -> dict[str, float]:
-    """The figures of the ``RESULT`` line a step's log ends with (none: empty)."""
-    try:
-        lines = log_path.read_text(errors="replace").splitlines()
-    except OSError:
-        return {}
-    line = next((x for x in reversed(lines) if x.startswith("RESULT ")), "")
-    out: dict[str, float] = {}
-    for item in line.split()[2:]:
-        key, _, value = item.partition("=")
-        try:
-            out[key] = float(value)
-        except ValueError:
-            continue
-    return out
-
-
-def _log_counts(path: Path) -> dict[str, Any] | None:
-    """Outcomes read from pytest's ``-v`` lines when it wrote no report (stopped at the time limit): what
-    ran before it stopped."""
-    try:
-        lines = path.read_text(errors="replace").splitlines()
-    except OSError:
-        return None
-    outcome = {word: [ln.split()[0] for ln in lines if f" {word}" in ln and "::" in ln] for word in
-               ("PASSED", "FAILED", "ERROR", "SKIPPED")}  # fmt: skip
-    if not any(outcome.values()):
-        return None
-    return {
-        "tests": sum(map(len, outcome.values())),
-        "failures": len(outcome["FAILED"]),
-        "errors": len(outcome["ERROR"]),
-        "skipped": len(outcome["SKIPPED"]),
-        "failed": outcome["FAILED"] + outcome["ERROR"],
-        "incomplete": True,  # no junit report: the run stopped before the end
-    }
-
-
-def _junit_counts(path: Path) -> dict[str, Any] | None:
-    import xml.etree.ElementTree as ET
-
-    try:
-        root = ET.parse(path).getroot()
-    except (OSError, ET.ParseError):
-        return None
-    suite = root if root.tag == "testsuite" else root.find("testsuite")
-    if suite is None:
-        return None
-    counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
-    failed = [
-        f"{case.get('classname')}::{case.get('name')}"
-        for case in suite.iter("testcase")
-        if case.find("failure") is not None or case.find("error") is not None
-    ]
-    return counts | {"failed": failed}
-
-
-def summary(record: dict[str, Any]) -> str:
-    lines = [f"GPU: {record['gpu']}"]
-    for name, s in record["steps"].items():
-        lines.append(f"  {name:<14} {s['status']:<22} {s['seconds']:>6.0f} s")
-    if record["tests"]:
-        t = record["tests"]
-        lines.append(
-            f"tests: {t['tests']} run, {t['failures']} failed, {t['errors']} errors, {t['skipped']} skipped"
-        )
-        lines += [f"  FAILED {name}" for name in t["failed"][:10]]
-    for key, value in sorted(record["metrics"].items()):
-        if key.startswith(
-            (
-                "kernel_speedup_b32_p4096",
-                "kernel_speedup_b64_p4096",
-                "decode_ratio_vs_hf",
-                "floor_ratio",
-                "shared_prompt",
-            )
-        ):
-            lines.append(f"  {key} = {value:.3g}")
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, help="folder for every step's JSON and log")
@@ -313,7 +156,11 @@ def main(argv: list[str] | None = None) -> None:
         "--archive", type=Path, help="also write DIR as a .tar.gz here after every step (partial results)"
     )
     p.add_argument("--env-json", type=Path, help=argparse.SUPPRESS)  # the env step itself
+    p.add_argument("--wheels", action="store_true", help="print how to carry the missing packages, and exit")
     args = p.parse_args(argv)
+    if args.wheels:
+        print(wheel_commands())
+        return
     if args.env_json:
         args.env_json.write_text(json.dumps(env_info(), indent=2) + "\n")
         return

@@ -22,25 +22,30 @@ floor_ratio_b1_<shape>=...``.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
-import statistics
-import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from benchmarks import engine_throughput as et
 from benchmarks.common import engine_model, log, result_line, write_json
 from benchmarks.harness import engines, random_models
+from benchmarks.harness.gpu_results import (
+    EAGER,
+    PROFILE_BATCHES,
+    PROFILE_NEW,
+    PROFILE_PROMPTS,
+    ShapeResult,
+    copy_bandwidth,
+    fit_profile,
+    metrics,
+    row_of,
+    table,
+)
 from server.engine import EngineConfig, LLMEngine
 
 NAME = "gpu_engine"
-EAGER = "ours_eager"  # our engine with CUDA graphs off, as a system of the comparison
-# The calibration sweep of --profile-shape (`server.sim.calibrate`).
-PROFILE_BATCHES, PROFILE_PROMPTS, PROFILE_NEW = (1, 8, 32, 64), (128, 512), 12
 
 
 @dataclass(frozen=True)
@@ -60,37 +65,6 @@ class GpuConfig:
 
 QUICK = GpuConfig()
 TINY = GpuConfig(shapes=("smollm2-135m",), batches=(1, 4), prompt_len=16, new_tokens=4, repeats=1)
-
-
-@dataclass
-class ShapeResult:
-    shape: str
-    parameters: int
-    weight_bytes: int
-    kv_bytes_per_token: int
-    rows: list[dict[str, Any]] = field(default_factory=list)
-    skipped: dict[int, str] = field(default_factory=dict)  # batch -> why
-    floor: dict[str, float] = field(default_factory=dict)
-    error: str | None = None
-
-
-def copy_bandwidth(device: torch.device, mib: int = 1024, repeats: int = 10) -> float:
-    """Bytes per second a device-to-device copy moves, read and write counted (median of ``repeats``)."""
-    src = torch.ones(mib << 18, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
-    rates = []
-    for _ in range(repeats + 1):
-        _sync(device)
-        start = time.perf_counter()
-        dst.copy_(src)
-        _sync(device)
-        rates.append(2 * src.numel() * 4 / (time.perf_counter() - start))
-    return statistics.median(rates[1:])
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _fits(cfg: GpuConfig, batch: int, kv_per_token: int, weight_bytes: int, device: torch.device) -> str:
@@ -166,7 +140,7 @@ def run_shape(cfg: GpuConfig, shape: str, device: torch.device, dtype: str, band
             prompts = et.make_prompts(tokens, b, bench)
             log(f"{shape} batch {b}: {sum(map(len, prompts))} prompt tokens, {cfg.new_tokens} new each")
             result = et.measure_batch(ours, systems, prompts, bench)
-            out.rows.append(_row(result))
+            out.rows.append(row_of(result))
         b1 = next((r for r in out.rows if r["batch"] == 1), None)
         if b1 is not None:
             context = b1["prompt_tokens"] + cfg.new_tokens / 2  # the mean context of the decode steps
@@ -174,7 +148,7 @@ def run_shape(cfg: GpuConfig, shape: str, device: torch.device, dtype: str, band
             tps = b1["ours"]["decode_tps"]
             out.floor = {"floor_tps": 1 / floor_s, "decode_tps": tps, "floor_ratio": 1 / (floor_s * tps)}
         if cfg.profile_shape == shape:
-            out.floor["profile"] = _profile(pair.engine, shape)  # type: ignore[assignment]
+            out.floor["profile"] = fit_profile(pair.engine, shape)  # type: ignore[assignment]
         ours.close()
         if eager is not None:
             eager_runner.close()
@@ -187,110 +161,6 @@ def run_shape(cfg: GpuConfig, shape: str, device: torch.device, dtype: str, band
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return out
-
-
-def _row(r: et.BatchResult) -> dict[str, Any]:
-    systems = {
-        name: {
-            kind: getattr(rates, attr).value
-            for kind, attr in (
-                ("prefill_tps", "prefill_tps"),
-                ("decode_tps", "decode_tps"),
-                ("e2e_tps", "e2e_tps"),
-            )
-        }
-        | {"t_first": rates.t_first, "t_full": rates.t_full}
-        for name, rates in r.systems.items()
-    }
-    return {
-        "batch": r.batch,
-        "prompt_tokens": r.prompt_tokens,
-        "repeats": r.repeats,
-        **systems,
-        "decode_ratio_vs_hf": r.ratio("decode", "hf").median,
-        "prefill_ratio_vs_hf": r.ratio("prefill", "hf").median,
-        "e2e_ratio_vs_hf": r.ratio("e2e", "hf").median,
-        "same_tokens_hf": r.same_tokens["hf"],
-        **(
-            {
-                "decode_graphs_vs_eager": r.ratio("decode", EAGER).median,
-                "same_tokens_eager": r.same_tokens[EAGER],
-            }
-            if EAGER in r.systems
-            else {}
-        ),
-        "engine_preemptions": r.engine_preemptions,
-    }
-
-
-def _profile(engine: Any, shape: str) -> dict[str, Any]:
-    """Trace our engine over a sweep of batch shapes and fit the simulator's latency model to it."""
-    from server.sim.calibrate import calibrate
-    from server.sim.latency import fit_latency_model
-
-    log(f"{shape}: calibration sweep for the simulator's latency model ...")
-    loop = asyncio.new_event_loop()
-    try:
-        trace = loop.run_until_complete(
-            calibrate(
-                engine, batch_sizes=PROFILE_BATCHES, prompt_lens=PROFILE_PROMPTS, new_tokens=PROFILE_NEW
-            )
-        )
-    finally:
-        loop.close()
-    name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    model = fit_latency_model(
-        trace,
-        f"{shape} on {name}",
-        kv_tokens=engine.stats().blocks_total * engine.block_size,
-        max_model_len=engine.max_model_len,
-        shared_prefix_decode=False,
-        source=f"measured: our engine, random-weight {shape} shape, {name}, {len(trace)} traced steps",
-    )
-    steps = [{"features": asdict(s.features), "seconds": s.seconds} for s in trace]
-    return {"model": asdict(model), "steps": steps}
-
-
-def metrics(results: list[ShapeResult]) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for s in results:
-        for r in s.rows:
-            out[f"decode_ratio_vs_hf_b{r['batch']}_{s.shape}"] = r["decode_ratio_vs_hf"]
-            if "decode_graphs_vs_eager" in r:
-                out[f"graphs_vs_eager_b{r['batch']}_{s.shape}"] = r["decode_graphs_vs_eager"]
-        if "floor_ratio" in s.floor:
-            out[f"floor_ratio_b1_{s.shape}"] = s.floor["floor_ratio"]
-    # The headline: the largest model that ran batch 64.
-    for s in reversed(results):
-        row = next((r for r in s.rows if r["batch"] == 64), None)
-        if row is not None:
-            out["decode_ratio_vs_hf_b64"] = row["decode_ratio_vs_hf"]
-            break
-    return out
-
-
-def table(results: list[ShapeResult]) -> str:
-    lines = [
-        f"{'shape':<14} {'batch':>5} {'ours dec tok/s':>14} {'HF dec tok/s':>12} {'ours/HF':>8} "
-        f"{'prefill ours/HF':>15} {'same tok':>8}"
-    ]
-    for s in results:
-        if s.error:
-            lines.append(f"{s.shape:<14} error: {s.error.splitlines()[-1][:90]}")
-        for r in s.rows:
-            ours, hf = r["ours"]["decode_tps"], r["hf"]["decode_tps"]
-            lines.append(
-                f"{s.shape:<14} {r['batch']:>5} {ours:>14.0f} {hf:>12.0f} {r['decode_ratio_vs_hf']:>7.2f}x "
-                f"{r['prefill_ratio_vs_hf']:>14.2f}x {r['same_tokens_hf']:>8.0%}"
-            )
-        for b, why in s.skipped.items():
-            lines.append(f"{s.shape:<14} {b:>5} skipped: {why}")
-        if s.floor:
-            lines.append(
-                f"{s.shape:<14} batch 1: {s.floor['decode_tps']:.0f} tok/s, floor {s.floor['floor_tps']:.0f} "
-                f"tok/s (bytes / copy bandwidth): {s.floor['floor_ratio']:.2f}x the floor time"
-            )
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:

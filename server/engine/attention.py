@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 
 import kernels
 from kernels import cpu_kernels, torch_path
+from server.engine.fresh_prefill import FreshGroup, attend_causal, attend_group, fresh_groups
 
 
 @dataclass
@@ -79,6 +79,8 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]
     # Rows of contexts that start with KV on another engine (`server.engine.remote_kv`); None: no such row.
     remote: RemoteAttention | None = None
+    # How the fill chunks with nothing cached are batched (`fresh_groups`): made by the first layer.
+    fresh: list[FreshGroup] | None = None
 
 
 class AttentionBackend(Protocol):
@@ -119,11 +121,13 @@ class PagedAttentionBackend:
         if meta.decode is not None:
             n = meta.decode.num_seqs
             out[:n] = _decode(q[:n], k_cache, v_cache, meta.decode, scale)
+        if meta.fresh is None:
+            meta.fresh = fresh_groups([c for c in meta.prefills if c.num_cached == 0], q.device)
+        for group in meta.fresh:  # nothing before these chunks: their own K/V are all they attend to
+            attend_group(q, k, v, group, scale, out)
         for chunk in meta.prefills:
-            rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
-            if chunk.num_cached == 0:  # nothing before the chunk: its own K/V are all it attends to
-                out[rows] = _attend(q[rows], k[rows], v[rows], 0, scale)
-            else:
+            if chunk.num_cached > 0:
+                rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
                 out[rows] = _prefill(q[rows], k_cache, v_cache, chunk, scale)
         return out
 
@@ -197,22 +201,7 @@ def _prefill(
     # Only the written positions [0, ctx) are gathered: no unwritten slot is ever attended.
     k = k_cache[chunk.block_table].reshape(-1, kv_heads, head_dim)[:ctx]
     v = v_cache[chunk.block_table].reshape(-1, kv_heads, head_dim)[:ctx]
-    return _attend(q, k, v, chunk.num_cached, scale)
-
-
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int, scale: float) -> torch.Tensor:
-    """Causal attention of q [n, H, D] at positions num_cached.. over k, v [num_cached + n, KVH, D]."""
-    n, ctx = q.shape[0], k.shape[0]
-    # 4-D inputs: with a batch dim torch picks its fused (flash) CPU kernel; 3-D falls back to the math path.
-    qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-    gqa = qt.shape[1] != kt.shape[1]
-    if num_cached == 0:
-        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=gqa)
-    else:
-        rows = torch.arange(n, device=q.device).unsqueeze(1) + num_cached
-        mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= rows
-        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=gqa)
-    return o[0].transpose(0, 1)
+    return attend_causal(q, k, v, chunk.num_cached, scale)
 
 
 def pad_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:

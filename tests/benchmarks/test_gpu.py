@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from benchmarks import gpu, gpu_report, kernel_tuning
-from benchmarks.harness import random_models
+from benchmarks.harness import gpu_record, random_models
 from benchmarks.report import render_page
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,12 +63,12 @@ def test_test_counts_from_a_cut_off_pytest_log(tmp_path: Path) -> None:
         "tests/a.py::test_one PASSED [ 10%]\ntests/a.py::test_two FAILED [ 20%]\n"
         "tests/a.py::test_three SKIPPED (no) [ 30%]\nsome other line\n"
     )
-    counts = gpu._log_counts(tmp_path / "tests.log")
+    counts = gpu_record._log_counts(tmp_path / "tests.log")
     assert counts is not None
     assert (counts["tests"], counts["failures"], counts["skipped"]) == (3, 1, 1)
     assert counts["failed"] == ["tests/a.py::test_two"] and counts["incomplete"]
     (tmp_path / "x.log").write_text("RESULT kernels speedup_b8_p1024=0.6 ceiling=nan bad=x\n")
-    assert gpu.result_metrics(tmp_path / "x.log") == {
+    assert gpu_record.result_metrics(tmp_path / "x.log") == {
         "speedup_b8_p1024": 0.6,
         "ceiling": pytest.approx(float("nan"), nan_ok=True),
     }

@@ -1,0 +1,113 @@
+"""Fill attention for chunks with nothing cached before them: batched in groups of similar length.
+
+With many short prompts in a step, one attention call per chunk per layer costs more than the attention
+(on a GPU, hundreds of launches per layer), so such chunks are padded at their ends into a few batched
+causal calls (`fresh_groups`, `attend_group`); under the causal mask no real token sees the padding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+class Chunk(Protocol):
+    """A run of a step's rows (`server.engine.attention.PrefillChunk` is one)."""
+
+    @property
+    def token_start(self) -> int: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class FreshGroup:
+    """Fill chunks with nothing cached before them, of similar lengths, attended in one batched call: each
+    padded (at its end) to the longest, ``rows`` [G * L] the step rows of the padded batch (padding repeats
+    a chunk's first row), ``valid`` the positions of that batch that are real tokens."""
+
+    size: int  # G chunks
+    length: int  # L, the longest
+    rows: torch.Tensor  # [G * L] int64
+    valid: torch.Tensor  # [real tokens] int64, into [G * L]
+    start: int  # the first row of the longest chunk (a group of one is rows [start, start + L))
+
+
+# A chunk joins a group while it is at least this share of the group's longest (padding wastes at most the
+# rest of the attention work, a small part of a fill next to its linears).
+FRESH_GROUP_MIN_SHARE = 0.75
+
+
+def fresh_groups(chunks: Sequence[Chunk], device: torch.device) -> list[FreshGroup]:
+    """Chunks with nothing cached, longest first, cut into groups of similar length (`FreshGroup`).
+
+    One causal attention call per group instead of one per chunk: with many short prompts in a step the
+    per-call cost dominates (on a GPU, hundreds of launches per layer). Padding sits at each chunk's end,
+    so under the causal mask no real token sees it.
+    """
+    groups: list[FreshGroup] = []
+    ordered = sorted(chunks, key=lambda c: c.num_tokens, reverse=True)
+    while ordered:
+        longest = ordered[0].num_tokens
+        short = (i for i, c in enumerate(ordered) if c.num_tokens < FRESH_GROUP_MIN_SHARE * longest)
+        count = max(1, next(short, len(ordered)))  # ordered longest first: the group is a prefix
+        members, ordered = ordered[:count], ordered[count:]
+        rows: list[int] = []
+        valid: list[int] = []
+        for j, c in enumerate(members):
+            rows += range(c.token_start, c.token_start + c.num_tokens)
+            rows += [c.token_start] * (longest - c.num_tokens)
+            valid += range(j * longest, j * longest + c.num_tokens)
+        groups.append(
+            FreshGroup(
+                len(members),
+                longest,
+                torch.tensor(rows, dtype=torch.int64, device=device),
+                torch.tensor(valid, dtype=torch.int64, device=device),
+                members[0].token_start,
+            )
+        )
+    return groups
+
+
+def attend_group(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: FreshGroup, scale: float, out: torch.Tensor
+) -> None:
+    """Causal attention of a group's chunks over their own K/V, one batched call; writes ``out``'s rows."""
+    if group.size == 1:  # no padding, no gather
+        span = slice(group.start, group.start + group.length)
+        out[span] = attend_causal(q[span], k[span], v[span], 0, scale)
+        return
+    g, n = group.size, group.length
+
+    def batch(x: torch.Tensor) -> torch.Tensor:  # [G * L, heads, D] -> [G, heads, L, D]
+        return x.index_select(0, group.rows).view(g, n, *x.shape[1:]).transpose(1, 2)
+
+    qb, kb, vb = batch(q), batch(k), batch(v)
+    o = F.scaled_dot_product_attention(
+        qb, kb, vb, is_causal=True, scale=scale, enable_gqa=qb.shape[1] != kb.shape[1]
+    )
+    flat = o.transpose(1, 2).reshape(g * n, *q.shape[1:])
+    out.index_copy_(0, group.rows.index_select(0, group.valid), flat.index_select(0, group.valid))
+
+
+def attend_causal(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int, scale: float
+) -> torch.Tensor:
+    """Causal attention of q [n, H, D] at positions num_cached.. over k, v [num_cached + n, KVH, D]."""
+    n, ctx = q.shape[0], k.shape[0]
+    # 4-D inputs: with a batch dim torch picks its fused (flash) CPU kernel; 3-D falls back to the math path.
+    qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    gqa = qt.shape[1] != kt.shape[1]
+    if num_cached == 0:
+        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        rows = torch.arange(n, device=q.device).unsqueeze(1) + num_cached
+        mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= rows
+        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return o[0].transpose(0, 1)

@@ -1,0 +1,50 @@
+"""Fill chunks with nothing cached are attended in length groups, one batched causal call per group
+(`server.engine.fresh_prefill`): the same outputs as one call per chunk, padding never seen."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from server.engine.attention import AttentionMetadata, PagedAttentionBackend, PrefillChunk
+from server.engine.fresh_prefill import attend_causal, fresh_groups
+
+
+def _chunks(lengths: list[int]) -> list[PrefillChunk]:
+    out, start = [], 0
+    for n in lengths:
+        out.append(PrefillChunk(start, n, 0, torch.zeros(1, dtype=torch.int64)))
+        start += n
+    return out
+
+
+def test_groups_by_length() -> None:
+    groups = fresh_groups(_chunks([10, 40, 32, 31, 9, 12]), torch.device("cpu"))
+    # Longest first; a chunk joins while it is >= 75% of its group's longest (31 >= 30, 9 >= 9).
+    assert [(g.size, g.length) for g in groups] == [(3, 40), (3, 12)]
+    first = groups[0]
+    assert first.start == 10  # the 40-token chunk starts after the 10-token one
+    rows = first.rows.tolist()
+    assert rows[:40] == list(range(10, 50))
+    assert rows[40:80] == list(range(50, 82)) + [50] * 8  # the 32-token chunk, padded with its first row
+    assert rows[80:] == list(range(82, 113)) + [82] * 9
+    assert first.valid.tolist() == list(range(72)) + list(range(80, 111))
+    assert fresh_groups([], torch.device("cpu")) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_groups_equal_one_call_per_chunk(dtype: torch.dtype) -> None:
+    lengths = [5, 17, 16, 3, 30, 29, 1]
+    total, heads, kv_heads, dim = sum(lengths), 6, 2, 16
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(total, h, dim, generator=gen).to(dtype) for h in (heads, kv_heads, kv_heads))
+    chunks = _chunks(lengths)
+    meta = AttentionMetadata(slot_mapping=torch.zeros(total, dtype=torch.int64), decode=None, prefills=chunks)
+    cache = torch.zeros(1, 16, kv_heads, dim, dtype=dtype)
+    out = PagedAttentionBackend()(q, k, v, cache, cache, meta, dim**-0.5, layer=0)
+    assert meta.fresh is not None and any(g.size > 1 for g in meta.fresh)  # planned once, batched
+    for c in chunks:
+        rows = slice(c.token_start, c.token_start + c.num_tokens)
+        expected = attend_causal(q[rows], k[rows], v[rows], 0, dim**-0.5)
+        tol = {} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+        torch.testing.assert_close(out[rows], expected, **tol)
