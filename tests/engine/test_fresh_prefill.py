@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from server.engine import fresh_prefill
 from server.engine.attention import AttentionMetadata, PagedAttentionBackend, PrefillChunk
 from server.engine.fresh_prefill import attend_causal, fresh_groups
 
@@ -19,7 +20,9 @@ def _chunks(lengths: list[int]) -> list[PrefillChunk]:
 
 
 def test_groups_by_length() -> None:
-    groups = fresh_groups(_chunks([10, 40, 32, 31, 9, 12]), torch.device("cpu"))
+    chunks = _chunks([10, 40, 32, 31, 9, 12])
+    assert [g.size for g in fresh_groups(chunks, torch.device("cpu"))] == [1] * 6  # CPU: one call each
+    groups = fresh_groups(chunks, torch.device("cpu"), min_share=0.75)  # a GPU's grouping
     # Longest first; a chunk joins while it is >= 75% of its group's longest (31 >= 30, 9 >= 9).
     assert [(g.size, g.length) for g in groups] == [(3, 40), (3, 12)]
     first = groups[0]
@@ -33,7 +36,8 @@ def test_groups_by_length() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_batched_groups_equal_one_call_per_chunk(dtype: torch.dtype) -> None:
+def test_batched_groups_equal_one_call_per_chunk(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(fresh_prefill.MIN_SHARE_BY_DEVICE, "cpu", 0.75)  # group here as on a GPU
     lengths = [5, 17, 16, 3, 30, 29, 1]
     total, heads, kv_heads, dim = sum(lengths), 6, 2, 16
     gen = torch.Generator().manual_seed(0)
