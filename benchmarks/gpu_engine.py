@@ -117,8 +117,10 @@ def run_shape(cfg: GpuConfig, shape: str, device: torch.device, dtype: str, band
     log(f"{shape}: building {params / 1e9:.2f}B random parameters on {device} ({dtype}) ...")
     pair = random_models.load_pair(shape, config)
     eager: LLMEngine | None = None
+    runners: list[engines.OurEngine] = []  # their event loops, closed at the end
     try:
         ours = engines.OurEngine(pair.engine)
+        runners.append(ours)
         hf = engines.HFGenerate(pair.hf, pad_token_id=0)
         systems: list[engines.Generator] = [hf]
         if cfg.compare_eager and device.type == "cuda":
@@ -126,6 +128,7 @@ def run_shape(cfg: GpuConfig, shape: str, device: torch.device, dtype: str, band
             eager = LLMEngine(model, pair.engine.tokenizer, pair.engine.model_config, eager_config, shape)
             eager_runner = engines.OurEngine(eager)
             eager_runner.name = EAGER
+            runners.append(eager_runner)
             systems.insert(0, eager_runner)
         bench = et.BenchConfig(
             batches=tuple(batches),
@@ -148,11 +151,10 @@ def run_shape(cfg: GpuConfig, shape: str, device: torch.device, dtype: str, band
             tps = b1["ours"]["decode_tps"]
             out.floor = {"floor_tps": 1 / floor_s, "decode_tps": tps, "floor_ratio": 1 / (floor_s * tps)}
         if cfg.profile_shape == shape:
-            out.floor["profile"] = fit_profile(pair.engine, shape)  # type: ignore[assignment]
-        ours.close()
-        if eager is not None:
-            eager_runner.close()
+            out.profile = fit_profile(pair.engine, shape)
     finally:
+        for runner in runners:
+            runner.close()
         pair.engine.shutdown()
         if eager is not None:
             eager.shutdown()
@@ -200,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     print(table(results))
     found = metrics(results)
     if args.json:
-        profile = next((s.floor.pop("profile") for s in results if "profile" in s.floor), None)
+        profile = next((s.profile for s in results if s.profile is not None), None)
         write_json(
             args.json,
             {
@@ -209,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
                 "dtype": dtype,
                 "config": asdict(cfg),
                 "copy_bandwidth_bytes_per_s": bandwidth,
-                "shapes": [asdict(s) for s in results],
+                "shapes": [asdict(s) | {"profile": None} for s in results],  # the profile: its own file
                 "metrics": found,
             },
         )

@@ -22,6 +22,9 @@ PROFILE_BATCHES, PROFILE_PROMPTS, PROFILE_NEW = (1, 8, 32, 64), (128, 512), 12
 
 @dataclass
 class ShapeResult:
+    """One model shape's rows (a batch size each), the batch sizes skipped and why, the batch-1 floor, the
+    simulator profile fitted there (with ``--profile-shape``) and the error that stopped it, if any."""
+
     shape: str
     parameters: int
     weight_bytes: int
@@ -29,6 +32,7 @@ class ShapeResult:
     rows: list[dict[str, Any]] = field(default_factory=list)
     skipped: dict[int, str] = field(default_factory=dict)  # batch -> why
     floor: dict[str, float] = field(default_factory=dict)
+    profile: dict[str, Any] | None = None  # the fitted model and its traced steps (its own file)
     error: str | None = None
 
 
