@@ -12,8 +12,14 @@ Thresholds:
   heads x 128 dims = 4 KiB per token, device time with the L2 cache flushed, `benchmarks.kernels`): the
   grouped pass was slower below that (8 sequences sharing 1k tokens, 29 MiB saved: 0.60x) and faster from
   about there on (8 x 4k, 117 MiB: 1.06x; 32 x 1k, 124 MiB: 1.18x; 64 x 1k: 1.34x; 64 x 4k: 2.48x). The
-  former gate (8 members, 256 tokens) grouped steps the kernel made slower. Grouped steps also run without
-  the engine's CUDA graphs (`server.engine.cuda_graphs`), a cost this kernel-level crossover leaves out.
+  former gate (8 members, 256 tokens) grouped steps the kernel made slower.
+* CUDA, when the step would otherwise replay a CUDA graph (``graphed``; `server.engine.cuda_graphs` captures
+  no grouped step): at least 1 GiB saved per layer, since grouping then also pays for running the whole
+  step eagerly. An estimate from the same H100 run, not a measured crossover: a Llama-2-7B-shaped batch of
+  64 stepped in 19.7 ms eagerly against 12.3 ms replayed, ~0.23 ms per layer, the time ~0.7 GB of DRAM reads
+  take at its 3 TB/s; rounded up because the L2 cache serves part of plain decode's repeated prefix reads
+  (64 sequences over a 4k prefix of 4 KiB tokens, 1 GiB nominal, saved only 0.13 ms per layer). A 7B
+  without GQA (16 KiB per token) at 64 x 4k saves 4 GiB per layer and groups.
 * CPU (torch path): at least 2 members and at least 6 MiB of KV reads saved per layer,
   ``(members - 1) * prefix_len * kv_bytes_per_token``. Measured on 2 cores: the grouped pass costs a fixed
   ~0.2 ms per layer (prefix pass, merge), which plain decode spends reading about that much KV. With the
@@ -25,9 +31,15 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["CPU_MIN_SAVED_BYTES", "CUDA_MIN_SAVED_BYTES", "should_share_prefix"]
+__all__ = [
+    "CPU_MIN_SAVED_BYTES",
+    "CUDA_GRAPHED_MIN_SAVED_BYTES",
+    "CUDA_MIN_SAVED_BYTES",
+    "should_share_prefix",
+]
 
 CUDA_MIN_SAVED_BYTES = 128 << 20
+CUDA_GRAPHED_MIN_SAVED_BYTES = 1 << 30
 CPU_MIN_SAVED_BYTES = 6 << 20
 _DEFAULT_KV_BYTES_PER_TOKEN = 2 * 8 * 128 * 4
 
@@ -38,6 +50,7 @@ def should_share_prefix(
     device: torch.device | str,
     *,
     kv_bytes_per_token: int | None = None,
+    graphed: bool = False,
 ) -> bool:
     """Whether ``num_members`` decoding sequences sharing ``prefix_len`` tokens should be grouped.
 
@@ -47,10 +60,11 @@ def should_share_prefix(
         device: where attention runs (``torch.device`` or a string such as ``"cuda:0"`` / ``"cpu"``).
         kv_bytes_per_token: K plus V bytes of one token in one layer
             (``2 * num_kv_heads * head_dim * element_size``); default 8 KiB.
+        graphed: on CUDA, the step would otherwise replay a CUDA graph (grouped steps run eagerly).
     """
     if num_members < 2 or prefix_len <= 0:
         return False
     saved = (num_members - 1) * prefix_len * (kv_bytes_per_token or _DEFAULT_KV_BYTES_PER_TOKEN)
     if torch.device(device).type == "cuda":
-        return saved >= CUDA_MIN_SAVED_BYTES
+        return saved >= (CUDA_GRAPHED_MIN_SAVED_BYTES if graphed else CUDA_MIN_SAVED_BYTES)
     return saved >= CPU_MIN_SAVED_BYTES

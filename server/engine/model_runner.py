@@ -156,7 +156,7 @@ class ModelRunner:
         if ids:
             meta = AttentionMetadata(
                 slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
-                decode=self._decode_batch(decodes) if decodes else None,
+                decode=self._decode_batch(decodes, graphable=len(decodes) == len(batch)) if decodes else None,
                 prefills=[],
             )
             if len(decodes) == len(batch) and self.graphs is not None:
@@ -235,7 +235,9 @@ class ModelRunner:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)
 
-    def _decode_batch(self, decodes: list[ScheduledChunk]) -> DecodeBatch:
+    def _decode_batch(self, decodes: list[ScheduledChunk], graphable: bool = False) -> DecodeBatch:
+        """The decode rows' tables and lengths, grouped by shared prefix where that pays; ``graphable``: the
+        step is decodes alone, so ungrouped it would replay a CUDA graph (which grouping must outweigh)."""
         ctxs = [c.request.context for c in decodes]
         lens = [ctx.num_cached + 1 for ctx in ctxs]
         tables = [
@@ -245,19 +247,20 @@ class ModelRunner:
             block_tables=pad_tables(tables, self.device), context_lens=_int32(lens, self.device), groups=None
         )
         if self.shared_prefix_decode != "never" and len(ctxs) > 1:
-            batch.groups = self._group(ctxs, tables, lens)
+            graphed = graphable and self.graphs is not None and len(ctxs) <= self.graphs.max_batch
+            batch.groups = self._group(ctxs, tables, lens, graphed)
             self.grouped_decode_steps += batch.groups is not None
         return batch
 
-    def _worth_grouping(self, members: int, prefix_len: int) -> bool:
+    def _worth_grouping(self, members: int, prefix_len: int, graphed: bool) -> bool:
         if self.shared_prefix_decode == "always":
             return True
         return kernels.should_share_prefix(
-            members, prefix_len, self.device, kv_bytes_per_token=self._kv_bytes_per_token
+            members, prefix_len, self.device, kv_bytes_per_token=self._kv_bytes_per_token, graphed=graphed
         )
 
     def _group(
-        self, ctxs: list[Context], tables: list[list[int]], lens: list[int]
+        self, ctxs: list[Context], tables: list[list[int]], lens: list[int], graphed: bool = False
     ) -> SharedPrefixGroups | None:
         # Sequences whose first block is the same physical block share a prefix; its length is the longest
         # run of identical leading blocks, full in every member (a block someone writes is never shared).
@@ -272,7 +275,7 @@ class ModelRunner:
                 continue
             full = [ctxs[i].num_cached // self.block_size for i in members]
             n = shared_prefix_blocks([tables[i] for i in members], full)
-            if n == 0 or not self._worth_grouping(len(members), n * self.block_size):
+            if n == 0 or not self._worth_grouping(len(members), n * self.block_size, graphed):
                 continue
             for i in members:
                 group_of[i] = len(prefix_tables)

@@ -279,6 +279,10 @@ def test_gate() -> None:
     assert kernels.should_share_prefix(64, 1024, torch.device("cuda", 0), kv_bytes_per_token=four_k)  # 1.34x
     assert kernels.should_share_prefix(8, 6144, "cuda", kv_bytes_per_token=four_k)  # 1.23x
     assert not kernels.should_share_prefix(32, 128, "cuda")
+    # A step that would replay a CUDA graph must also pay for running eagerly: 1 GiB per layer.
+    assert not kernels.should_share_prefix(64, 4096, "cuda", kv_bytes_per_token=four_k, graphed=True)
+    mha_7b = 4 * four_k  # Llama-2-7B: 32 KV heads
+    assert kernels.should_share_prefix(64, 4096, "cuda", kv_bytes_per_token=mha_7b, graphed=True)
     assert kernels.should_share_prefix(2, 1024, "cpu")
     assert kernels.should_share_prefix(4, 256, "cpu")
     assert not kernels.should_share_prefix(1, 4096, "cpu")
