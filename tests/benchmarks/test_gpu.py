@@ -108,3 +108,12 @@ def test_page_has_the_gpu_section_from_the_committed_record() -> None:
     assert f"{record['metrics']['decode_ratio_vs_hf_b64']:.2f}" in section
     assert "## gpu" not in render_page({}, {})
     assert gpu_report.load(ROOT / "tests") is None
+
+
+def test_the_tests_step_runs_the_gpu_suites_without_the_moot_checks(tmp_path: Path) -> None:
+    by_name = {s.name: s for s in gpu.steps(tmp_path, tiny=False, tests_k=gpu.DEFAULT_TESTS_K)}
+    command = by_name["tests"].command
+    assert command[command.index("-k") + 1] == "not compile_for_cuda and not import_does_not_load"
+    assert "tests/engine/test_cuda_engine.py" in command and "tests/engine/test_cuda_graphs.py" in command
+    assert by_name["tests"].env == {"PARROT_CPU_KERNELS": "0"}
+    assert "--profile-shape" in by_name["engine"].command
