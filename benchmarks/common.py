@@ -257,6 +257,11 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]], right:
     return "\n".join([line(headers), rule + "|", *(line(r) for r in rows)])
 
 
+def bench_dtype(device: Any, name: str | None = None) -> str:
+    """The dtype a benchmark times in: ``name`` if given, else bfloat16 on CUDA and float32 on CPU."""
+    return name or ("bfloat16" if getattr(device, "type", device) == "cuda" else "float32")
+
+
 def result_line(name: str, metrics: dict[str, float | int]) -> str:
     """The ``RESULT <name> k=v ...`` line every benchmark ends with."""
 

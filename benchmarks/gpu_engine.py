@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import engine_throughput as et
-from benchmarks.common import engine_model, log, result_line, write_json
+from benchmarks.common import bench_dtype, engine_model, log, result_line, write_json
 from benchmarks.harness import engines, random_models
 from benchmarks.harness.gpu_results import (
     EAGER,
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     cfg = replace(cfg, **{k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items() if v})
     device = torch.device(args.device)
-    dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    dtype = bench_dtype(device, args.dtype)
     bandwidth = copy_bandwidth(device, 1024 if device.type == "cuda" else 64)
     log(f"copy bandwidth on {device}: {bandwidth / 1e9:.0f} GB/s (read + write)")
     results = []

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import log, result_line, write_json
+from benchmarks.common import bench_dtype, log, result_line, write_json
 from benchmarks.kernels import run_case
 
 SETTINGS: dict[str, tuple[int, ...]] = {
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
     device = torch.device(args.device)
-    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    dtype = getattr(torch, bench_dtype(device, args.dtype))
     if args.tiny:
         shapes, batches, prefixes, suffix, repeats = ((4, 64),), (2, 4), (32, 64), 16, 1
     else:

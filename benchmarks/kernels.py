@@ -37,7 +37,7 @@ if not __package__:
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import kernels
-from benchmarks.common import add_size_flags, machine_info, result_line, write_json
+from benchmarks.common import add_size_flags, bench_dtype, machine_info, result_line, write_json
 from benchmarks.plotting import pyplot, save
 from server.malloc_tuning import tune_glibc_malloc
 
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     device = torch.device(args.device)
-    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    dtype = getattr(torch, bench_dtype(device, args.dtype))
     # The engine process runs with this allocator setting; time the kernels as the engine runs them.
     tune_glibc_malloc()
     batches = [2, 8] if args.tiny else [8, 32, 64]

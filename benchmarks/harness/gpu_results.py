@@ -56,15 +56,9 @@ def _sync(device: torch.device) -> None:
 
 
 def row_of(r: et.BatchResult) -> dict[str, Any]:
+    """A batch's figures: each system's rates (tok/s) and times, ours over HF and over eager, same tokens."""
     systems = {
-        name: {
-            kind: getattr(rates, attr).value
-            for kind, attr in (
-                ("prefill_tps", "prefill_tps"),
-                ("decode_tps", "decode_tps"),
-                ("e2e_tps", "e2e_tps"),
-            )
-        }
+        name: {attr: getattr(rates, attr).value for attr in et.KINDS.values()}
         | {"t_first": rates.t_first, "t_full": rates.t_full}
         for name, rates in r.systems.items()
     }
@@ -73,9 +67,7 @@ def row_of(r: et.BatchResult) -> dict[str, Any]:
         "prompt_tokens": r.prompt_tokens,
         "repeats": r.repeats,
         **systems,
-        "decode_ratio_vs_hf": r.ratio("decode", "hf").median,
-        "prefill_ratio_vs_hf": r.ratio("prefill", "hf").median,
-        "e2e_ratio_vs_hf": r.ratio("e2e", "hf").median,
+        **{f"{kind}_ratio_vs_hf": r.ratio(kind, "hf").median for kind in et.KINDS},
         "same_tokens_hf": r.same_tokens["hf"],
         **(
             {

@@ -19,6 +19,7 @@ import torch
 from server.engine import EngineConfig, LLMEngine
 from server.engine.config import ModelConfig
 from server.engine.loader import build_model, load_tokenizer
+from server.engine.model_runner import KVCache
 
 # Hugging Face config.json fields of real models (their public configs), weights aside.
 SHAPES: dict[str, dict[str, Any]] = {
@@ -78,8 +79,8 @@ def hf_config(shape: str) -> dict[str, Any]:
 
 def kv_bytes_per_token(shape: str, dtype: torch.dtype) -> int:
     """K and V bytes one token takes over all layers."""
-    cfg = ModelConfig.from_hf_dict(hf_config(shape))
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
+    c = ModelConfig.from_hf_dict(hf_config(shape))
+    return KVCache.bytes_per_block(c.num_hidden_layers, 1, c.num_key_value_heads, c.head_dim, dtype)
 
 
 def parameter_count(shape: str) -> int:
@@ -99,7 +100,6 @@ class ModelPair:
     shape: str
     engine: LLMEngine
     hf: Any  # transformers.LlamaForCausalLM
-    parameters: int
 
 
 def random_hf_model(shape: str, device: torch.device, dtype: torch.dtype, seed: int = 0) -> Any:
@@ -121,15 +121,10 @@ def random_hf_model(shape: str, device: torch.device, dtype: torch.dtype, seed: 
 def save_folder(shape: str, folder: Path, dtype: torch.dtype, seed: int = 0) -> Path:
     """Write a random ``shape`` model as a Hugging Face folder (config, safetensors, the tiny tokenizer),
     for experiments that load models by path."""
-    import shutil
+    from server.engine.tiny.model import copy_tokenizer
 
-    from server.engine.tiny import TOKENIZER_DIR
-    from server.engine.tiny.model import TOKENIZER_FILES
-
-    model = random_hf_model(shape, torch.device("cpu"), dtype, seed)
-    model.save_pretrained(folder)
-    for name in TOKENIZER_FILES:
-        shutil.copy(TOKENIZER_DIR / name, folder / name)
+    random_hf_model(shape, torch.device("cpu"), dtype, seed).save_pretrained(folder)
+    copy_tokenizer(folder)
     return folder
 
 
@@ -141,9 +136,7 @@ def load_pair(shape: str, config: EngineConfig, seed: int = 0) -> ModelPair:
     # `build_model` moves each tensor to (device, dtype): already there, so ours shares HF's storage.
     state = {name: t.detach() for name, t in hf.state_dict().items()}
     model = build_model(model_config, state, config.model_len(model_config), device, dtype)
-    engine = LLMEngine(model, load_tokenizer("tiny"), model_config, config, shape)
-    parameters = sum(p.numel() for p in hf.parameters())
-    return ModelPair(shape, engine, hf, parameters)
+    return ModelPair(shape, LLMEngine(model, load_tokenizer("tiny"), model_config, config, shape), hf)
 
 
 if __name__ == "__main__":

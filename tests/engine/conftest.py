@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -12,8 +11,7 @@ import torch
 
 import kernels  # noqa: F401  (imported before transformers so TRITON_INTERPRET from conftest applies)
 from server.engine import EngineConfig, LLMEngine
-from server.engine.tiny import TOKENIZER_DIR
-from server.engine.tiny.model import TOKENIZER_FILES
+from server.engine.tiny.model import copy_tokenizer
 
 BASE_CONFIG: dict[str, Any] = {
     "vocab_size": 4096,
@@ -43,8 +41,7 @@ def save_hf_model(path: Path, seed: int = 0, max_shard_size: str | None = None, 
     model = LlamaForCausalLM(config).eval()
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(path, **kwargs)
-    for name in TOKENIZER_FILES:
-        shutil.copy(TOKENIZER_DIR / name, path / name)
+    copy_tokenizer(path)
     return path
 
 

@@ -68,12 +68,17 @@ def tiny_state_dict(seed: int = 0, config: dict[str, Any] | None = None) -> dict
     return state
 
 
+def copy_tokenizer(folder: str | Path) -> None:
+    """Write the tiny model's tokenizer files into ``folder`` (a model folder that uses its tokenizer)."""
+    for name in TOKENIZER_FILES:
+        shutil.copy(TOKENIZER_DIR / name, Path(folder) / name)
+
+
 def save_tiny(path: str | Path, seed: int = 0) -> Path:
     """Write "tiny" as a Hugging Face model folder (config.json, model.safetensors, tokenizer files)."""
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(TINY_CONFIG, indent=2))
     save_file(tiny_state_dict(seed), str(out / "model.safetensors"), metadata={"format": "pt"})
-    for name in TOKENIZER_FILES:
-        shutil.copy(TOKENIZER_DIR / name, out / name)
+    copy_tokenizer(out)
     return out
