@@ -1,4 +1,5 @@
-"""Our C++ kernels for CPU (``kernels/csrc/``), compiled on first use: decode attention and add + RMSNorm.
+"""Our C++ kernels for CPU (``kernels/csrc/``), compiled on first use: decode attention, add + RMSNorm, and
+the small elementwise parts of a layer (RoPE with the KV write, SwiGLU's activation).
 
 * **Paged decode attention** (``paged_decode_cpu.cpp``). torch's fused CPU attention pays microseconds of
   fixed cost per (sequence, KV head) pair — GEMMs with as few query rows as a KV head has query heads — and
@@ -12,6 +13,10 @@
 * **Residual add + RMSNorm** (``rms_norm_cpu.cpp``): ``h += delta`` then the norm, in one pass per row with
   the reference's roundings; the model uses it for bf16 and fp16 (3-4x the ~9 torch ops it replaces at
   1-64 rows), not for fp32, whose norms stay bit-identical to Hugging Face's.
+* **RoPE + KV write** (``rope_kv_cpu.cpp``): q and k rotated out of the fused q/k/v projection and the
+  step's k and v written into their cache slots, one pass per token (was ~7 ops per layer); and
+  **silu(gate) * up** (``silu_mul_cpu.cpp``, was 2 ops and a temporary). Both with the reference's roundings,
+  for bf16 and fp16 only, like the norm.
 
 They are built with torch's extension builder (ninja and a C++ compiler) into torch's extension cache the
 first time a process asks, for this machine's CPU (``-march=native``; the build's name carries the CPU's
@@ -37,15 +42,21 @@ __all__ = [
     "DISABLE_ENV",
     "AddRMSNorm",
     "PartialAttention",
+    "RopeWriteKV",
+    "SiluMul",
     "add_rms_norm_kernel",
     "clear_cache",
     "decode_kernel_covers",
     "paged_decode_kernel",
+    "rope_write_kv_kernel",
+    "silu_mul_kernel",
 ]
 
 log = logging.getLogger(__name__)
 
-SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+_CSRC = Path(__file__).parent / "csrc"
+SOURCES = sorted(_CSRC.glob("*.cpp"))
+HEADERS = sorted(_CSRC.glob("*.h"))
 DISABLE_ENV = "PARROT_CPU_KERNELS"  # "0": never build or use the kernels
 
 # (q [B, H, D], k_cache, v_cache [blocks, block_size, KVH, D], block_tables [B, n] int32,
@@ -57,6 +68,14 @@ PartialAttention = Callable[
 # (h [rows, hidden] contiguous, updated in place by delta when given, delta or None, weight [hidden], eps)
 # -> the normalised rows
 AddRMSNorm = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, float], torch.Tensor]
+# (qkv [T, (H + 2 KVH) D], cos [T, D], sin [T, D] (sign-folded, `server.engine.rope`), k_cache, v_cache,
+#  slot_mapping [T] int64, heads, kv_heads) -> (q [T, H, D], k [T, KVH, D]) rotated; k and v go to the cache
+RopeWriteKV = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int],
+    tuple[torch.Tensor, torch.Tensor],
+]
+# (gate_up [T, 2n]) -> silu(gate) * up [T, n]
+SiluMul = Callable[[torch.Tensor], torch.Tensor]
 
 _build_lock = threading.Lock()  # two engines of one process may start together: one build, one load
 
@@ -69,7 +88,9 @@ def _build_tag() -> str:
             flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
     except OSError:
         pass
-    text = "|".join([platform.machine(), flags, torch.__version__, *(p.read_text() for p in SOURCES)])
+    text = "|".join(
+        [platform.machine(), flags, torch.__version__, *(p.read_text() for p in SOURCES + HEADERS)]
+    )
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
@@ -120,6 +141,20 @@ def add_rms_norm_kernel() -> AddRMSNorm | None:
     """The fused residual add + RMSNorm, built on the first call; None as for `paged_decode_kernel`."""
     ops = _ops()
     return None if ops is None else ops.add_rms_norm
+
+
+def rope_write_kv_kernel() -> RopeWriteKV | None:
+    """RoPE of q and k with the step's KV written to the cache, built on the first call; None as for
+    `paged_decode_kernel` (bf16/fp16 only: fp32 keeps the reference's ops)."""
+    ops = _ops()
+    return None if ops is None else ops.rope_write_kv
+
+
+def silu_mul_kernel() -> SiluMul | None:
+    """SwiGLU's ``silu(gate) * up`` over the fused projection, built on the first call; None as for
+    `paged_decode_kernel` (bf16/fp16 only)."""
+    ops = _ops()
+    return None if ops is None else ops.silu_mul
 
 
 def clear_cache() -> None:

@@ -7,6 +7,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "bf16_avx512.h"
+
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -17,6 +19,12 @@
 #endif
 
 namespace {
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+using parrot_cpu::bf16_load;
+using parrot_cpu::bf16_round;
+using parrot_cpu::bf16_store;
+#endif
 
 template <typename T>
 void norm_row(T* hr, const T* dr, const T* weight, T* o, int64_t hidden, float eps, float* x) {
@@ -32,16 +40,6 @@ void norm_row(T* hr, const T* dr, const T* weight, T* o, int64_t hidden, float e
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-inline __m512 bf16_load(const c10::BFloat16* p) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-inline __m512 bf16_round(__m512 v) {  // to bf16 (round to nearest even) and back
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
-}
-inline void bf16_store(c10::BFloat16* p, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
-}
 
 // bf16 with hidden % 16 == 0: the same arithmetic sixteen lanes at a time.
 void norm_row_bf16_avx512(c10::BFloat16* hr, const c10::BFloat16* dr, const c10::BFloat16* weight,

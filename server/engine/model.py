@@ -11,7 +11,9 @@ Face reference's arithmetic op for op (the same products and sums, in place wher
 * q/k/v and gate/up run as one GEMM each over weights concatenated once after loading
   (`LlamaForCausalLM.prepare_weights`); the separate parameters stay, as views into the fused ones, so the
   state dict keeps its Hugging Face names and layout;
-* RoPE is applied to q and k together, with cos/sin looked up once per step for all layers (`rope.py`);
+* RoPE is applied to q and k together, with cos/sin looked up once per step for all layers (`rope.py`); on
+  CPU in bf16/fp16 one C++ pass rotates them and writes the step's K/V to the cache, and another computes
+  SwiGLU's ``silu(gate) * up`` (`kernels.cpu_kernels`);
 * each sublayer's output joins the residual stream inside the next RMSNorm (`RMSNorm.forward`'s
   ``delta``): one fused C++ pass for bf16/fp16 on CPU (`kernels.cpu_kernels`), the reference's ops for fp32;
 * linears call `kernels.cpu_linear.linear` on the weights directly (oneDNN for fp32 on CPU, faster than
@@ -28,11 +30,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu_kernels import add_rms_norm_kernel
+from kernels.cpu_kernels import add_rms_norm_kernel, rope_write_kv_kernel, silu_mul_kernel
 from kernels.cpu_linear import linear, pack_weight
 from server.engine.attention import AttentionBackend, AttentionMetadata
 from server.engine.config import ModelConfig
 from server.engine.rope import RotaryEmbedding, rotate
+
+
+def _cpu_half(x: torch.Tensor) -> bool:
+    """Whether our fused CPU kernels may take ``x``: bf16/fp16 on CPU (fp32 keeps the reference's ops, bit
+    for bit, for the parity tests)."""
+    return x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
 
 
 class RMSNorm(nn.Module):
@@ -115,13 +123,18 @@ class Attention(nn.Module):
         t = x.shape[0]
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = linear(x, self.qkv_weight, self.qkv_bias, self.qkv_packed)
-        # q and k are adjacent columns of the fused output: rotate them as one [T, H + KVH, D] tensor.
-        qk = rotate(qkv[:, : (heads + kv_heads) * d].view(t, heads + kv_heads, d), cos, sin)
-        q, k = qk[:, :heads], qk[:, heads:]
+        fused = rope_write_kv_kernel() if _cpu_half(qkv) and k_cache.is_contiguous() else None
+        if fused is not None:  # one pass: q and k rotated, the step's k and v written to their cache slots
+            q, k = fused(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, heads, kv_heads)
+        else:
+            # q and k are adjacent columns of the fused output: rotate them as one [T, H + KVH, D] tensor.
+            qk = rotate(qkv[:, : (heads + kv_heads) * d].view(t, heads + kv_heads, d), cos, sin)
+            q, k = qk[:, :heads], qk[:, heads:]
         v = qkv[:, (heads + kv_heads) * d :].view(t, kv_heads, d)
-        # The step's new K/V go into their cache slots first; attention then reads only the cache.
-        k_cache.view(-1, kv_heads, d).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, kv_heads, d).index_copy_(0, meta.slot_mapping, v)
+        if fused is None:
+            # The step's new K/V go into their cache slots first; attention then reads only the cache.
+            k_cache.view(-1, kv_heads, d).index_copy_(0, meta.slot_mapping, k)
+            v_cache.view(-1, kv_heads, d).index_copy_(0, meta.slot_mapping, v)
         o = backend(q, k, v, k_cache, v_cache, meta, self.scale, self.layer)
         return linear(o.reshape(t, heads * d), self.o_proj.weight, self.o_proj.bias, self.o_packed)
 
@@ -146,8 +159,12 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias, self.gate_up_packed)
-        n = self.intermediate_size
-        act = F.silu(gate_up[:, :n]).mul_(gate_up[:, n:])
+        fused = silu_mul_kernel() if _cpu_half(gate_up) else None
+        if fused is not None:
+            act = fused(gate_up)
+        else:
+            n = self.intermediate_size
+            act = F.silu(gate_up[:, :n]).mul_(gate_up[:, n:])
         return linear(act, self.down_proj.weight, self.down_proj.bias, self.down_packed)
 
 
