@@ -13,7 +13,8 @@ each, with its own HTTP connections, as separate users have). Reported:
 * server RSS (``/proc/<pid>/status``) before the load (after a warm-up wave), its peak during, and after
   the sessions ended, and the growth ``after / before - 1`` in percent; "before" and "after" are read once
   the server has been idle for ``settle_s`` (an idle server returns freed memory to the OS:
-  `server.malloc_tuning.release_free_memory`);
+  `server.malloc_tuning.release_free_memory`; the server started here runs, as ``python -m server`` does,
+  with ``PYTHONMALLOC=malloc``, `server.malloc_tuning.restart_with_objects_on_malloc`);
 * KV blocks in use on every engine after everything ended (``GET /v1/engines``, with the cluster token)
   and, for a server this tool started, after the manager dropped its prefix cache too — the blocks
   nothing should hold any more: ``kv_blocks_leaked``.
@@ -76,6 +77,7 @@ from benchmarks.common import (
     sized,
     write_json,
 )
+from server.malloc_tuning import OBJECTS_ON_MALLOC, PYTHON_ALLOCATOR_ENV
 
 NAME = "load"
 CLUSTER_TOKEN_ENV = "PARROT_CLUSTER_TOKEN"  # what `python -m server` and `python -m server.engine` read
@@ -217,7 +219,9 @@ class HostedServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         local = cfg.engines - 1 if cfg.kill_engine_every else cfg.engines
+        # Run as `python -m server` runs (server.malloc_tuning): Python's objects on glibc's heap.
         env = {**os.environ, CLUSTER_TOKEN_ENV: token}
+        env.setdefault(PYTHON_ALLOCATOR_ENV, OBJECTS_ON_MALLOC)
         self.proc = subprocess.Popen(
             [
                 sys.executable,

@@ -12,6 +12,11 @@ generated into $PARROT_CACHE_DIR/cluster_token (or ~/.cache/parrot-serve/cluster
 
 from __future__ import annotations
 
+from server.malloc_tuning import restart_with_objects_on_malloc
+
+if __name__ == "__main__":  # first thing: the imports below would otherwise be paid twice
+    restart_with_objects_on_malloc()
+
 import argparse
 import functools
 import logging
@@ -56,6 +61,8 @@ except ModuleNotFoundError as missing:
 def main(argv: list[str] | None = None) -> int:
     """``python -m server`` / ``parrot-serve``: parse ``argv`` (default: the command line) and serve until a
     signal. A wrong model or a port in use is one line on stderr and exit status 2, before any model loads."""
+    if argv is None:  # the process's own command line (`parrot-serve`): objects on malloc, as with -m
+        restart_with_objects_on_malloc()
     prog = program_name("server", "parrot-serve")
     p = argparse.ArgumentParser(
         prog=prog, description=__doc__.split("\n")[0], formatter_class=DefaultsHelpFormatter

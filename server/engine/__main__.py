@@ -10,6 +10,11 @@ $PARROT_CLUSTER_TOKEN, else the default file the manager writes ($PARROT_CACHE_D
 
 from __future__ import annotations
 
+from server.malloc_tuning import restart_with_objects_on_malloc
+
+if __name__ == "__main__":  # first thing: the imports below would otherwise be paid twice
+    restart_with_objects_on_malloc()
+
 import argparse
 import asyncio
 import contextlib
@@ -143,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m server.engine`` / ``parrot-engine``: serve one engine over HTTP until a signal, or answer
     ``--prompt`` and exit. A wrong model or a port in use is one line on stderr and exit status 2, before
     the model loads."""
+    if argv is None:  # the process's own command line (`parrot-engine`): objects on malloc, as with -m
+        restart_with_objects_on_malloc()
     args = parse_args(argv)
     prog = _prog()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
