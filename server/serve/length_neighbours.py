@@ -12,7 +12,9 @@ their log lengths.
 Bounded: at most ``capacity`` requests are kept (the oldest go first) in a dense matrix over `COLUMNS`
 hashed feature columns (8 MiB at the defaults); a query reads only its own features' columns — a few hundred
 at most (`server.serve.length_predictor.features` bounds them) — so it costs O(features x capacity) numpy
-work whatever the traffic.
+work whatever the traffic. Everything kept lives in preallocated arrays, none in per-request Python objects:
+a server keeps the last requests of a burst, and small objects made then would each pin a whole allocator
+arena of that burst's memory after it ends (measured: RSS after a 1,000-session load).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ __all__ = ["COLUMNS", "SimilarRequests"]
 CAPACITY = 512
 NEIGHBOURS = 5
 COLUMNS = 1 << 12  # hashed feature columns (a feature index modulo this)
+MAX_FEATURES = 256  # per kept request (`length_predictor.features` makes at most ~160)
 
 Active = Sequence[tuple[int, float]]
 
@@ -49,28 +52,32 @@ class SimilarRequests:
         self._targets = np.zeros(capacity)  # their log lengths
         self._order = np.zeros(capacity, np.int64)  # when each was added (ties go to the older)
         self._df = np.zeros(COLUMNS, np.int64)  # kept requests with each column
-        self._active: list[tuple[tuple[int, float], ...]] = []  # each row's features, for the state
+        # Each row's features as given (unfolded), for the state: indices, values and how many.
+        self._indices = np.zeros((capacity, MAX_FEATURES), np.int64)
+        self._values = np.zeros((capacity, MAX_FEATURES))
+        self._counts = np.zeros(capacity, np.int64)
         self._added = 0
 
     def __len__(self) -> int:
         return min(self._added, self.capacity)
 
     def add(self, active: Active, log_length: float) -> None:
-        """Keep a finished request (forgetting the oldest beyond ``capacity``)."""
+        """Keep a finished request (forgetting the oldest beyond ``capacity``); ``ValueError`` beyond
+        `MAX_FEATURES` features."""
+        if len(active) > MAX_FEATURES:
+            raise ValueError(f"a request has at most {MAX_FEATURES} features, got {len(active)}")
         row = self._added % self.capacity
         if self._added >= self.capacity:  # the ring is full: this row's request goes
-            old, _ = _columns(self._active[row])
+            old = np.flatnonzero(self._matrix[row])
             self._df[old] -= 1
             self._matrix[row, old] = 0.0
         columns, values = _columns(active)
         self._matrix[row, columns] = values
-        self._df[columns] += 1
+        self._df[columns[values != 0]] += 1  # what `flatnonzero` finds again when the row goes
         self._targets[row], self._order[row] = log_length, self._added
-        kept = tuple(active)
-        if row < len(self._active):
-            self._active[row] = kept
-        else:
-            self._active.append(kept)
+        n = self._counts[row] = len(active)
+        self._indices[row, :n] = [i for i, _ in active]
+        self._values[row, :n] = [v for _, v in active]
         self._added += 1
 
     def estimate(self, active: Active) -> float | None:
@@ -94,7 +101,14 @@ class SimilarRequests:
     def state(self) -> list[list[object]]:
         """The kept requests, oldest first, as JSON-ready ``[[[index, value], ...], log_length]`` pairs."""
         rows = sorted(range(len(self)), key=lambda r: self._order[r])
-        return [[[list(f) for f in self._active[r]], float(self._targets[r])] for r in rows]
+        return [
+            [
+                [[int(i), float(v)] for i, v in zip(self._indices[r, :n], self._values[r, :n], strict=True)],
+                float(self._targets[r]),
+            ]
+            for r in rows
+            for n in [int(self._counts[r])]
+        ]
 
     @classmethod
     def from_state(

@@ -41,6 +41,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from server.serve.length_neighbours import SimilarRequests
 
 __all__ = [
@@ -155,8 +157,10 @@ class LengthPredictor:
 
     def __init__(self, learning_rate: float = 0.1) -> None:
         self.learning_rate = learning_rate
-        self._weights: dict[int, float] = {}
-        self._squares: dict[int, float] = {}  # AdaGrad: summed squared subgradients per coordinate
+        # Arrays over every hashed feature (2 MiB each), not dicts: a dict's float objects, replaced at every
+        # update, would pin allocator arenas of a burst's memory after it ends (`length_neighbours`).
+        self._weights = np.zeros(HASH_BUCKETS)
+        self._squares = np.zeros(HASH_BUCKETS)  # AdaGrad: summed squared subgradients per coordinate
         # key -> (count, mean log length, mean |error| of that mean, mean |error| of the regression)
         self._templates: OrderedDict[str, _TemplateStats] = OrderedDict()
         self.similar = SimilarRequests()
@@ -167,7 +171,7 @@ class LengthPredictor:
         self.observed = 0
 
     def _regression(self, f: LengthFeatures) -> float:
-        return sum(self._weights.get(i, 0.0) * v for i, v in f.active)
+        return sum(float(self._weights[i]) * v for i, v in f.active)
 
     def _log_estimate(self, f: LengthFeatures) -> float:
         # Each estimate weighed by the inverse of its mean absolute error so far (see the module docstring).
@@ -212,11 +216,13 @@ class LengthPredictor:
                 self._templates.popitem(last=False)
         error = model - target
         sign = 0.0 if error == 0 else math.copysign(1.0, error)  # the L1 loss's subgradient
-        for i, v in f.active:
-            g = sign * v
-            if g:
-                squares = self._squares[i] = self._squares.get(i, 0.0) + g * g
-                self._weights[i] = self._weights.get(i, 0.0) - self.learning_rate * g / math.sqrt(squares)
+        if sign and f.active:
+            index = np.fromiter((i for i, _ in f.active), np.intp, len(f.active))
+            g = sign * np.fromiter((v for _, v in f.active), np.float64, len(f.active))
+            touched = g != 0
+            index, g = index[touched], g[touched]
+            self._squares[index] += g * g
+            self._weights[index] -= self.learning_rate * g / np.sqrt(self._squares[index])
         self.observed += 1
 
     # ------------------------------------------------------------------------------------------- state
@@ -228,8 +234,9 @@ class LengthPredictor:
             "hash_buckets": HASH_BUCKETS,
             "learning_rate": self.learning_rate,
             "observed": self.observed,
-            "weights": {str(i): w for i, w in self._weights.items()},
-            "squares": {str(i): s for i, s in self._squares.items()},
+            # the coordinates ever updated (their squares are > 0), as before the arrays
+            "weights": {str(i): float(self._weights[i]) for i in np.flatnonzero(self._squares)},
+            "squares": {str(i): float(self._squares[i]) for i in np.flatnonzero(self._squares)},
             "templates": {k: list(v) for k, v in self._templates.items()},
             "errors": [list(self._model_error), list(self._similar_error)],
             "similar": self.similar.state(),
@@ -256,8 +263,11 @@ class LengthPredictor:
                 )
             p = cls(float(state["learning_rate"]))
             p.observed = int(state["observed"])
-            p._weights = {int(i): float(w) for i, w in state["weights"].items()}
-            p._squares = {int(i): float(s) for i, s in state["squares"].items()}
+            for name, array in (("weights", p._weights), ("squares", p._squares)):
+                for i, w in state[name].items():
+                    if not 0 <= int(i) < HASH_BUCKETS:
+                        raise ValueError(f"feature {i} outside the {HASH_BUCKETS} hashed features")
+                    array[int(i)] = float(w)
             p._templates = OrderedDict(
                 (str(k), (int(c), float(m), float(e), float(r)))
                 for k, (c, m, e, r) in state["templates"].items()

@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import math
 import random
+import tracemalloc
 from pathlib import Path
 
 import pytest
 
-from server.serve.length_neighbours import SimilarRequests
+from server.serve.length_neighbours import MAX_FEATURES, SimilarRequests
 from server.serve.length_predictor import (
+    HASH_BUCKETS,
     TAIL_WORDS,
     LengthPredictor,
     LengthPredictorStateError,
@@ -103,6 +105,34 @@ def test_similar_requests_keep_a_bounded_index() -> None:
     assert copy.estimate([(13, 1.0), (14, 0.5)]) == similar.estimate([(13, 1.0), (14, 0.5)])
 
 
+def test_learning_keeps_no_memory_per_request() -> None:
+    """What the predictor keeps lives in arrays allocated up front: after the ring is full, 1,000 more
+    requests of new words leave its traced memory where it was (per-request objects made during a burst
+    would pin the allocator's memory of that burst once it ends)."""
+    p = LengthPredictor()
+    requests = [
+        (f"{prompt} about topic{n} and word{n}x", length)
+        for n, (prompt, length) in enumerate(_requests(1600, seed=12))
+    ]
+    tracemalloc.start()
+    try:
+        for prompt, length in requests[:600]:
+            p.observe(_f(prompt), length)
+        before = tracemalloc.get_traced_memory()[0]
+        for prompt, length in requests[600:]:
+            p.observe(_f(prompt), length)
+        after = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert len(p.similar) == 512 and p.observed == 1600
+    assert after - before < 64 * 1024, f"{after - before} bytes kept for 1,000 requests"
+
+
+def test_a_request_with_too_many_features_is_refused() -> None:
+    with pytest.raises(ValueError, match=f"at most {MAX_FEATURES} features"):
+        SimilarRequests().add([(i, 1.0) for i in range(MAX_FEATURES + 1)], 1.0)
+
+
 def test_exact_requests_and_bounds() -> None:
     p = LengthPredictor()
     assert p.predict(_f("anything", max_tokens=77, ignore_eos=True)) == 77  # writes exactly max_tokens
@@ -143,6 +173,19 @@ def test_a_version_1_state_file_still_loads(tmp_path: Path) -> None:
     q = LengthPredictor.load(path)
     assert q.observed == 50 and len(q.similar) == 0
     assert 1 <= q.predict(_f("answer in one word rivers", template="chat")) <= 512
+
+
+def test_a_state_file_with_a_feature_outside_the_hash_is_a_clear_error(tmp_path: Path) -> None:
+    p = LengthPredictor()
+    for prompt, length in _requests(20, seed=13):
+        p.observe(_f(prompt), length)
+    path = tmp_path / "lengths.json"
+    p.save(path)
+    state = json.loads(path.read_text())
+    state["weights"][str(HASH_BUCKETS)] = 1.0
+    path.write_text(json.dumps(state))
+    with pytest.raises(LengthPredictorStateError, match=f"outside the {HASH_BUCKETS} hashed features"):
+        LengthPredictor.load(path)
 
 
 @pytest.mark.parametrize(
