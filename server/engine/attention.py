@@ -18,6 +18,7 @@ import torch
 import kernels
 from kernels import cpu_kernels, torch_path
 from server.engine.fresh_prefill import FreshGroup, attend_causal, attend_group, fresh_groups
+from server.engine.prefill_rows import PrefillRows, prefill_rows
 
 
 @dataclass
@@ -81,6 +82,9 @@ class AttentionMetadata:
     remote: RemoteAttention | None = None
     # How the fill chunks with nothing cached are batched (`fresh_groups`): made by the first layer.
     fresh: list[FreshGroup] | None = None
+    # CPU: the fill chunks as rows of the decode kernel (`prefill_rows`), made by the first layer; None
+    # until then, False where they cannot be.
+    fill_rows: PrefillRows | bool | None = None
 
 
 class AttentionBackend(Protocol):
@@ -121,15 +125,56 @@ class PagedAttentionBackend:
         if meta.decode is not None:
             n = meta.decode.num_seqs
             out[:n] = _decode(q[:n], k_cache, v_cache, meta.decode, scale)
+        done = _fill_by_rows(q, k_cache, v_cache, meta, scale, out) if meta.prefills else frozenset()
         if meta.fresh is None:
-            meta.fresh = fresh_groups([c for c in meta.prefills if c.num_cached == 0], q.device)
+            meta.fresh = fresh_groups(
+                [c for i, c in enumerate(meta.prefills) if c.num_cached == 0 and i not in done], q.device
+            )
         for group in meta.fresh:  # nothing before these chunks: their own K/V are all they attend to
             attend_group(q, k, v, group, scale, out)
-        for chunk in meta.prefills:
-            if chunk.num_cached > 0:
+        for i, chunk in enumerate(meta.prefills):
+            if chunk.num_cached > 0 and i not in done:
                 rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
                 out[rows] = _prefill(q[rows], k_cache, v_cache, chunk, scale)
         return out
+
+
+def _fill_by_rows(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,
+) -> frozenset[int]:
+    """On CPU, the step's short fill chunks in one call of our decode kernel (`prefill_rows`); returns which
+    chunks it attended (none where the kernel does not run these shapes)."""
+    native = _cpu_decode_kernel(q, k_cache)
+    if native is None or meta.fill_rows is False:
+        return frozenset()
+    if meta.fill_rows is None:
+        meta.fill_rows = prefill_rows(meta.prefills) or False
+    if not isinstance(meta.fill_rows, PrefillRows):
+        return frozenset()
+    r = meta.fill_rows
+    attended = native(q[r.rows], k_cache, v_cache, r.block_tables, r.context_lens, scale)[0]
+    if isinstance(r.rows, slice):
+        out[r.rows] = attended
+    else:
+        out.index_copy_(0, r.rows, attended.to(out.dtype))
+    return r.chunks
+
+
+def _cpu_decode_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> cpu_kernels.PartialAttention | None:
+    """Our C++ decode kernel where it runs these shapes vectorised (CPU tensors), else None."""
+    if q.device.type != "cpu":
+        return None
+    native = cpu_kernels.paged_decode_kernel()
+    if native is None or not cpu_kernels.decode_kernel_covers(
+        q.shape[1], k_cache.shape[2], k_cache.shape[3], k_cache.shape[1]
+    ):
+        return None
+    return native
 
 
 def _decode(
@@ -164,11 +209,7 @@ def _decode_cpu(
     tables, lens = (
         (batch.block_tables, batch.context_lens) if g is None else (g.suffix_block_tables, g.suffix_lens)
     )
-    native = cpu_kernels.paged_decode_kernel()
-    if native is not None and not cpu_kernels.decode_kernel_covers(
-        q.shape[1], k_cache.shape[2], k_cache.shape[3], k_cache.shape[1]
-    ):
-        native = None
+    native = _cpu_decode_kernel(q, k_cache)
     suffix = None
     if native is not None:
         suffix = native(q, k_cache, v_cache, tables, lens, scale)
