@@ -50,6 +50,14 @@ def wait_healthy(
     pytest.fail(f"the server at {url} did not come up within {timeout:g}s")
 
 
+def spawn_logged(
+    command: list[str], log: Path, env: dict[str, str], cwd: Path | None = None
+) -> subprocess.Popen[bytes]:
+    """Start ``command`` with its stdout and stderr both going to ``log`` (read it with `served_url`)."""
+    with log.open("w") as out:
+        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+
+
 def served_url(proc: subprocess.Popen[bytes], log: Path, timeout: float = 60.0) -> str:
     """The URL the server ``proc`` (its stderr going to ``log``) says it serves on — the port it bound,
     also with ``--port 0``; fail the test if it exits first or never says."""

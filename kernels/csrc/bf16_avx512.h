@@ -3,6 +3,8 @@
 
 #include <c10/util/BFloat16.h>
 
+namespace parrot_cpu {}  // empty without AVX512-BF16: the kernels' scalar paths need none of this
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 

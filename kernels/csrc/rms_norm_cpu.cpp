@@ -14,17 +14,9 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 namespace {
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-using parrot_cpu::bf16_load;
-using parrot_cpu::bf16_round;
-using parrot_cpu::bf16_store;
-#endif
+using namespace parrot_cpu;  // NOLINT: the bf16 lane helpers of bf16_avx512.h
 
 template <typename T>
 void norm_row(T* hr, const T* dr, const T* weight, T* o, int64_t hidden, float eps, float* x) {

@@ -16,17 +16,9 @@
 #include <tuple>
 #include <type_traits>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 namespace {
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-using parrot_cpu::bf16_load;
-using parrot_cpu::bf16_round;
-using parrot_cpu::bf16_store;
-#endif
+using namespace parrot_cpu;  // NOLINT: the bf16 lane helpers of bf16_avx512.h
 
 // out[j] = x[j] * cos[j] + swapped[j] * sin[j] over n lanes, each product and the sum rounded to T.
 template <typename T>

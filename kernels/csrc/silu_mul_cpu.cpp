@@ -20,11 +20,7 @@
 
 namespace {
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-using parrot_cpu::bf16_load;
-using parrot_cpu::bf16_round;
-using parrot_cpu::bf16_store;
-#endif
+using namespace parrot_cpu;  // NOLINT: the bf16 lane helpers of bf16_avx512.h
 
 template <typename T>
 void silu_mul_row(const T* gate, const T* up, T* out, int64_t n) {

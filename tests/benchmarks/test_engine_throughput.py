@@ -210,9 +210,11 @@ def test_closing_the_worker_stops_what_it_started(
 
 
 # The benchmark's side, as a separate process: a worker (with a child) started, then it waits to be killed.
+# SIGINT as an interactive run has it: a suite started as a background job inherits it ignored.
 PARENT = f"""
-import sys, time
+import signal, sys, time
 from pathlib import Path
+signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.path.insert(0, {str(REPO_ROOT)!r})
 from benchmarks.harness import engines
 

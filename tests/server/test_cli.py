@@ -21,7 +21,7 @@ from server.__main__ import main as server_main
 from server.engine import LLMEngine
 from server.engine.__main__ import main as engine_main
 from server.security import CLUSTER_TOKEN_ENV
-from tests.processes import served_url, stop, wait_healthy
+from tests.processes import served_url, spawn_logged, stop, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 MAINS: dict[str, Callable[[list[str]], int]] = {"server": server_main, "server.engine": engine_main}
@@ -109,14 +109,7 @@ def test_help_shows_the_defaults(module: str, port: int, capsys: pytest.CaptureF
 def test_a_manager_with_no_engine_is_up_on_the_port_it_logs_and_health_says_503(tmp_path: Path) -> None:
     log = tmp_path / "server.log"
     env = {**os.environ, CLUSTER_TOKEN_ENV: "t" * 32}
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "server", "--engines", "0", "--port", "0"],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=ROOT,
-        )
+    proc = spawn_logged([sys.executable, "-m", "server", "--engines", "0", "--port", "0"], log, env, ROOT)
     try:
         url = served_url(proc, log)
         assert not url.endswith(":0")

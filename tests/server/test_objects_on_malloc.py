@@ -4,7 +4,6 @@ memory of a burst of sessions goes back to the OS once it ends (`server.malloc_t
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import pytest
 from server import malloc_tuning
 from server.malloc_tuning import OBJECTS_ON_MALLOC, PYTHON_ALLOCATOR_ENV, restart_with_objects_on_malloc
 from server.security import CLUSTER_TOKEN_ENV
-from tests.processes import served_url, stop, wait_healthy
+from tests.processes import served_url, spawn_logged, stop, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 linux_glibc = pytest.mark.skipif(
@@ -23,7 +22,8 @@ linux_glibc = pytest.mark.skipif(
 
 def test_the_process_is_re_executed_with_the_same_command_line(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[str, list[str]]] = []
-    monkeypatch.delenv(PYTHON_ALLOCATOR_ENV, raising=False)
+    monkeypatch.setenv(PYTHON_ALLOCATOR_ENV, "")  # recorded, so what the call sets is undone after the test
+    monkeypatch.delenv(PYTHON_ALLOCATOR_ENV)
     monkeypatch.setattr(sys, "orig_argv", [sys.executable, "-m", "server", "--port", "9000"])
     monkeypatch.setattr(os, "execv", lambda path, args: calls.append((path, args)))
     monkeypatch.setattr(malloc_tuning, "_libc", lambda: type("Glibc", (), {"malloc_trim": None})())
@@ -40,7 +40,8 @@ def test_nothing_happens_when_the_variable_is_set_or_there_is_no_glibc(
     if why == "set":
         monkeypatch.setenv(PYTHON_ALLOCATOR_ENV, "pymalloc")  # the user's choice stands
     else:
-        monkeypatch.delenv(PYTHON_ALLOCATOR_ENV, raising=False)
+        monkeypatch.setenv(PYTHON_ALLOCATOR_ENV, "")
+        monkeypatch.delenv(PYTHON_ALLOCATOR_ENV)
         monkeypatch.setattr(malloc_tuning, "_libc", lambda: None)
     restart_with_objects_on_malloc()
     assert os.environ.get(PYTHON_ALLOCATOR_ENV) == ("pymalloc" if why == "set" else None)
@@ -52,14 +53,7 @@ def test_python_m_server_runs_with_objects_on_malloc(tmp_path: Path) -> None:
     log = tmp_path / "server.log"
     env = {k: v for k, v in os.environ.items() if k != PYTHON_ALLOCATOR_ENV}
     env[CLUSTER_TOKEN_ENV] = "t" * 32
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "server", "--engines", "0", "--port", "0"],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=ROOT,
-        )
+    proc = spawn_logged([sys.executable, "-m", "server", "--engines", "0", "--port", "0"], log, env, ROOT)
     try:
         url = served_url(proc, log)
         wait_healthy(proc, url, statuses=(503,))
