@@ -1,21 +1,22 @@
-// bfloat16 <-> float32 lanes for the AVX-512 (with AVX512-BF16) paths of our CPU kernels.
+// bfloat16 <-> float32 lanes for the AVX-512 paths of our CPU kernels (rounding and stores need AVX512-BF16).
 #pragma once
 
 #include <c10/util/BFloat16.h>
 
-namespace parrot_cpu {}  // empty without AVX512-BF16: the kernels' scalar paths need none of this
+namespace parrot_cpu {}  // empty without AVX-512: the kernels' scalar paths need none of this
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 
 namespace parrot_cpu {
 
-// Sixteen bf16 values widened to float32 (exact).
+// Sixteen bf16 values widened to float32 (exact; bf16 is the top half of a float32).
 inline __m512 bf16_load(const c10::BFloat16* p) {
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
+#if defined(__AVX512BF16__)
 // Rounded to bf16 (to nearest even) and widened back: the rounding an op in bf16 applies.
 inline __m512 bf16_round(__m512 v) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
@@ -24,6 +25,7 @@ inline __m512 bf16_round(__m512 v) {
 inline void bf16_store(c10::BFloat16* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
 }
+#endif
 
 }  // namespace parrot_cpu
 #endif

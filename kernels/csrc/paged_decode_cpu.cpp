@@ -11,6 +11,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "bf16_avx512.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -108,10 +110,7 @@ void attend_scalar(const Task<T>& t, float* scratch) {
 
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {  // bf16 is the top half of a float32
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
+inline __m512 load16(const c10::BFloat16* p) { return parrot_cpu::bf16_load(p); }
 inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }

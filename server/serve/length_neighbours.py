@@ -101,14 +101,13 @@ class SimilarRequests:
     def state(self) -> list[list[object]]:
         """The kept requests, oldest first, as JSON-ready ``[[[index, value], ...], log_length]`` pairs."""
         rows = sorted(range(len(self)), key=lambda r: self._order[r])
-        return [
-            [
-                [[int(i), float(v)] for i, v in zip(self._indices[r, :n], self._values[r, :n], strict=True)],
-                float(self._targets[r]),
-            ]
-            for r in rows
-            for n in [int(self._counts[r])]
-        ]
+        return [[self._features(r), float(self._targets[r])] for r in rows]
+
+    def _features(self, row: int) -> list[list[object]]:
+        """Row ``row``'s features as given to `add`: ``[[index, value], ...]``."""
+        n = int(self._counts[row])
+        pairs = zip(self._indices[row, :n], self._values[row, :n], strict=True)
+        return [[int(i), float(v)] for i, v in pairs]
 
     @classmethod
     def from_state(

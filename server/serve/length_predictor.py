@@ -229,14 +229,14 @@ class LengthPredictor:
     def save(self, path: str | Path) -> None:
         """Write the state as JSON, atomically (a crash leaves the old file whole)."""
         path = Path(path)
+        updated = np.flatnonzero(self._squares)  # the coordinates ever updated (their squares are > 0)
         state = {
             "version": _STATE_VERSION,
             "hash_buckets": HASH_BUCKETS,
             "learning_rate": self.learning_rate,
             "observed": self.observed,
-            # the coordinates ever updated (their squares are > 0), as before the arrays
-            "weights": {str(i): float(self._weights[i]) for i in np.flatnonzero(self._squares)},
-            "squares": {str(i): float(self._squares[i]) for i in np.flatnonzero(self._squares)},
+            "weights": {str(i): float(self._weights[i]) for i in updated},
+            "squares": {str(i): float(self._squares[i]) for i in updated},
             "templates": {k: list(v) for k, v in self._templates.items()},
             "errors": [list(self._model_error), list(self._similar_error)],
             "similar": self.similar.state(),
