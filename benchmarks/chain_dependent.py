@@ -218,12 +218,7 @@ def main(argv: list[str] | None = None) -> None:
         prompt_tokens_per_step=prompt_tokens,
         outputs_identical=True,
         settings=[
-            {
-                "network_delay": label != "none",
-                "speedup": {n: r.as_dict() for n, r in ratios.items()},
-                "clients": measure.as_dicts(samples),
-            }
-            for label, samples, ratios in settings
+            record.setting_payload(label != "none", samples, ratios) for label, samples, ratios in settings
         ],
         paper_anchor=list(PAPER_ANCHOR),
     )

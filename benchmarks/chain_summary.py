@@ -33,15 +33,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
-import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from benchmarks import chain_dependent as cd
-from benchmarks.common import Spread, document_chunks, log, markdown_table, safe_ratio
-from benchmarks.harness import chains, measure, record, systems
-from benchmarks.harness.clients import complete
+from benchmarks.common import document_chunks, log
+from benchmarks.harness import chains, payload_plots, point_sweeps, record, systems
 from benchmarks.harness.measure import Samples
 from benchmarks.plotting import pyplot, save
 from server.engine import EngineConfig
@@ -96,46 +94,20 @@ TINY = replace(QUICK, steps=2, repeats=1, outs=(8,), chunks=(32,), background=(2
 TINY = replace(TINY, background_max_tokens=8)
 
 
-@dataclass
-class Point:
+class Point(point_sweeps.Point):
     """One point of a sweep, both clients measured (apps: with `chains.together`)."""
 
-    sweep: str  # a key of SWEEPS
-    value: int  # output tokens, chunk tokens, background requests in flight, or apps
-    samples: dict[str, Samples]
-    load: dict[str, int] = field(default_factory=dict)  # the background load's counts
-
-    @property
-    def label(self) -> str:
-        return SWEEPS[self.sweep][1].format(self.value)
-
-    @property
-    def ratio(self) -> measure.Ratio:
-        return measure.ratio(self.samples[BASELINE], self.samples[PARROT])
-
-    def p90(self, client: str) -> Spread:
-        """Apps: the spread over runs of the p90 latency over the apps."""
-        return chains.percentile_spread(self.samples[client], 90)
-
-    @property
-    def speedup_p90(self) -> float:
-        return safe_ratio(self.p90(BASELINE).median, self.p90(PARROT).median)
+    sweeps, slow, fast = SWEEPS, BASELINE, PARROT
 
     def per_app_difference(self) -> list[float]:
         """Fig. 13: per app, the baseline's median latency minus Parrot's (positive: Parrot was first)."""
-        base, parrot = (chains.per_job_median(self.samples[n]) for n in (BASELINE, PARROT))
-        return [b - p for b, p in zip(base, parrot, strict=True)]
+        return self.per_job_difference()
 
     def as_dict(self) -> dict[str, Any]:
-        out = {"value": self.value, "label": self.label, "clients": measure.as_dicts(self.samples)}
-        out |= {"speedup": self.ratio.as_dict(), **self.load}
-        for name, client in out["clients"].items():
-            if self.load:  # the request counter also counts the load's requests
-                del client["requests"]
-            if self.sweep == "apps":
-                client["p90"] = self.p90(name).as_dict()
+        out = self.base_dict()
+        if self.together:  # apps
+            for name, client in out["clients"].items():
                 client["per_app_median"] = chains.per_job_median(self.samples[name])
-        if self.sweep == "apps":
             diff = self.per_app_difference()
             out |= {"speedup_p90": self.speedup_p90, "per_app_difference_s": diff}
             out["apps_faster_in_parrot"] = sum(d > 0 for d in diff)
@@ -143,34 +115,21 @@ class Point:
 
 
 # ----------------------------------------------------------------------------------------------- runs
-async def measured(
-    served: systems.Served, jobs: dict[str, Any], repeats: int, label: str
-) -> dict[str, Samples]:
-    """An untimed baseline run without delay (the expected output; a warm-up), then ``repeats``
-    interleaved runs per client with the delay on."""
-    expected = (await jobs[BASELINE]()).output
-    with systems.delayed([served]):
-        return await measure.interleave(jobs, repeats, expected, label)
-
-
 async def chain(served: systems.Served, cfg: SummaryConfig, out: int, chunk: int) -> dict[str, Samples]:
+    """Both clients' chains at ``out`` output and ``chunk`` document tokens per step."""
     chunks = document_chunks(served.tokenizer, cfg.steps, chunk)
     jobs = cd.timed_jobs(served, CLIENTS, chunks, out)
-    return await measured(served, jobs, cfg.repeats, f"chain, {out} output and {chunk} chunk tokens: ")
+    label = f"chain, {out} output and {chunk} chunk tokens: "
+    return await chains.delayed_repeats(served, jobs, BASELINE, cfg.repeats, label)
 
 
 async def with_background(served: systems.Served, cfg: SummaryConfig, in_flight: int) -> Point:
     """The fixed-point chain while ``in_flight`` other requests are outstanding throughout."""
     texts = document_chunks(served.tokenizer, in_flight, cfg.background_prompt_tokens)
-    prompts = [BACKGROUND_INSTRUCTION + t for t in texts]
-
-    async def send(slot: int) -> None:
-        await complete(served.http, prompts[slot], cfg.background_max_tokens, model=served.model_name)
-
+    send = chains.completions(served, [BACKGROUND_INSTRUCTION + t for t in texts], cfg.background_max_tokens)
     async with chains.BackgroundLoad(send, in_flight) as load:
         samples = await chain(served, cfg, cfg.fixed_out, cfg.fixed_chunk)
-    counts = {"background_completed": load.completed, "background_max_in_flight": load.max_in_flight}
-    return Point("bg", in_flight, samples, counts)
+    return Point("bg", in_flight, samples, load.counts())
 
 
 async def concurrent_apps(served: systems.Served, cfg: SummaryConfig, apps: int) -> Point:
@@ -182,7 +141,8 @@ async def concurrent_apps(served: systems.Served, cfg: SummaryConfig, apps: int)
         return chains.together(served, [cd.job(served, client, p, cfg.fixed_out) for p in parts])
 
     jobs = {name: functools.partial(run, name) for name in CLIENTS}
-    return Point("apps", apps, await measured(served, jobs, cfg.repeats, f"{apps} concurrent apps: "))
+    label = f"{apps} concurrent apps: "
+    return Point("apps", apps, await chains.delayed_repeats(served, jobs, BASELINE, cfg.repeats, label))
 
 
 async def run_all(served: systems.Served, cfg: SummaryConfig) -> tuple[int, list[Point]]:
@@ -202,43 +162,10 @@ async def run_all(served: systems.Served, cfg: SummaryConfig) -> tuple[int, list
 # ----------------------------------------------------------------------------------------------- report
 def table(points: list[Point]) -> str:
     """One row per point (apps: the mean and the p90): both clients' median latency and the speedup."""
-
-    def row(figure: str, label: str, spreads: list[Spread], speedup: str) -> list[str]:
-        return [figure, label, *(f"{s.median:.3f} ±{s.rel_half_range:.0%}" for s in spreads), speedup]
-
-    rows = []
-    for p in points:
-        figure = SWEEPS[p.sweep][0]
-        if p.sweep != "apps":
-            rows.append(row(figure, p.label, [p.samples[n].spread for n in CLIENTS], str(p.ratio)))
-            continue
-        rows.append(row(f"{figure} (mean)", p.label, [p.samples[n].spread for n in CLIENTS], str(p.ratio)))
-        rows.append(row(f"{figure} (p90)", p.label, [p.p90(n) for n in CLIENTS], f"{p.speedup_p90:.2f}x"))
-    heads = ["figure", "point", "parrot s", "baseline s", "baseline / parrot (range)"]
-    return markdown_table(heads, rows, [False, False, True, True, True])
+    return point_sweeps.table(points, CLIENTS)
 
 
-def result_metrics(points: list[Point]) -> dict[str, float]:
-    """The headline range of speedups first, then each point's speedup (apps: also of the p90)."""
-    speedups: dict[str, float] = {}
-    for p in points:
-        speedups[f"speedup_{p.sweep}{p.value}"] = p.ratio.median
-        if p.sweep == "apps":
-            speedups[f"speedup_apps{p.value}_p90"] = p.speedup_p90
-    values = [v for v in speedups.values() if math.isfinite(v)]  # NaN (an unusable point): no headline
-    return {
-        "speedup_min": min(values, default=math.nan),
-        "speedup_max": max(values, default=math.nan),
-    } | speedups
-
-
-def whisker(client: dict[str, Any]) -> tuple[float, float, float]:
-    """A client's bar: the median latency, and how far its error bar reaches below and above it (the
-    range; apps: from the mean up to the p90)."""
-    lat = client["latency"]
-    if "p90" in client:
-        return lat["median"], 0.0, max(0.0, client["p90"]["median"] - lat["median"])
-    return lat["median"], lat["median"] - lat["min"], lat["max"] - lat["median"]
+result_metrics = point_sweeps.speedup_metrics  # the headline range of speedups, then each point's
 
 
 def plot(payload: dict[str, Any], path: Path) -> None:
@@ -246,16 +173,7 @@ def plot(payload: dict[str, Any], path: Path) -> None:
     baseline's latency minus Parrot's (Fig. 13)."""
     plt = pyplot()
     fig, axes = plt.subplots(1, 5, figsize=(24, 4.5))
-    for ax, (key, (figure, _)) in zip(axes, SWEEPS.items(), strict=False):
-        points = payload["sweeps"][key]["points"]
-        for j, name in enumerate(CLIENTS):
-            bars = [whisker(p["clients"][name]) for p in points]
-            xs = [i + (j - 0.5) * 0.38 for i in range(len(points))]
-            errors = [[b[1] for b in bars], [b[2] for b in bars]]
-            ax.bar(xs, [b[0] for b in bars], 0.38, yerr=errors, capsize=3, label=name)
-        ax.set_xticks(range(len(points)), [p["label"] for p in points])
-        ax.set(title=figure, ylabel="end-to-end latency (s)")
-        ax.legend()
+    payload_plots.sweep_bars(axes, payload["sweeps"], CLIENTS)
     apps = payload["sweeps"]["apps"]["points"]
     diff = apps[-1]["per_app_difference_s"] if apps else []
     axes[4].bar(range(1, len(diff) + 1), diff, color=["tab:green" if d > 0 else "tab:red" for d in diff])
@@ -310,9 +228,7 @@ def main(argv: list[str] | None = None) -> None:
         faster = f"{sum(d > 0 for d in diff)}/{len(diff)} finish earlier with Parrot"
         print(f"Fig. 13, {p.label}: baseline - Parrot {', '.join(f'{d:+.2f}s' for d in diff)} ({faster})")
     print("paper (A100, LLaMA 13B): " + "; ".join(f"{k} {v}" for k, v in PAPER_ANCHORS.items()))
-    sweeps: dict[str, Any] = {key: {"figure": figure, "points": []} for key, (figure, _) in SWEEPS.items()}
-    for p in points:
-        sweeps[p.sweep]["points"].append(p.as_dict())
+    sweeps = point_sweeps.by_sweep(points, SWEEPS)
     payload = {"model": args.model, "network_delay_s": list(systems.DELAY_S), "sweeps": sweeps}
     if args.plot:
         plot(payload, Path(args.plot))

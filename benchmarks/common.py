@@ -417,3 +417,11 @@ def export_hf_folder(engine: Any, folder: str | Path) -> Path:
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save_pretrained(str(out))
     return out
+
+
+def quiet_transformers() -> None:
+    """Show only transformers' errors: a benchmark tokenizes long texts on purpose (whole workloads), which
+    its warning about sequences longer than the model's window would otherwise flag every time."""
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()

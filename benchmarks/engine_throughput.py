@@ -5,8 +5,9 @@ N new tokens each, on CPU; ours in its default dtype (bf16 where the CPU has nat
 ``--dtype``, HF in the same, vLLM in ``--vllm-dtype``. ``T(1)`` / ``T(N)``: wall time from submitting the
 batch to every request's first / N-th token (ours: ``fill`` + ``generate`` per request, all at once; HF:
 ``generate`` over the left-padded batch; vLLM: ``LLM.generate`` on the same token ids, prefix caching off,
-timed in its worker process, ``benchmarks/vllm_worker.py``). Medians over at least ``--repeats`` interleaved
-repeats after a warm-up, ± half the range of the per-repeat figures (`benchmarks.harness.engines.time_batch`):
+timed in its worker process, ``benchmarks/vllm_worker.py``). Medians over at least ``--repeats``
+interleaved repeats after a warm-up, ± half the range of the per-repeat figures
+(`benchmarks.harness.batch_timing.time_batch`):
 
 * **prefill tok/s** = real (unpadded) prompt tokens / ``T(1)``;
 * **decode tok/s** = ``B (N - 1) / (T(N) - T(1))``; **end-to-end tok/s** = ``B N / T(N)``.
@@ -19,8 +20,8 @@ KV memory: ``kv_requests`` requests sharing a ``kv_prefix``-token prefix, each w
 blocks counted exactly with every context alive, with fork (the prefix filled once) and without.
 
 vLLM (``--vllm-python PATH``: an interpreter of a separate virtualenv with vLLM, e.g. its CPU build): its
-OpenMP threads bound to our cores and thread count, no core reserved, a KV cache that fits the largest
-batch (`benchmarks.harness.engines.vllm_env`; ``--vllm-env K=V`` overrides, e.g. ``LD_PRELOAD=...``).
+OpenMP threads bound to our cores and thread count, no core reserved, a KV cache that fits the largest batch
+(`benchmarks.harness.vllm_settings.vllm_env`; ``--vllm-env K=V`` overrides, e.g. ``LD_PRELOAD=...``).
 Not a paper figure: the engine under every other experiment, against its baselines.
 
     python -m benchmarks.engine_throughput [--quick] [--json PATH] [--model PATH] [--repeats N]
@@ -33,14 +34,9 @@ mem_bw_gbs=... decode_b1_pct_ceiling=...`` (ours/HF), then ``decode_vs_vllm_b1=.
 
 from __future__ import annotations
 
-import asyncio
-import itertools
 import math
-import operator
-import random
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -50,24 +46,28 @@ if not __package__:
     # shadows the `kernels` package); put the repository root there instead.
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from benchmarks.common import (
-    engine_model,
-    fmt_num,
-    log,
-    markdown_table,
-    memory_bandwidth,
-    safe_ratio,
-    stdlib_text,
+from benchmarks.common import engine_model, fmt_num, log, memory_bandwidth
+from benchmarks.harness import record
+from benchmarks.harness.decode_ceiling import Ceiling, decode_ceiling
+from benchmarks.harness.engine_batches import (
+    KINDS,
+    BatchResult,
+    make_prompts,
+    measure_batch,
+    throughput_table,
+    workload,
+    workload_table,
 )
-from benchmarks.harness import engines, record
-from benchmarks.harness.measure import Ratio
-from server.engine import EngineConfig, LLMEngine, SamplingParams
+from benchmarks.harness.generators import DTYPES, Generator, OurEngine, dtype_name, model_record
+from benchmarks.harness.hf_generate import HFGenerate, load_baseline, pad_token_id
+from benchmarks.harness.kv_fork import KVResult, blocks, kv_table, measure_kv
+from benchmarks.harness.vllm_generate import start_vllm
+from benchmarks.harness.vllm_settings import add_vllm_flags
+from server.engine import EngineConfig, LLMEngine
 from server.engine.compute_thread import on_own_thread
 
 NAME = "engine_throughput"
-LABELS = {"ours": "ours", "hf": "HF", "vllm": "vLLM"}
 RATIO_KEY = {"hf": "ratio", "vllm": "vs_vllm"}  # decode_ratio_b1 is ours/HF, decode_vs_vllm_b1 ours/vLLM
-KINDS = {"decode": "decode_tps", "prefill": "prefill_tps", "e2e": "e2e_tps"}
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ class BenchConfig:
     prompt_len: int = 512  # the longest prompt; the others are spread down to `spread * prompt_len`
     spread: float = 0.5
     new_tokens: int = 128
-    repeats: int = 5  # at least; small batches get more (`engines.time_batch`)
+    repeats: int = 5  # at least; small batches get more (`batch_timing.time_batch`)
     min_time_s: float = 20.0  # timed seconds per batch size before the repeats may stop
     kv_requests: int = 32
     kv_prefix: int = 2048
@@ -91,133 +91,6 @@ FULL = BenchConfig()
 QUICK = BenchConfig(prompt_len=64, new_tokens=16, repeats=3, min_time_s=1.5)
 TINY = BenchConfig(batches=(1, 4), prompt_len=16, new_tokens=4, repeats=1, min_time_s=0.0, kv_requests=4)
 TINY = replace(TINY, kv_prefix=64, bandwidth_mib=16, bandwidth_repeats=3)
-
-
-def workload(tokenizer: Any, min_tokens: int) -> list[int]:
-    """The stdlib text as token ids (no special tokens), at least ``min_tokens`` of them."""
-    chars = 4 * min_tokens
-    while len(ids := tokenizer(stdlib_text(chars), add_special_tokens=False).input_ids) < min_tokens:
-        chars *= 2
-    return list(ids)
-
-
-def make_prompts(tokens: list[int], batch: int, cfg: BenchConfig) -> list[list[int]]:
-    """``batch`` prompts cut from the token stream at random offsets, lengths uniform in the spread."""
-    rng = random.Random(f"{cfg.seed}-{batch}-{cfg.prompt_len}")  # a string seed: the same on every run
-    prompts = []
-    for _ in range(batch):
-        n = rng.randint(max(1, round(cfg.spread * cfg.prompt_len)), cfg.prompt_len)
-        start = rng.randrange(0, len(tokens) - n)
-        prompts.append(tokens[start : start + n])
-    return prompts
-
-
-@dataclass
-class BatchResult:
-    """Every system at one batch size, and checks that the comparison is sound."""
-
-    batch: int
-    prompt_tokens: int  # real prompt tokens (what every system is credited with)
-    padded_tokens: int  # what HF's left-padded batch computes
-    repeats: int
-    systems: dict[str, engines.Rates]  # "ours", "hf" and, with --vllm-python, "vllm"
-    same_tokens: dict[str, float]  # per other system: share of requests whose tokens equal ours
-    engine_prefill_tokens_per_run: float  # ours computes each prompt token once (no recompute)
-    engine_preemptions: int
-
-    def ratio(self, kind: str, other: str) -> Ratio:
-        """Ours over ``other`` in ``kind`` tok/s."""
-        ours, theirs = self.systems["ours"], self.systems[other]
-        return getattr(ours, KINDS[kind]).over(getattr(theirs, KINDS[kind]))
-
-
-def measure_batch(
-    ours: engines.OurEngine, others: list[engines.Generator], prompts: list[list[int]], cfg: BenchConfig
-) -> BatchResult:
-    before = ours.engine.stats()
-    timed = engines.time_batch([ours, *others], prompts, cfg.new_tokens, cfg.repeats, cfg.min_time_s)
-    after = ours.engine.stats()
-    mine, batch = timed.outputs.pop("ours"), len(prompts)
-    return BatchResult(
-        batch=batch,
-        prompt_tokens=sum(len(p) for p in prompts),
-        padded_tokens=batch * max(len(p) for p in prompts),
-        repeats=timed.repeats,
-        systems=timed.rates,
-        same_tokens={n: sum(map(operator.eq, mine, out)) / batch for n, out in timed.outputs.items()},
-        # Three runs per repeat: two of T(1), one of T(N).
-        engine_prefill_tokens_per_run=(after.prefill_tokens_computed - before.prefill_tokens_computed)
-        / (3 * timed.repeats),
-        engine_preemptions=after.preemptions - before.preemptions,
-    )
-
-
-# ----------------------------------------------------------------------------------------------- KV memory
-@dataclass
-class KVMode:
-    """One way of serving the shared-prefix requests: blocks in use (measured and predicted), work done."""
-
-    blocks_used: int
-    blocks_expected: int
-    prefill_tokens_computed: int
-    seconds: float
-    grouped_decode_steps: int  # decode steps that read the shared prefix once for the whole group
-
-
-@dataclass
-class KVResult:
-    requests: int
-    prefix_tokens: int
-    suffix_tokens: int
-    new_tokens: int
-    block_size: int
-    no_fork: KVMode
-    fork: KVMode
-
-    @property
-    def ratio(self) -> float:
-        return safe_ratio(self.no_fork.blocks_used, self.fork.blocks_used)
-
-
-def blocks(n_tokens: int, block_size: int) -> int:
-    return -(-n_tokens // block_size)
-
-
-async def measure_kv(
-    ours: engines.OurEngine, prefix: list[int], suffixes: list[list[int]], new: int
-) -> KVResult:
-    """Blocks in use for the shared-prefix requests without and with fork, every context still alive."""
-    engine, n, p, s = ours.engine, len(suffixes), len(prefix), len(suffixes[0])
-    bs, sampling = engine.block_size, SamplingParams(max_tokens=new, ignore_eos=True)
-    # After a generate of G tokens a context holds P+S+G tokens, of which P+S+G-1 have KV (the last sampled
-    # one is never computed). A fork shares the parent's full blocks and copies a partial last one.
-    per_request = blocks(p + s + new - 1, bs)
-
-    async def one(cid: int, tokens: list[int], parent: int | None = None) -> None:
-        await engine.fill(cid, tokens, parent_context_id=parent)
-        await engine.generate(cid, sampling)
-
-    async def run(fork: bool) -> KVMode:
-        before = engine.stats()
-        assert before.blocks_used == 0, f"{before.blocks_used} blocks in use before the KV measurement"
-        ids, start = ours.context_ids(n), time.perf_counter()
-        if fork:
-            ids.append(root := ours.context_ids(1)[0])
-            await engine.fill(root, prefix)
-            await asyncio.gather(*(one(c, x, root) for c, x in zip(ids[:n], suffixes, strict=True)))
-        else:
-            await asyncio.gather(*(one(c, prefix + x) for c, x in zip(ids, suffixes, strict=True)))
-        seconds, after = time.perf_counter() - start, engine.stats()
-        await asyncio.gather(*(engine.free_context(c) for c in ids))
-        return KVMode(
-            blocks_used=after.blocks_used,
-            blocks_expected=blocks(p, bs) + n * (per_request - p // bs) if fork else n * per_request,
-            prefill_tokens_computed=after.prefill_tokens_computed - before.prefill_tokens_computed,
-            seconds=seconds,
-            grouped_decode_steps=after.grouped_decode_steps - before.grouped_decode_steps,
-        )
-
-    return KVResult(n, p, s, new, bs, no_fork=await run(False), fork=await run(True))
 
 
 # ----------------------------------------------------------------------------------------------- run
@@ -235,10 +108,10 @@ def engine_config(cfg: BenchConfig, dtype: str | None) -> EngineConfig:
 class Run:
     results: list[BatchResult]
     kv: KVResult
-    ceiling: engines.Ceiling
+    ceiling: Ceiling
 
 
-def run_all(cfg: BenchConfig, ours: engines.OurEngine, others: list[engines.Generator]) -> Run:
+def run_all(cfg: BenchConfig, ours: OurEngine, others: list[Generator]) -> Run:
     """The memory bandwidth, the throughput rows for every batch size, then the KV memory comparison."""
     engine, limit = ours.engine, ours.engine.max_model_len
     if cfg.prompt_len + cfg.new_tokens > limit:
@@ -259,54 +132,11 @@ def run_all(cfg: BenchConfig, ours: engines.OurEngine, others: list[engines.Gene
     log(f"KV memory: {cfg.kv_requests} requests sharing a {p}-token prefix")
     kv = ours.call(measure_kv(ours, tokens[:p], suffixes, cfg.kv_new_tokens))
     b1 = next((r.systems["ours"].decode_tps.value for r in results if r.batch == 1), math.nan)
-    dtype = engines.dtype_name(engine.config.torch_dtype())
-    return Run(results, kv, engines.decode_ceiling(bandwidth, engine_model(engine), dtype, b1))
+    dtype = dtype_name(engine.config.torch_dtype())
+    return Run(results, kv, decode_ceiling(bandwidth, engine_model(engine), dtype, b1))
 
 
 # ----------------------------------------------------------------------------------------------- report
-def throughput_table(results: list[BatchResult]) -> str:
-    """Prefill, decode and end-to-end rates of every system per batch size, with ours over each other."""
-    names, others = list(results[0].systems), list(results[0].same_tokens)
-    rows = []
-    for r, (kind, attr) in itertools.product(results, KINDS.items()):
-        rates = [getattr(r.systems[n], attr) for n in names]
-        cells = [f"{fmt_num(x.value)} ±{x.rel_half_range:.0%}" for x in rates]
-        rows.append([str(r.batch), f"{kind} tok/s", *cells, *(str(r.ratio(kind, n)) for n in others)])
-    headers = ["batch", "metric", *(LABELS[n] for n in names), *(f"ours/{LABELS[n]}" for n in others)]
-    return markdown_table(headers, rows, [True, False] + [True] * (len(headers) - 2))
-
-
-def workload_table(results: list[BatchResult], new_tokens: int) -> str:
-    """What was run: tokens in and out, the median times, and whether each system made our tokens."""
-    names, others = list(results[0].systems), list(results[0].same_tokens)
-    headers = ["batch", "prompt tok", "HF padded", "new tok", *(f"{LABELS[n]} T(1) / T(N) s" for n in names)]
-    headers += [f"same tokens {LABELS[n]}" for n in others]
-    rows = [
-        [str(r.batch), fmt_num(r.prompt_tokens), fmt_num(r.padded_tokens), str(new_tokens)]
-        + [r.systems[n].times() for n in names]
-        + [f"{r.same_tokens[n]:.0%}" for n in others]
-        for r in results
-    ]
-    return markdown_table(headers, rows, [True] * len(headers))
-
-
-def kv_table(kv: KVResult) -> str:
-    """Exact block counts without and with fork, against the counts the paged design predicts."""
-    fields = ("blocks_used", "blocks_expected", "prefill_tokens_computed", "seconds")
-    rows = [
-        [
-            label,
-            *(fmt_num(getattr(m, f), 2 if f == "seconds" else 0) for f in fields),
-            str(m.grouped_decode_steps),
-        ]
-        for label, m in (("without fork", kv.no_fork), ("with fork", kv.fork))
-    ]
-    ratios = [safe_ratio(getattr(kv.no_fork, f), getattr(kv.fork, f)) for f in fields]
-    rows.append(["without / with", *(f"{x:.2f}x" for x in ratios), ""])
-    headers = ["KV cache", "blocks used", "expected", "prefill tokens computed", "time s"]
-    return markdown_table([*headers, "shared-prefix decode steps"], rows, [False] + [True] * 5)
-
-
 def print_report(cfg: BenchConfig, run: Run, dtypes: dict[str, str], vllm: dict[str, Any] | None) -> None:
     systems = f"ours {dtypes['ours']}, HF generate {dtypes['hf']}"
     if vllm is not None:
@@ -367,8 +197,8 @@ def main(argv: list[str] | None = None) -> None:
         spread="shortest prompt / longest prompt (1: all equal)",
     )
     p.add_argument("--batches", type=int, nargs="+", help="batch sizes (default 1 16 64)")
-    p.add_argument("--dtype", choices=engines.DTYPES, help="our engine's and HF's (default: the engine's)")
-    engines.add_vllm_flags(p)
+    p.add_argument("--dtype", choices=DTYPES, help="our engine's and HF's (default: the engine's)")
+    add_vllm_flags(p)
     args = p.parse_args(argv)
     cfg = record.configured(args, FULL, QUICK, TINY)
     cfg = replace(cfg, batches=tuple(cfg.batches))
@@ -379,20 +209,20 @@ def main(argv: list[str] | None = None) -> None:
         tempfile.TemporaryDirectory(prefix=f"{NAME}-") as tmp,
         LLMEngine.from_pretrained(args.model, config=config) as engine,
     ):
-        folder, hf = engines.load_baseline(args.model, engine, Path(tmp))
-        ours = engines.OurEngine(engine)
-        others: list[engines.Generator] = [engines.HFGenerate(hf, engines.pad_token_id(engine.tokenizer, hf))]
+        folder, hf = load_baseline(args.model, engine, Path(tmp))
+        ours = OurEngine(engine)
+        others: list[Generator] = [HFGenerate(hf, pad_token_id(engine.tokenizer, hf))]
         max_len = min(engine.max_model_len, cfg.prompt_len + cfg.new_tokens + 16)
-        vllm = engines.start_vllm(args, folder, engine, max_len, max(cfg.batches), Path(tmp))
+        vllm = start_vllm(args, folder, engine, max_len, max(cfg.batches), Path(tmp))
         try:
             run = run_all(cfg, ours, others + ([vllm] if vllm else []))
         finally:
             ours.close()
             if vllm is not None:
                 vllm.close()
-        model = engines.model_record(args.model, engine)
+        model = model_record(args.model, engine)
     model["hf_attn_implementation"] = getattr(hf.config, "_attn_implementation", None)
-    dtypes = {"ours": run.ceiling.dtype, "hf": engines.dtype_name(hf.dtype)}
+    dtypes = {"ours": run.ceiling.dtype, "hf": dtype_name(hf.dtype)}
     if vllm is not None:
         dtypes["vllm"] = str(vllm.info.get("dtype"))
     print(rec.header(f"{model['name']} ({model['parameters'] / 1e6:.1f}M params)"))

@@ -46,17 +46,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import parrot as P
-
 from benchmarks.common import log, safe_ratio
-from benchmarks.harness import rates, record, systems
-from benchmarks.harness.clients import complete, greedy
-from benchmarks.harness.rates import RatePoint, Search, SimServed
-from benchmarks.plotting import pyplot, save
+from benchmarks.harness import rate_tables, rates, record, systems
+from benchmarks.harness.arrivals import enough_requests
+from benchmarks.harness.rates import RatePoint, Search, Timed
+from benchmarks.harness.sim_runs import SimServed
 from benchmarks.workloads.gpts import Request, Workload, make_workload
 from server.engine.config import EngineConfig
 from server.serve.manager import ManagerConfig
-from server.sim import LatencyModel, load_profile, run
+from server.sim import LatencyModel, load_profile
 
 NAME = "gpts_cluster"
 PARROT, NO_AFFINITY, NO_KERNEL = "parrot", "parrot_no_affinity", "parrot_no_kernel"
@@ -101,15 +99,9 @@ def app_sizes(apps: int) -> tuple[int, ...]:
 
 def workload_of(cfg: BenchConfig) -> Workload:
     """Enough requests for the highest rate a run may use (Poisson: a margin above rate x duration)."""
-    mean = max(cfg.max_rate, cfg.rate or 0.0, cfg.start_rate) * cfg.duration
-    count = int(mean + 6 * math.sqrt(mean) + 64)
-    return make_workload(
-        cfg.system_tokens,
-        count,
-        query_tokens=cfg.query_tokens,
-        output_tokens=cfg.output_tokens,
-        seed=cfg.seed,
-    )
+    count = enough_requests(max(cfg.max_rate, cfg.rate or 0.0, cfg.start_rate), cfg.duration)
+    lengths = {"query_tokens": cfg.query_tokens, "output_tokens": cfg.output_tokens}
+    return make_workload(cfg.system_tokens, count, **lengths, seed=cfg.seed)
 
 
 # ----------------------------------------------------------------------------------------------- one run
@@ -128,40 +120,24 @@ def policy_system(policy: str, cfg: BenchConfig) -> systems.System:
     return systems.System(policy, EngineConfig(device="cpu", max_running_tokens=cap), manager, cfg.engines)
 
 
-@functools.cache
-def app_function(template: str, name: str, max_tokens: int) -> P.SemanticFunction:
-    return P.SemanticFunction.from_template(
-        template, name=name, sampling=P.SamplingConfig(**greedy(max_tokens))
-    )
-
-
 async def send(served: SimServed, workload: Workload, request: Request) -> None:
     """Parrot: one call in its own session, fetched with the latency criteria; the baselines: the whole
     rendered prompt to ``/v1/completions``."""
     if served.system.name in (BASELINE, CAPPED):
-        await complete(served.http, workload.prompt(request), request.max_tokens, model=served.model_name)
-        return
-    app = workload.apps[request.app]
-    async with P.Session(served.url, client=served.http) as s:
-        out = app_function(app.template, app.name, request.max_tokens)(query=s.variable(request.query))
-        await out.aget(criteria=P.LATENCY)
+        await workload.baseline(served.http, request, model=served.model_name)
+    else:
+        await workload.parrot(served.http, request)
 
 
 def run_point(policy: str, rate: float, workload: Workload, cfg: BenchConfig) -> RatePoint:
     """``policy`` at ``rate`` on a fresh simulated cluster."""
 
-    async def simulate() -> RatePoint:
-        system, latency = policy_system(policy, cfg), latency_model(policy, cfg)
-        async with rates.simulated(system, latency, memo=True) as served:
-            calls = [
-                (at, r.max_tokens, functools.partial(send, served, workload, r))
-                for r, at in workload.arrivals(rate, cfg.duration)
-            ]
-            return await rates.at_rate(served, rate, calls, cfg.warmup)
+    def calls(served: SimServed) -> list[Timed]:
+        arrivals = workload.arrivals(rate, cfg.duration)
+        return [(at, r.max_tokens, functools.partial(send, served, workload, r)) for r, at in arrivals]
 
-    point = run(simulate())
-    log(point.line(cfg.bound))
-    return point
+    system, latency = policy_system(policy, cfg), latency_model(policy, cfg)
+    return rates.measure(system, latency, rate, calls, cfg.warmup, cfg.bound)
 
 
 def find_max_rate(policy: str, workload: Workload, cfg: BenchConfig, measure: Any = run_point) -> Search:
@@ -229,14 +205,14 @@ def main(argv: list[str] | None = None) -> None:
         f"{cfg.baseline_cap or kv:,} tokens (baseline_capped: {cfg.latency_cap:,}); Parrot's latency cap "
         f"{cfg.latency_cap:,}. Simulated seconds of the profile (derived, not measured), except wall.\n"
     )
-    print(rates.report(searches, PARROT, PAPER_ANCHOR, cfg.bound))
+    print(rate_tables.report(searches, PARROT, PAPER_ANCHOR, cfg.bound))
     best = searches[PARROT].best
     ratios = {f"speedup_vs_{short}": safe_ratio(best, searches[p].best) for p, short in SHORT.items()}
     scale = {p: at_scale[p].best if at_scale else math.nan for p in (PARROT, NO_AFFINITY)}
     ratios["speedup_vs_no_affinity_many_apps"] = safe_ratio(scale[PARROT], scale[NO_AFFINITY])
     if at_scale:
         print(f"\n### Affinity at scale: {cfg.many_apps} apps\n")
-        print(rates.report(at_scale, PARROT, {NO_AFFINITY: PAPER_ANCHOR[NO_AFFINITY]}, cfg.bound))
+        print(rate_tables.report(at_scale, PARROT, {NO_AFFINITY: PAPER_ANCHOR[NO_AFFINITY]}, cfg.bound))
     rec.finish(
         {
             "parrot_rate": best,
@@ -259,18 +235,7 @@ def main(argv: list[str] | None = None) -> None:
 def plot(payload: dict[str, Any], path: Path) -> None:
     """Fig. 17: mean normalized latency against request rate per policy, the bound, each policy's highest
     sustained rate."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6.5, 3.6))
-    for policy, search in payload["policies"].items():
-        runs = sorted(search["runs"], key=lambda r: r["rate"])
-        (line,) = ax.plot([r["rate"] for r in runs], [1000 * r["mean_s_per_token"] for r in runs], "o-", ms=3)
-        ax.axvline(search["max_sustained_rate"], color=line.get_color(), ls=":", lw=1)
-        line.set_label(f"{policy} (max {search['max_sustained_rate']:.1f} req/s)")
-    ax.axhline(1000 * payload["config"]["bound"], color="grey", ls="--", lw=1, label="bound")
-    ax.set(xscale="log", yscale="log", xlabel="request rate (req/s, simulated)")
-    ax.set_ylabel("mean latency per output token (ms)")
-    ax.legend(fontsize=7)
-    save(fig, path)
+    rate_tables.plot(payload["policies"], payload["config"]["bound"], path)
 
 
 if __name__ == "__main__":

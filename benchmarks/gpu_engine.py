@@ -30,7 +30,9 @@ import torch
 
 from benchmarks import engine_throughput as et
 from benchmarks.common import bench_dtype, engine_model, log, result_line, write_json
-from benchmarks.harness import engines, random_models
+from benchmarks.harness import random_models
+from benchmarks.harness.engine_batches import make_prompts, measure_batch, workload
+from benchmarks.harness.generators import Generator, OurEngine
 from benchmarks.harness.gpu_results import (
     EAGER,
     PROFILE_BATCHES,
@@ -43,6 +45,8 @@ from benchmarks.harness.gpu_results import (
     row_of,
     table,
 )
+from benchmarks.harness.hf_generate import HFGenerate
+from benchmarks.harness.kv_fork import blocks
 from server.engine import EngineConfig, LLMEngine
 
 NAME = "gpu_engine"
@@ -83,7 +87,7 @@ def _fits(cfg: GpuConfig, batch: int, kv_per_token: int, weight_bytes: int, devi
 def engine_config(cfg: GpuConfig, batches: list[int], device: str, dtype: str) -> EngineConfig:
     """KV blocks for the largest batch that fits, every context at its longest; nothing preempted."""
     most = max(batches, default=1)
-    per_seq = et.blocks(cfg.prompt_len + cfg.new_tokens, EngineConfig.block_size) + 1
+    per_seq = blocks(cfg.prompt_len + cfg.new_tokens, EngineConfig.block_size) + 1
     return EngineConfig(
         num_kv_blocks=most * per_seq + 64,
         max_num_seqs=max(most, 16),
@@ -111,22 +115,22 @@ def run_shape(cfg: GpuConfig, shape: str, device: torch.device, dtype: str, band
     eager_config = replace(config, cuda_graphs=False)
     if cfg.profile_shape == shape:  # room for the calibration sweep's largest shape too
         longest = max(PROFILE_PROMPTS) + PROFILE_NEW
-        sweep = max(PROFILE_BATCHES) * (et.blocks(longest, config.block_size) + 1) + 64
-        blocks = max(config.num_kv_blocks or 0, sweep)
-        config = replace(config, trace_steps=100_000, max_model_len=2 * longest, num_kv_blocks=blocks)
+        sweep = max(PROFILE_BATCHES) * (blocks(longest, config.block_size) + 1) + 64
+        kv_blocks = max(config.num_kv_blocks or 0, sweep)
+        config = replace(config, trace_steps=100_000, max_model_len=2 * longest, num_kv_blocks=kv_blocks)
     log(f"{shape}: building {params / 1e9:.2f}B random parameters on {device} ({dtype}) ...")
     pair = random_models.load_pair(shape, config)
     eager: LLMEngine | None = None
-    runners: list[engines.OurEngine] = []  # their event loops, closed at the end
+    runners: list[OurEngine] = []  # their event loops, closed at the end
     try:
-        ours = engines.OurEngine(pair.engine)
+        ours = OurEngine(pair.engine)
         runners.append(ours)
-        hf = engines.HFGenerate(pair.hf, pad_token_id=0)
-        systems: list[engines.Generator] = [hf]
+        hf = HFGenerate(pair.hf, pad_token_id=0)
+        systems: list[Generator] = [hf]
         if cfg.compare_eager and device.type == "cuda":
             model = engine_model(pair.engine)
             eager = LLMEngine(model, pair.engine.tokenizer, pair.engine.model_config, eager_config, shape)
-            eager_runner = engines.OurEngine(eager)
+            eager_runner = OurEngine(eager)
             eager_runner.name = EAGER
             runners.append(eager_runner)
             systems.insert(0, eager_runner)
@@ -138,11 +142,11 @@ def run_shape(cfg: GpuConfig, shape: str, device: torch.device, dtype: str, band
             repeats=cfg.repeats,
             min_time_s=0.0,
         )
-        tokens = et.workload(pair.engine.tokenizer, 4 * cfg.prompt_len)
+        tokens = workload(pair.engine.tokenizer, 4 * cfg.prompt_len)
         for b in batches:
-            prompts = et.make_prompts(tokens, b, bench)
+            prompts = make_prompts(tokens, b, bench)
             log(f"{shape} batch {b}: {sum(map(len, prompts))} prompt tokens, {cfg.new_tokens} new each")
-            result = et.measure_batch(ours, systems, prompts, bench)
+            result = measure_batch(ours, systems, prompts, bench)
             out.rows.append(row_of(result))
         b1 = next((r for r in out.rows if r["batch"] == 1), None)
         if b1 is not None:

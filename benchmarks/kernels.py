@@ -23,8 +23,6 @@ import argparse
 import math
 import statistics
 import sys
-import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +36,7 @@ if not __package__:
 
 import kernels
 from benchmarks.common import add_size_flags, bench_dtype, machine_info, result_line, write_json
+from benchmarks.harness.kernel_timing import interleaved
 from benchmarks.plotting import pyplot, save
 from server.malloc_tuning import tune_glibc_malloc
 
@@ -65,30 +64,6 @@ class Row:
 def ceiling(batch: int, prefix: int, suffix: int) -> float:
     """KV tokens read by plain paged decode over those read by shared-prefix decode."""
     return batch * (prefix + suffix) / (prefix + batch * suffix)
-
-
-def _time_once(fn: Callable[[], torch.Tensor], device: torch.device) -> float:
-    """Wall time of one call of ``fn`` in milliseconds (device work included)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return (time.perf_counter() - start) * 1e3
-
-
-def _device_ms(fn: Callable[[], torch.Tensor], flush: torch.Tensor) -> float:
-    """Device time of one call of ``fn`` in milliseconds, the L2 cache flushed first (as `triton.testing`'s
-    ``do_bench`` does); the flush keeps the GPU busy while the host enqueues ``fn``, so launch overhead
-    stays out of the figure."""
-    flush.zero_()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
 
 
 def run_case(
@@ -141,19 +116,11 @@ def run_case(
 
     # The first calls also warm up (compilation, workspaces, caches).
     diff = (plain().float() - shared().float()).abs().max().item()
-    # Interleave the two so that drift in machine state (frequency, other load) hits both alike, and take
-    # the speedup as the median of the back-to-back pairs' ratios: on a shared machine whose speed shifts
-    # between runs, a pair sees one state, while a ratio of two medians can mix states.
-    plain_ms, shared_ms, plain_wall, shared_wall = [], [], [], []
-    flush = torch.empty(1 << 28, dtype=torch.float32, device=device) if device.type == "cuda" else None
-    for _ in range(repeats):
-        plain_wall.append(_time_once(plain, device))
-        shared_wall.append(_time_once(shared, device))
-        if flush is not None:
-            plain_ms.append(_device_ms(plain, flush))
-            shared_ms.append(_device_ms(shared, flush))
-    if flush is None:
-        plain_ms, shared_ms = plain_wall, shared_wall
+    # The two interleaved (`kernel_timing.interleaved`), and the speedup taken as the median of the
+    # back-to-back pairs' ratios: on a shared machine whose speed shifts between runs, a pair sees one
+    # state, while a ratio of two medians can mix states.
+    t = interleaved([plain, shared], repeats, device)
+    (plain_ms, shared_ms), (plain_wall, shared_wall) = t.ms, t.wall_ms
     speedup = statistics.median(p / s for p, s in zip(plain_ms, shared_ms, strict=True))
     ceil = ceiling(batch, prefix, suffix)
     return Row(

@@ -31,21 +31,21 @@ sim_speedup_out50=... sim_speedup_out100=... total_s=...`` (speedup: baseline ov
 from __future__ import annotations
 
 import asyncio
-import math
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
-import parrot as P
-from parrot.protocol import Criteria
-
-from benchmarks.common import document_chunks, log, render_template, safe_ratio
-from benchmarks.harness import measure, record, systems
-from benchmarks.harness.clients import complete, greedy
+from benchmarks.common import log, safe_ratio
+from benchmarks.harness import job_runs, measure, record, systems
 from benchmarks.harness.systems import Served
 from benchmarks.plotting import pyplot, save
+from benchmarks.workloads.map_reduce_app import (
+    MAP_TEMPLATE,
+    MapReduceDoc,
+    baseline_map_reduce,
+    make_doc,
+    parrot_map_reduce,
+)
 from server.engine import EngineConfig
 
 NAME = "map_reduce"
@@ -53,15 +53,6 @@ PARROT, BASELINE = "parrot", "baseline"
 CLIENTS = (PARROT, BASELINE)
 PAPER_ANCHOR = 2.37  # Fig. 14: one A100 engine, LLaMA 13B, baseline capped at 4096 running tokens
 SIM_OUTPUT_TOKENS = (50, 100)  # map summary lengths simulated
-
-MAP_TEMPLATE = """Summarize this part of a long document in a few sentences.
-Part of the document:
-{{input:chunk}}
-Summary of this part: {{output:summary}}"""
-REDUCE_HEAD = "Summaries of the parts of a long document, in order:"
-REDUCE_TAIL = "Summary of the whole document: {{output:summary}}"
-
-OnResult = Callable[[str], None]
 
 
 @dataclass(frozen=True)
@@ -87,77 +78,7 @@ QUICK = BenchConfig(chunks=8, latency_cap_tokens=768, repeats=3, sim_chunks=16)
 TINY = BenchConfig(chunks=2, chunk_tokens=16, map_tokens=4, reduce_tokens=4, repeats=1, sim_chunks=2)
 
 
-# ----------------------------------------------------------------------------------------------- the app
-@dataclass(frozen=True)
-class MapReduceDoc:
-    """One map-reduce job: the document's parts and the token budgets of the map and reduce calls."""
-
-    chunks: tuple[str, ...]
-    map_tokens: int
-    reduce_tokens: int
-
-    @property
-    def reduce_template(self) -> str:
-        """The reduce call's template: one input per part's summary, in order."""
-        parts = [f"{{{{input:part{i}}}}}" for i in range(len(self.chunks))]
-        return "\n".join([REDUCE_HEAD, *parts, REDUCE_TAIL])
-
-    def map_prompt(self, chunk: str) -> str:
-        return render_template(MAP_TEMPLATE, {"chunk": chunk})
-
-    def reduce_prompt(self, summaries: Sequence[str]) -> str:
-        return render_template(self.reduce_template, {f"part{i}": s for i, s in enumerate(summaries)})
-
-
-def make_doc(
-    tokenizer: Any, chunks: int, chunk_tokens: int, map_tokens: int, reduce_tokens: int
-) -> MapReduceDoc:
-    """The job over ``chunks`` consecutive parts of the stdlib text, ``chunk_tokens`` tokens each."""
-    return MapReduceDoc(tuple(document_chunks(tokenizer, chunks, chunk_tokens)), map_tokens, reduce_tokens)
-
-
-async def parrot_map_reduce(
-    client: httpx.AsyncClient,
-    doc: MapReduceDoc,
-    *,
-    criteria: Criteria = "latency",
-    timeout: float = 300.0,
-    on_result: OnResult | None = None,
-) -> str:
-    """The job through the `parrot` frontend: map and reduce calls queued in one session, sent with the
-    ``aget`` of the reduce output; ``on_result`` gets the summary as soon as it is in hand (for timing)."""
-    summarize = P.SemanticFunction.from_template(
-        MAP_TEMPLATE, name="summarize_part", sampling=P.SamplingConfig(**greedy(doc.map_tokens))
-    )
-    combine = P.SemanticFunction.from_template(
-        doc.reduce_template, name="combine", sampling=P.SamplingConfig(**greedy(doc.reduce_tokens))
-    )
-    async with P.Session(str(client.base_url), client=client, timeout=timeout):
-        summaries = [summarize(chunk=chunk) for chunk in doc.chunks]
-        final = combine(**{f"part{i}": s for i, s in enumerate(summaries)})
-        assert isinstance(final, P.Variable)
-        value = await final.aget(criteria=criteria)
-        if on_result is not None:
-            on_result(value)
-    return value
-
-
-async def baseline_map_reduce(
-    client: httpx.AsyncClient,
-    doc: MapReduceDoc,
-    *,
-    model: str | None = None,
-    on_result: OnResult | None = None,
-) -> str:
-    """The job as a request-centric client runs it: concurrent map completions, then the reduce."""
-    maps = (complete(client, doc.map_prompt(c), doc.map_tokens, model=model) for c in doc.chunks)
-    summaries = await asyncio.gather(*maps)
-    value = await complete(client, doc.reduce_prompt(summaries), doc.reduce_tokens, model=model)
-    if on_result is not None:
-        on_result(value)
-    return value
-
-
+# ----------------------------------------------------------------------------------------------- clients
 def job(served: Served, doc: MapReduceDoc) -> measure.Job:
     """The system's client as a harness job."""
     if served.system.name == PARROT:
@@ -173,39 +94,6 @@ def compared(engine: EngineConfig, cap: int) -> list[systems.System]:
         systems.parrot(PARROT, engine, latency_cap_tokens=cap),
         systems.baseline(BASELINE, engine, cap=cap),
     ]
-
-
-# ----------------------------------------------------------------------------------------------- runs
-async def measure_real(
-    servers: dict[str, Served], doc: MapReduceDoc, cfg: BenchConfig, delays: Sequence[bool]
-) -> list[tuple[str, dict[str, measure.Samples], dict[str, measure.Ratio]]]:
-    """Outputs checked equal (the warm-up), then ``repeats`` interleaved runs per setting."""
-    jobs = {name: (lambda s=s: measure.timed(s, job(s, doc))) for name, s in servers.items()}
-    settings = []
-    async with systems.connected(servers):
-        log(f"verifying outputs and warming up ({cfg.chunks} map calls) ...")
-        expected = await measure.agree(jobs)
-        for delay, samples in (await measure.per_delay(servers, jobs, cfg.repeats, expected, delays)).items():
-            ratios = {PARROT: measure.ratio(samples[BASELINE], samples[PARROT])}
-            settings.append((systems.delay_label(delay), samples, ratios))
-    return settings
-
-
-async def simulate(cfg: BenchConfig, map_tokens: int) -> dict[str, measure.Run]:
-    """Each client once on a simulated GPU engine (virtual seconds); outputs checked equal."""
-    from server.sim import tiny_tokenizer
-
-    doc = make_doc(tiny_tokenizer(), cfg.sim_chunks, cfg.sim_chunk_tokens, map_tokens, 100)
-    # 4096 tokens per step, like a GPU engine's prefill chunk; the caps are what differs between clients.
-    engine = EngineConfig(device="cpu", max_num_batched_tokens=4096, max_num_seqs=256)
-    runs = {}
-    for system in compared(engine, cfg.sim_cap):
-        async with systems.simulate(system, cfg.profile, delay=systems.DELAY_S) as served:
-            loop = asyncio.get_running_loop()
-            runs[system.name] = await measure.timed(served, job(served, doc), clock=loop.time)
-    if runs[PARROT].output != runs[BASELINE].output:
-        raise SystemExit("simulator: the two clients' final summaries differ")
-    return runs
 
 
 # ----------------------------------------------------------------------------------------------- main
@@ -238,7 +126,10 @@ def main(argv: list[str] | None = None) -> None:
                 f"a map request ({map_request} tokens) exceeds the cap: raise --latency-cap-tokens"
             )
         delays = (False,) if args.no_delay_only else (False, True)
-        settings = asyncio.run(measure_real(servers, doc, cfg, delays))
+        log(f"verifying outputs and warming up ({cfg.chunks} map calls) ...")
+        settings = asyncio.run(
+            job_runs.delay_settings(servers, lambda s: job(s, doc), cfg.repeats, BASELINE, delays)
+        )
     sims = {out: run_simulation(cfg, out) for out in SIM_OUTPUT_TOKENS}
 
     print(rec.header(args.model))
@@ -259,10 +150,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  {out}-token summaries: {line}: {sim_speedup(runs):.2f}x")
     print(f"paper anchor (Fig. 14, one A100): {PAPER_ANCHOR}x")
 
-    by_delay = {label != "none": samples for label, samples, _ in settings}
-
     def median(delay: bool, name: str) -> float:
-        return by_delay[delay][name].spread.median if delay in by_delay else math.nan
+        return job_runs.median_s(settings, delay, name)
 
     metrics = {
         "speedup": safe_ratio(median(True, BASELINE), median(True, PARROT)),
@@ -296,10 +185,14 @@ def sim_speedup(runs: dict[str, measure.Run]) -> float:
 
 
 def run_simulation(cfg: BenchConfig, map_tokens: int) -> dict[str, measure.Run]:
-    from server.sim import run
+    """Each client once on a simulated GPU engine (virtual seconds); outputs checked equal."""
+    from server.sim import tiny_tokenizer
 
     log(f"simulating the GPU-scale job ({cfg.sim_chunks} parts, {map_tokens}-token summaries) ...")
-    return run(simulate(cfg, map_tokens))
+    doc = make_doc(tiny_tokenizer(), cfg.sim_chunks, cfg.sim_chunk_tokens, map_tokens, 100)
+    # 4096 tokens per step, like a GPU engine's prefill chunk; the caps are what differs between clients.
+    engine = EngineConfig(device="cpu", max_num_batched_tokens=4096, max_num_seqs=256)
+    return job_runs.simulated_once(compared(engine, cfg.sim_cap), cfg.profile, lambda s: job(s, doc))
 
 
 def plot(payload: dict[str, Any], path: Path) -> None:

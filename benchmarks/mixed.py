@@ -28,25 +28,20 @@ Metrics, from arrival to answer: chat **normalized latency** (latency / output t
 
 from __future__ import annotations
 
-import functools
 import math
 import statistics
-from collections.abc import Awaitable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, cast
 
-import httpx
-import parrot as P
-
-from benchmarks.common import Spread, log, markdown_table, percentile, safe_ratio
-from benchmarks.harness import rates, record, systems
-from benchmarks.harness.clients import complete, greedy
-from benchmarks.map_reduce import MapReduceDoc, baseline_map_reduce, parrot_map_reduce
+from benchmarks.common import Spread, log, markdown_table, percentile
+from benchmarks.harness import rate_tables, record, sim_runs, systems
+from benchmarks.harness.seed_runs import Result, SeedRun, ratio_cell, spread
 from benchmarks.plotting import pyplot, save
 from benchmarks.workloads import mixed as workloads
 from benchmarks.workloads.chat import SHAREGPT_LIKE, ChatLengths
-from benchmarks.workloads.mixed import CHAT_TEMPLATE, ChatRequest, Workload
+from benchmarks.workloads.mixed import Workload
 from server.engine import EngineConfig
 from server.serve.manager import ManagerConfig
 from server.sim import load_profile, run
@@ -63,16 +58,6 @@ HEADLINE = {  # RESULT key: the metric, the baseline over Parrot, and the paper'
     "chat_latency_vs_latency_tuned": (CHAT, LATENCY_TUNED, 5.5),
     "mapreduce_jct_vs_throughput_tuned": (JCT, THROUGHPUT_TUNED, 1.05),
 }
-WORKLOAD = (
-    "window",
-    "chat_rate",
-    "apps",
-    "chunks",
-    "chunk_tokens",
-    "map_tokens",
-    "reduce_tokens",
-    "chat_lengths",
-)
 
 
 @dataclass(frozen=True)
@@ -99,18 +84,8 @@ TINY = BenchConfig(window=4.0, apps=2, chunks=(2, 3), chunk_tokens=64, seeds=1)
 
 def make_workload(cfg: BenchConfig, seed: int | None = None) -> Workload:
     """The workload of ``seed`` (default ``cfg.seed``) at ``cfg``'s sizes."""
-    sizes = {k: getattr(cfg, k) for k in WORKLOAD}
+    sizes = {k: getattr(cfg, k) for k in workloads.SIZES}
     return workloads.make_workload(cfg.seed if seed is None else seed, **sizes)
-
-
-async def parrot_chat(client: httpx.AsyncClient, req: ChatRequest) -> str:
-    """One chat turn through the `parrot` frontend: a latency-critical call, its reply fetched."""
-    sampling = P.SamplingConfig(**greedy(req.max_tokens))
-    chat = P.SemanticFunction.from_template(CHAT_TEMPLATE, name="chat", sampling=sampling, criteria=P.LATENCY)
-    async with P.Session(str(client.base_url), client=client, timeout=3600.0):
-        reply = chat(message=req.message)
-        assert isinstance(reply, P.Variable)
-        return str(await reply.aget(criteria=P.LATENCY))
 
 
 # ----------------------------------------------------------------------------------------------- runs
@@ -121,7 +96,7 @@ class SystemResult:
     chat_latency: list[float]
     chat_tokens: list[int]
     app_jct: list[float]
-    work: rates.Work
+    work: sim_runs.Work
 
     def metrics(self) -> dict[str, float]:
         """Chat normalized latency (s/token) and map-reduce JCT (s): mean, median, p90, max."""
@@ -131,6 +106,16 @@ class SystemResult:
             out[f"{name}_mean"] = statistics.fmean(xs) if xs else math.nan
             out |= {f"{name}_{q}": percentile(xs, p) for q, p in (("median", 50), ("p90", 90), ("max", 100))}
         return out
+
+    def as_dict(self) -> dict[str, Any]:
+        """The metrics, the cluster's work and every latency, for the JSON payload."""
+        return {
+            "metrics": self.metrics(),
+            **asdict(self.work),
+            "chat_latency_s": self.chat_latency,
+            "chat_output_tokens": self.chat_tokens,
+            "mapreduce_jct_s": self.app_jct,
+        }
 
 
 def system(name: str, cfg: BenchConfig, kv_tokens: int) -> systems.System:
@@ -143,66 +128,26 @@ def system(name: str, cfg: BenchConfig, kv_tokens: int) -> systems.System:
 async def run_system(name: str, workload: Workload, cfg: BenchConfig) -> SystemResult:
     """The whole workload, open loop, on a fresh simulated cluster configured as system ``name``."""
     latency = load_profile(cfg.profile)
-    baseline, criteria = name in BASELINES, "latency" if name == PARROT_LATENCY_GET else "throughput"
-    async with rates.simulated(system(name, cfg, latency.kv_tokens), latency) as served:
-        http, model = served.http, served.model_name
-
-        def chat(c: ChatRequest) -> Awaitable[str]:
-            return complete(http, c.prompt, c.max_tokens, model=model) if baseline else parrot_chat(http, c)
-
-        def app(doc: MapReduceDoc) -> Awaitable[str]:
-            if baseline:
-                return baseline_map_reduce(http, doc, model=model)
-            return parrot_map_reduce(http, doc, criteria=criteria, timeout=3600.0)
-
-        calls = [(c.arrival, functools.partial(chat, c)) for c in workload.chats]
-        calls += [(at, functools.partial(app, doc)) for at, doc in workload.apps]
-        times = cast(list[float], await rates.open_loop(served, calls))  # a failure raises
+    criteria = "latency" if name == PARROT_LATENCY_GET else "throughput"
+    async with sim_runs.simulated(system(name, cfg, latency.kv_tokens), latency) as served:
+        baseline, model = name in BASELINES, served.model_name
+        calls = workload.calls(served.http, baseline=baseline, model=model, criteria=criteria)
+        times = cast(list[float], await sim_runs.open_loop(served, calls))  # a failure raises
         n = len(workload.chats)
         return SystemResult(times[:n], [c.max_tokens for c in workload.chats], times[n:], served.work())
 
 
-@dataclass
-class SeedRun:
-    """Every system on the workload of one seed."""
-
-    workload: Workload
-    systems: dict[str, SystemResult]
-
-    def ratio(self, metric: str, baseline: str, parrot: str = PARROT) -> float:
-        """Baseline / Parrot of one metric (above 1: Parrot better)."""
-        return safe_ratio(self.systems[baseline].metrics()[metric], self.systems[parrot].metrics()[metric])
-
-    def ratios(self, parrot: str = PARROT) -> dict[str, float]:
-        """The four headline ratios, keyed as `HEADLINE`."""
-        return {key: self.ratio(metric, baseline, parrot) for key, (metric, baseline, _) in HEADLINE.items()}
-
-    def as_dict(self) -> dict[str, Any]:
-        systems_ = {
-            name: {"metrics": r.metrics(), **asdict(r.work), "chat_latency_s": r.chat_latency}
-            | {"chat_output_tokens": r.chat_tokens, "mapreduce_jct_s": r.app_jct}
-            for name, r in self.systems.items()
-        }
-        return {"workload": self.workload.summary(), "ratios": self.ratios(), "systems": systems_}
-
-
 def run_seed(workload: Workload, cfg: BenchConfig) -> SeedRun:
     """All systems on one workload, one after the other (each on its own virtual clock)."""
-    results: dict[str, SystemResult] = {}
+    log(f"seed {workload.seed}: {len(workload.chats)} chat turns, {len(workload.apps)} map-reduce apps")
+    results: dict[str, Result] = {}
     for name in SYSTEMS:
         r = results[name] = run(run_system(name, workload, cfg))
         log(
             f"  seed {workload.seed} {name}: chat {r.metrics()[CHAT] * 1000:.1f} ms/token, map-reduce JCT "
             f"{r.metrics()[JCT]:.1f} s ({r.work.virtual_s:.0f} s virtual in {r.work.wall_s:.1f} s wall)"
         )
-    return SeedRun(workload, results)
-
-
-def spread(runs: Sequence[SeedRun], key: str, system: str = PARROT) -> Spread:
-    """A headline ratio (key of `HEADLINE`, ``system`` as Parrot) or one system's metric, over seeds."""
-    if key in HEADLINE:
-        return Spread.of(r.ratios(system)[key] for r in runs)
-    return Spread.of(r.systems[system].metrics()[key] for r in runs)
+    return SeedRun(workload.summary(), results, HEADLINE, PARROT)
 
 
 def results_table(runs: Sequence[SeedRun]) -> str:
@@ -210,20 +155,16 @@ def results_table(runs: Sequence[SeedRun]) -> str:
     baseline's ratio to Parrot (median over seeds, range)."""
 
     def ratio(metric: str, name: str) -> str:
-        s = Spread.of(r.ratio(metric, name) for r in runs)
-        return (
-            f"{s.median:.2f}x" + (f" ({s.lo:.2f}-{s.hi:.2f})" if s.n > 1 else "") if name in BASELINES else ""
-        )
+        return ratio_cell(Spread.of(r.ratio(metric, name) for r in runs)) if name in BASELINES else ""
 
     def cells(name: str, prefix: str, scale: float) -> list[str]:
+        """Mean and p90 (medians over seeds), and the ratio of the means to Parrot's."""
         mean, p90 = (spread(runs, f"{prefix}_{q}", name).median * scale for q in ("mean", "p90"))
-        return [f"{mean:.1f}", f"{p90:.1f}"]
+        return [f"{mean:.1f}", f"{p90:.1f}", ratio(f"{prefix}_mean", name)]
 
     rows = [
-        [name, *cells(name, "chat_s_per_token", 1000), ratio(CHAT, name), *cells(name, "mapreduce_jct_s", 1)]
-        for name in SYSTEMS
+        [name, *cells(name, "chat_s_per_token", 1000), *cells(name, "mapreduce_jct_s", 1)] for name in SYSTEMS
     ]
-    rows = [[*row, ratio(JCT, row[0])] for row in rows]
     headers = ["system", "chat ms/token mean", "p90", "chat: this / parrot", "map-reduce JCT s mean", "p90"]
     return markdown_table([*headers, "JCT: this / parrot"], rows, [False, *([True] * 6)])
 
@@ -246,13 +187,9 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     cfg = record.configured(args, FULL, QUICK, TINY)
     rec = record.Recorder(NAME, args)
-    runs = []
-    for seed in range(cfg.seed, cfg.seed + cfg.seeds):
-        w = make_workload(cfg, seed)
-        log(f"seed {seed}: {len(w.chats)} chat turns, {len(w.apps)} map-reduce apps")
-        runs.append(run_seed(w, cfg))
+    runs = [run_seed(make_workload(cfg, seed), cfg) for seed in range(cfg.seed, cfg.seed + cfg.seeds)]
 
-    w, kv = runs[0].workload.summary(), load_profile(cfg.profile).kv_tokens
+    w, kv = runs[0].summary, load_profile(cfg.profile).kv_tokens
     print(rec.header(f"simulated cluster of {cfg.engines} engines ({cfg.profile} profile, virtual time)"))
     print(
         f"Workload of seed {w['seed']} over {cfg.window:g} virtual s: {w['chats']} chat turns (Poisson "
@@ -263,15 +200,14 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(results_table(runs) + "\n")
     works = {name: r.work for name, r in runs[0].systems.items()}
-    print(f"Engine work, seed {w['seed']}:\n\n{rates.engines_table(works)}\n")
+    print(f"Engine work, seed {w['seed']}:\n\n{rate_tables.engines_table(works)}\n")
     here = (f"{k} {v[2]:g}x (here {spread(runs, k).median:.2f}x)" for k, v in HEADLINE.items())
     print("paper anchors (Fig. 19, baseline / parrot): " + ", ".join(here))
+    metrics = {k: spread(runs, k).median for k in HEADLINE}
+    metrics["parrot_chat_s_per_token"] = spread(runs, CHAT).median
+    metrics["parrot_mapreduce_jct_s"] = spread(runs, JCT).median
     rec.finish(
-        {k: spread(runs, k).median for k in HEADLINE}
-        | {
-            "parrot_chat_s_per_token": spread(runs, CHAT).median,
-            "parrot_mapreduce_jct_s": spread(runs, JCT).median,
-        },
+        metrics,
         config=cfg,
         profile=load_profile(cfg.profile),
         systems={name: system(name, cfg, kv).describe() for name in SYSTEMS},

@@ -30,21 +30,14 @@ largest number of files (``speedup*``: that system's median latency over Parrot'
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import math
-from collections.abc import Callable
+import functools
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import httpx
-import parrot as P
-
-from benchmarks.common import fmt_num, int_list, log, markdown_table, safe_ratio
-from benchmarks.harness import measure, peaks, record, systems
-from benchmarks.harness.clients import complete, greedy
-from benchmarks.harness.systems import Served, System
+from benchmarks.common import int_list
+from benchmarks.harness import dag_sweeps, first_jobs, payload_plots, record, systems
+from benchmarks.harness.systems import System
 from benchmarks.plotting import pyplot, save
 from benchmarks.workloads.multi_agent import Budgets, Workflow, make_workflow, project_brief, stage_roles
 from server.engine import EngineConfig
@@ -54,6 +47,8 @@ NAME = "multi_agent"
 PARROT, BASELINE = "parrot", "baseline"
 NO_SHARING, NO_DEDUCTION = "parrot, no sharing", "parrot, no deduction"
 CLIENTS = (PARROT, NO_SHARING, NO_DEDUCTION, BASELINE)
+# The baseline's first job runs first: its outputs are the check. Ratios are to Parrot's.
+COMPARISON = dag_sweeps.Comparison(CLIENTS, baseline=BASELINE, reference=PARROT, unit="files")
 PAPER_ANCHOR = {
     "speedup_vs_baseline_max": 11.7,  # Fig. 18a, 16 files, latency-centric baseline
     "speedup_vs_throughput_baseline_max": 2.45,
@@ -99,58 +94,10 @@ _TINY_JOB["latency_cap_tokens"] = 512
 TINY = BenchConfig((2,), **_TINY_JOB, num_kv_blocks=256, repeats=1, sim=SimConfig((2,), **_TINY_JOB))
 
 
-def make_job(sizes: BenchConfig | SimConfig, tokenizer: Any, files: int, seed: int) -> Workflow:
+def make_job(sizes: BenchConfig | SimConfig, seed: int, tokenizer: Any, files: int) -> Workflow:
     """The workflow for ``files`` files at these sizes, its brief in ``tokenizer``'s tokens."""
     brief = project_brief(tokenizer, sizes.brief_tokens, seed)
     return make_workflow(brief, files, sizes.rounds, seed, sizes.budgets)
-
-
-# ----------------------------------------------------------------------------------------------- clients
-async def parrot_multi_agent(
-    client: httpx.AsyncClient, workflow: Workflow, done: Callable[[], None], everything: bool = False
-) -> dict[str, str]:
-    """The job through the `parrot` frontend: every call queued in one session, sent with the latency
-    ``aget`` of the final output; ``done()`` when it is in hand. The final output by name, or with
-    ``everything`` every call's (fetched after ``done``)."""
-    async with P.Session(str(client.base_url), client=client, timeout=600.0):
-        made: dict[str, P.Variable] = {}
-        for c in workflow.calls:
-            sampling = P.SamplingConfig(**greedy(c.max_tokens))
-            fn = P.SemanticFunction.from_template(c.template, name=c.output, sampling=sampling)
-            out = fn(**{name: made[name] for name in c.inputs})
-            assert isinstance(out, P.Variable)
-            made[c.output] = out
-        values = {workflow.final: await made[workflow.final].aget(criteria="latency")}
-        done()
-        if everything:
-            values.update({name: await var.aget() for name, var in made.items()})
-    return values
-
-
-async def baseline_multi_agent(
-    client: httpx.AsyncClient,
-    workflow: Workflow,
-    done: Callable[[], None],
-    everything: bool = False,
-    model: str | None = None,
-) -> dict[str, str]:
-    """The job as a request-centric client runs it: a stage's prompts rendered from the answers so far,
-    sent as concurrent ``/v1/completions``, the next stage after all are in (outputs as Parrot's)."""
-    values: dict[str, str] = {}
-    for stage in workflow.stages:
-        prompts = [(workflow.prompt(out, values), workflow.call(out).max_tokens) for out in stage]
-        answers = await asyncio.gather(*(complete(client, p, n, model=model) for p, n in prompts))
-        values.update(zip(stage, answers, strict=True))
-    done()
-    return values if everything else {workflow.final: values[workflow.final]}
-
-
-def job(served: Served, workflow: Workflow, everything: bool = False) -> measure.Job:
-    """The system's client as a harness job."""
-    if served.system.name == BASELINE:
-        model = served.model_name
-        return lambda done: baseline_multi_agent(served.http, workflow, done, everything, model)
-    return lambda done: parrot_multi_agent(served.http, workflow, done, everything)
 
 
 def compared(engine: EngineConfig, cap: int) -> list[System]:
@@ -164,153 +111,12 @@ def compared(engine: EngineConfig, cap: int) -> list[System]:
     ]
 
 
-# ----------------------------------------------------------------------------------------------- measuring
-@dataclass(frozen=True)
-class Cold:
-    """A system's first job on a fresh server: seconds and requests until the answer, the engine's work,
-    the exact KV peak, evictions, and on the simulator the engine's busy seconds."""
-
-    seconds: float
-    requests: int
-    engine: dict[str, int]
-    peak_blocks: int
-    evictions: int
-    busy_s: float
-
-
-@dataclass
-class Point:
-    """One number of files: the job, its longest request, each system's first job, the timed settings."""
-
-    workflow: Workflow
-    final: str  # the final output
-    longest: int
-    cold: dict[str, Cold]
-    settings: dict[bool, dict[str, measure.Samples]] = field(default_factory=dict)  # by network delay
-
-    @property
-    def files(self) -> int:
-        return len(self.workflow.files)
-
-    def speedups(self, delay: bool) -> dict[str, measure.Ratio]:
-        """Each other system's latency over Parrot's."""
-        samples = self.settings[delay]
-        return {name: measure.ratio(samples[name], samples[PARROT]) for name in CLIENTS[1:]}
-
-    def mem_ratio(self, name: str) -> float:
-        return safe_ratio(self.cold[name].peak_blocks, self.cold[PARROT].peak_blocks)
-
-    def sim_ratio(self, name: str) -> float:
-        return safe_ratio(self.cold[name].seconds, self.cold[PARROT].seconds)
-
-
-async def first_job(served: Served, workflow: Workflow) -> tuple[dict[str, str], Cold]:
-    """The system's first job: every call's output, and `Cold`; requests counted client-side (the
-    simulator's server keeps no count) up to the answer (Parrot then fetches every output)."""
-    sent: list[str] = []
-    at_answer: list[int] = []
-
-    async def count(request: httpx.Request) -> None:
-        sent.append(request.method)
-
-    def answered(done: Callable[[], None]) -> None:
-        at_answer.append(len(sent))
-        done()
-
-    inner = job(served, workflow, everything=True)
-    served.http.event_hooks = {"request": [count]}
-    try:
-        clock = asyncio.get_running_loop().time  # virtual on the simulator
-        run, peak = await peaks.peaked(served, lambda done: inner(lambda: answered(done)), clock)
-    finally:
-        served.http.event_hooks = {"request": []}
-    engine = served.engines[0]
-    busy_s = getattr(engine, "busy_seconds", math.nan)
-    cold = Cold(run.seconds, at_answer[0], run.engine, peak, engine.stats().evictions, busy_s)
-    return run.output, cold
-
-
-async def first_jobs(
-    open_system: Callable[[str], contextlib.AbstractAsyncContextManager[Served]], workflow: Workflow, cap: int
-) -> Point:
-    """Each system's first job, the baseline's first: its outputs size every prompt (checked against the
-    window and ``cap``); every other system's outputs must equal them, else the run stops."""
-    cold: dict[str, Cold] = {}
-    for name in (BASELINE, PARROT, NO_SHARING, NO_DEDUCTION):
-        async with open_system(name) as served:
-            got, cold[name] = await first_job(served, workflow)
-            if name == BASELINE:
-                values = got
-                longest = workflow.check_window(served.tokenizer, values, served.engines[0].max_model_len)
-                if longest > cap:
-                    raise SystemExit(f"the latency cap ({cap}) must admit the longest request ({longest})")
-            elif diff := [k for k, v in values.items() if got.get(k) != v]:
-                raise SystemExit(
-                    f"outputs differ ({name} vs baseline) at {diff[0]} and {len(diff) - 1} more\n"
-                    f"  {name}: {got.get(diff[0])!r}\n  baseline: {values[diff[0]]!r}"
-                )
-    return Point(workflow, values[workflow.final], longest, {name: cold[name] for name in CLIENTS})
-
-
-async def measure_files(
-    servers: dict[str, Served], cfg: BenchConfig, files: int, delays: list[bool]
-) -> Point:
-    """First jobs (warm-up, output check, KV peaks), then ``repeats`` interleaved jobs per setting."""
-    workflow = make_job(cfg, servers[PARROT].tokenizer, files, cfg.seed)
-    async with systems.connected(servers, timeout=600):
-        log(f"{files} files: {len(workflow.calls)} calls; first jobs (memory, output check) ...")
-        point = await first_jobs(
-            lambda name: contextlib.nullcontext(servers[name]), workflow, cfg.latency_cap_tokens
-        )
-        expected = {workflow.final: point.final}
-        jobs = {name: (lambda s=s: measure.timed(s, job(s, workflow))) for name, s in servers.items()}
-        label = f"{files} files, "
-        point.settings.update(await measure.per_delay(servers, jobs, cfg.repeats, expected, delays, label))
-    return point
-
-
-async def simulate_files(cfg: BenchConfig, files: int) -> Point:
-    """Each system's one job on its own fresh simulated server (run inside `server.sim.run`)."""
-    from server.sim import tiny_tokenizer
-
-    sim = cfg.sim
-    workflow = make_job(sim, tiny_tokenizer(), files, cfg.seed)
-    by_name = {s.name: s for s in compared(SIM_ENGINE, sim.latency_cap_tokens)}
-
-    def open_system(name: str) -> contextlib.AbstractAsyncContextManager[Served]:
-        return systems.simulate(by_name[name], sim.profile, delay=systems.DELAY_S, seed=cfg.seed)
-
-    log(f"simulator ({sim.profile}): {files} files, {len(workflow.calls)} calls ...")
-    return await first_jobs(open_system, workflow, sim.latency_cap_tokens)
+Point = dag_sweeps.Point[Workflow]  # one number of files
 
 
 # ----------------------------------------------------------------------------------------------- report
-def first_jobs_table(points: list[Point], sims: list[Point]) -> str:
-    """Per files and system, its first job: latency (on the simulator: the figure), requests until the
-    answer, the exact KV peak, the engine's work."""
-    rows = [
-        [
-            f"{p.files}{label}",
-            name,
-            f"{c.seconds:.2f} ({p.sim_ratio(name):.2f}x)",
-            str(c.requests),
-            f"{c.peak_blocks:,} ({p.mem_ratio(name):.2f}x)",
-            f"{c.engine['prefill_tokens_computed']:,}",
-            f"{c.engine['steps']:,}",
-            str(c.evictions),
-            fmt_num(c.busy_s, 2),
-        ]
-        for label, group in (("", points), (" (simulator)", sims))
-        for p in group
-        for name, c in p.cold.items()
-    ]
-    headers = ["files", "system", "latency s (/ parrot)", "requests", "peak KV blocks (/ parrot)"]
-    headers += ["prefill tokens", "engine steps", "evictions", "engine busy s"]
-    return markdown_table(headers, rows, [False, False, *([True] * 7)])
-
-
 def describe(what: str, sizes: BenchConfig | SimConfig, points: list[Point]) -> str:
-    shapes = "; ".join(f"{p.files} files: {len(p.workflow.calls)} calls, longest {p.longest}" for p in points)
+    shapes = "; ".join(f"{p.size} files: {len(p.dag.calls)} calls, longest {p.longest}" for p in points)
     return (
         f"{what}: architect, then {sizes.rounds} rounds of coders / integrator / reviewers / revisers / "
         f"merger; brief {sizes.brief_tokens} tokens, output tokens {asdict(sizes.budgets)} (greedy, EOS "
@@ -319,24 +125,19 @@ def describe(what: str, sizes: BenchConfig | SimConfig, points: list[Point]) -> 
     )
 
 
-def print_report(
-    rec: record.Recorder, cfg: BenchConfig, model: str, points: list[Point], sims: list[Point]
-) -> None:
-    print(rec.header(model))
+def print_report(rec: record.Recorder, cfg: BenchConfig, points: list[Point], sims: list[Point]) -> None:
+    print(rec.header(rec.args.model))
     print(describe("MetaGPT-like job", cfg, points))
     print(
         f"Latency: median of {cfg.repeats} jobs per system after the first, ± half the range; speedup: that "
         "system's latency over Parrot's. Engine columns: medians per job.\n"
     )
-    settings = [
-        (f"{p.files}, {systems.delay_label(d)}", samples, p.speedups(d))
-        for p in points
-        for d, samples in p.settings.items()
-    ]
+    settings = [row for p in points for row in p.runs.latency_rows(f"{p.size}, ")]
     print(record.latency_table(settings, "files, network delay") + "\n")
     print(describe(f"Simulator ({cfg.sim.profile}, network delay, one job per system)", cfg.sim, sims))
     print("Each system's first job on a fresh server (16-token KV blocks, exact peak):\n")
-    print(first_jobs_table(points, sims) + "\n")
+    both = (("", points), (" (simulator)", sims))
+    print(first_jobs.table([(f"{p.size}{at}", p.runs) for at, ps in both for p in ps], "files") + "\n")
     print(
         f"paper anchor (Fig. 18, one A100, LLaMA 13B): up to {PAPER_ANCHOR['speedup_vs_baseline_max']}x vs "
         f"the latency-centric baseline, {PAPER_ANCHOR['speedup_from_sharing']}x from sharing."
@@ -346,56 +147,33 @@ def print_report(
 def result_metrics(points: list[Point], sims: list[Point]) -> dict[str, float | int]:
     """At the largest number of files (NaN for a setting not measured: the keys are always the same), then
     the simulator's at its largest."""
-    p, sr = max(points, key=lambda q: q.files), max(sims, key=lambda q: q.files)
-
-    def speedup(delay: bool, name: str) -> float:
-        return p.speedups(delay)[name].median if delay in p.settings else math.nan
-
-    def median(delay: bool, name: str) -> float:
-        return p.settings[delay][name].spread.median if delay in p.settings else math.nan
-
+    p, sr = max(points, key=lambda q: q.size), max(sims, key=lambda q: q.size)
+    real, sim = p.runs, sr.runs
+    settings = (("", True), ("_nodelay", False))  # (key suffix, network delay)
+    ablations = (("nosharing", NO_SHARING), ("nodeduction", NO_DEDUCTION))
     return {
-        "speedup": speedup(True, BASELINE),
-        "speedup_nodelay": speedup(False, BASELINE),
-        "speedup_vs_nosharing": speedup(True, NO_SHARING),
-        "speedup_vs_nodeduction": speedup(True, NO_DEDUCTION),
-        "speedup_vs_nosharing_nodelay": speedup(False, NO_SHARING),
-        "speedup_vs_nodeduction_nodelay": speedup(False, NO_DEDUCTION),
-        "mem_ratio": p.mem_ratio(BASELINE),
-        "mem_ratio_nosharing": p.mem_ratio(NO_SHARING),
-        "parrot_peak_blocks": p.cold[PARROT].peak_blocks,
-        "baseline_peak_blocks": p.cold[BASELINE].peak_blocks,
-        "parrot_s": median(True, PARROT),
-        "baseline_s": median(True, BASELINE),
-        "parrot_nodelay_s": median(False, PARROT),
-        "baseline_nodelay_s": median(False, BASELINE),
-        "files": p.files,
-        "speedup_sim": sr.sim_ratio(BASELINE),
-        "speedup_sim_no_sharing": sr.sim_ratio(NO_SHARING),
-        "speedup_sim_no_deduction": sr.sim_ratio(NO_DEDUCTION),
-        "parrot_sim_s": sr.cold[PARROT].seconds,
-        "baseline_sim_s": sr.cold[BASELINE].seconds,
-        "files_sim": sr.files,
+        "speedup": real.speedup(True, BASELINE),
+        "speedup_nodelay": real.speedup(False, BASELINE),
+        **{f"speedup_vs_{a}{s}": real.speedup(d, name) for s, d in settings for a, name in ablations},
+        "mem_ratio": real.over(BASELINE, "peak_blocks"),
+        "mem_ratio_nosharing": real.over(NO_SHARING, "peak_blocks"),
+        "parrot_peak_blocks": real.cold[PARROT].peak_blocks,
+        "baseline_peak_blocks": real.cold[BASELINE].peak_blocks,
+        **{f"{name}{s}_s": real.median_s(d, name) for s, d in settings for name in (PARROT, BASELINE)},
+        "files": p.size,
+        "speedup_sim": sim.over(BASELINE, "seconds"),
+        "speedup_sim_no_sharing": sim.over(NO_SHARING, "seconds"),
+        "speedup_sim_no_deduction": sim.over(NO_DEDUCTION, "seconds"),
+        "parrot_sim_s": sim.cold[PARROT].seconds,
+        "baseline_sim_s": sim.cold[BASELINE].seconds,
+        "files_sim": sr.size,
     }
 
 
 def point_payload(p: Point) -> dict[str, Any]:
     """One number of files for the JSON payload: the job's shape, the first jobs, the timed settings."""
-    return {
-        "files": p.files,
-        "calls": len(p.workflow.calls),
-        "stages": stage_roles(p.workflow),
-        "longest_request_tokens": p.longest,
-        "first_jobs": {name: asdict(c) for name, c in p.cold.items()},
-        "settings": [
-            {
-                "network_delay": delay,
-                "speedup": {n: r.as_dict() for n, r in p.speedups(delay).items()},
-                "clients": measure.as_dicts(samples),
-            }
-            for delay, samples in p.settings.items()
-        ],
-    }
+    shape = {"files": p.size, "calls": len(p.dag.calls), "stages": stage_roles(p.dag)}
+    return {**shape, "longest_request_tokens": p.longest, **p.runs.payload()}
 
 
 # ----------------------------------------------------------------------------------------------- main
@@ -420,16 +198,18 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--files and --sim-files take at least one number of files")
     rec = record.Recorder(NAME, args)
     delays = [False] if args.no_delay_only else [False, True]
-    setup = compared(EngineConfig(num_kv_blocks=cfg.num_kv_blocks), cfg.latency_cap_tokens)
-    points = []
-    for files in cfg.files:
-        log(f"starting four servers ({args.model}) for {files} files ...")
-        with systems.serve(args.model, setup, seed=cfg.seed) as servers:  # fresh: clean KV peaks
-            points.append(asyncio.run(measure_files(servers, cfg, files, delays)))
-    from server.sim import load_profile, run
+    cap = cfg.latency_cap_tokens
+    setup = compared(EngineConfig(num_kv_blocks=cfg.num_kv_blocks), cap)
+    real_job = functools.partial(make_job, cfg, cfg.seed)
+    points = COMPARISON.sweep(
+        args.model, setup, cfg.files, real_job, cap, repeats=cfg.repeats, delays=delays, seed=cfg.seed
+    )
+    from server.sim import load_profile, tiny_tokenizer
 
-    sims = [run(simulate_files(cfg, files)) for files in cfg.sim.files]
-    print_report(rec, cfg, args.model, points, sims)
+    sim, sim_setup = cfg.sim, compared(SIM_ENGINE, cfg.sim.latency_cap_tokens)
+    sim_job = functools.partial(make_job, sim, cfg.seed, tiny_tokenizer())
+    sims = COMPARISON.simulated(sim_setup, sim.profile, sim.files, sim_job, sim.latency_cap_tokens, cfg.seed)
+    print_report(rec, cfg, points, sims)
     rec.finish(
         result_metrics(points, sims),
         config=cfg,
@@ -439,7 +219,7 @@ def main(argv: list[str] | None = None) -> None:
         by_files=[point_payload(p) for p in points],
         simulator={
             "profile": asdict(load_profile(cfg.sim.profile)),
-            "systems": {s.name: s.describe() for s in compared(SIM_ENGINE, cfg.sim.latency_cap_tokens)},
+            "systems": {s.name: s.describe() for s in sim_setup},
             "by_files": [point_payload(s) for s in sims],
         },
         paper_anchor=PAPER_ANCHOR,
@@ -451,29 +231,15 @@ def plot(payload: dict[str, Any], path: Path) -> None:
     """Fig. 18: latency vs files per system (the delay setting where measured), the exact KV peak vs files,
     and the simulated latency vs files."""
     plt = pyplot()
-    rows = sorted(payload["by_files"], key=lambda r: r["files"])
-    sim_rows = sorted(payload["simulator"]["by_files"], key=lambda r: r["files"])
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
-    files = [r["files"] for r in rows]
-    delay = any(s["network_delay"] for r in rows for s in r["settings"])
-    for name in CLIENTS:
-        lat = [
-            next(s for s in r["settings"] if s["network_delay"] == delay)["clients"][name]["latency"]
-            for r in rows
-        ]
-        err = [[x["median"] - x["min"] for x in lat], [x["max"] - x["median"] for x in lat]]
-        axes[0].errorbar(files, [x["median"] for x in lat], yerr=err, marker="o", capsize=3, label=name)
-        axes[1].plot(files, [r["first_jobs"][name]["peak_blocks"] for r in rows], marker="o", label=name)
-        sim_secs = [r["first_jobs"][name]["seconds"] for r in sim_rows]
-        axes[2].plot([r["files"] for r in sim_rows], sim_secs, marker="o", label=name)
+    rows = payload["by_files"]
+    delay = payload_plots.compared_sweep(axes, rows, payload["simulator"]["by_files"], "files", CLIENTS)
+    files = sorted(r["files"] for r in rows)
     title = "latency" + (" (network delay 0.2-0.3 s)" if delay else " (no network delay)")
     axes[0].set(xlabel="files", ylabel="end-to-end latency (s)", title=title, xticks=files)
     axes[1].set(xlabel="files", ylabel="peak KV blocks in use", title="KV memory (exact peak)", xticks=files)
     profile = payload["config"]["sim"]["profile"]
     axes[2].set(xlabel="files", ylabel="latency (simulated s)", title=f"simulator ({profile}, delay)")
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        ax.set_ylim(bottom=0)
     axes[0].legend(fontsize=8)
     fig.suptitle(f"multi-agent programming ({payload.get('model', '')})")
     save(fig, path)

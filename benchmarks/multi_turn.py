@@ -27,22 +27,19 @@ conversations=... answers_identical=... total_s=...``.
 from __future__ import annotations
 
 import asyncio
-import json
-import math
 import random
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-from benchmarks.common import Spread, fmt_num, log, markdown_table, safe_ratio
+from benchmarks.common import Spread, fmt_num, log, markdown_table, quiet_transformers, safe_ratio
 from benchmarks.harness import engine_runs, record, systems
+from benchmarks.harness.clients import stream_chat
+from benchmarks.harness.line_panels import line_panels
 from benchmarks.harness.systems import Served
-from benchmarks.plotting import pyplot, save
-from benchmarks.workloads.chat import TextPool
-from benchmarks.workloads.copilot import PREAMBLE, user_queries
+from benchmarks.plotting import save
+from benchmarks.workloads.chat import TextPool, conversations
+from benchmarks.workloads.copilot import PREAMBLE
 
 NAME = "multi_turn"
 CACHED, RECOMPUTE = "cached", "recompute"
@@ -67,30 +64,6 @@ QUICK = BenchConfig(conversations=3, turns=4, repeats=3)
 TINY = BenchConfig(2, 2, system_tokens=32, min_user_tokens=8, max_user_tokens=12, max_tokens=4, repeats=1)
 
 
-async def ask(client: httpx.AsyncClient, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
-    """One streamed, greedy chat completion: its TTFT, text and the engine's token counts."""
-    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-    body["stream_options"] = {"include_usage": True}  # the engine's token counts in the last chunk
-    ttft, parts, usage = math.nan, [], {}
-    start = time.perf_counter()
-    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[len("data: ") :])
-            if "error" in chunk:
-                raise RuntimeError(f"the server streamed an error: {chunk['error']}")
-            usage = chunk.get("usage") or usage
-            for choice in chunk["choices"]:
-                if content := choice["delta"].get("content"):
-                    ttft = time.perf_counter() - start if not parts else ttft
-                    parts.append(content)
-    return {"ttft_s": ttft, "text": "".join(parts)} | {
-        k: usage[k] for k in ("prompt_tokens", "completion_tokens")
-    }
-
-
 async def chat(served: Served, system: str, queries: list[list[str]], max_tokens: int) -> list[Turn]:
     """Every conversation (one list of user messages each), turn by turn; per turn what it cost."""
     convs = [[{"role": "system", "content": system}] for _ in queries]
@@ -100,7 +73,7 @@ async def chat(served: Served, system: str, queries: list[list[str]], max_tokens
             msgs.append({"role": "user", "content": user[t]})
         await engine_runs.idle(served)
         before = served.counters()["prefill_tokens_computed"]
-        answers = await asyncio.gather(*(ask(served.http, msgs, max_tokens) for msgs in convs))
+        answers = await asyncio.gather(*(stream_chat(served.http, msgs, max_tokens) for msgs in convs))
         await engine_runs.idle(served)
         prefill = served.counters()["prefill_tokens_computed"] - before
         for c, (msgs, a) in enumerate(zip(convs, answers, strict=True)):
@@ -115,9 +88,8 @@ def workload(tokenizer: Any, pool: TextPool, cfg: BenchConfig, seed: int) -> tup
     """One app: its system prompt (tagged with ``seed``) and each conversation's user messages."""
     reference = pool.text(random.Random(f"multi-turn-{seed}"), cfg.system_tokens)
     system = f"[chat app {seed}] {PREAMBLE}{reference}"
-    n, lo, hi = cfg.conversations * cfg.turns, cfg.min_user_tokens, cfg.max_user_tokens
-    users = user_queries(tokenizer, n, seed, lo, hi)
-    return system, [users[c * cfg.turns : (c + 1) * cfg.turns] for c in range(cfg.conversations)]
+    lo, hi = cfg.min_user_tokens, cfg.max_user_tokens
+    return system, conversations(tokenizer, cfg.conversations, cfg.turns, seed, lo, hi)
 
 
 async def repeats(servers: dict[str, Served], cfg: BenchConfig) -> list[dict[str, list[Turn]]]:
@@ -190,17 +162,17 @@ def table(summary: dict[str, Any]) -> str:
 
 def plot(payload: dict[str, Any], path: Path) -> None:
     """Prefill tokens (cached, recompute, new) and median TTFT per turn."""
-    plt = pyplot()
     rows = payload["summary"]["per_turn"]
     xs = [r["turn"] for r in rows]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for s, marker in zip(SYSTEMS, "os", strict=True):
-        left.plot(xs, [r[s]["prefill_per_conv"] for r in rows], marker=marker, label=f"prefill, {s}")
-        right.plot(xs, [r[s]["ttft_ms"] for r in rows], marker=marker, label=s)
+    panels = {
+        "tokens per conversation": {
+            f"prefill, {s}": [r[s]["prefill_per_conv"] for r in rows] for s in SYSTEMS
+        },
+        "median TTFT (ms)": {s: [r[s]["ttft_ms"] for r in rows] for s in SYSTEMS},
+    }
+    fig, (left, right) = line_panels(xs, panels, "turn", (10, 4))
     left.plot(xs, [r[CACHED]["new_per_conv"] for r in rows], "k:", marker="^", label="new tokens")
-    for ax, label in ((left, "tokens per conversation"), (right, "median TTFT (ms)")):
-        ax.set(xlabel="turn", ylabel=label, xticks=xs)
-        ax.grid(True, alpha=0.3)
+    for ax in (left, right):
         ax.legend()
     fig.suptitle(f"multi-turn chat over /v1/chat/completions, {payload['model']}")
     save(fig, path)
@@ -222,9 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     if cfg.turns < 2:
         raise SystemExit("--turns must be at least 2 (the headline is over turns >= 2)")
     rec = record.Recorder(NAME, args)
-    import transformers
-
-    transformers.utils.logging.set_verbosity_error()  # the long-text warning of building the workload
+    quiet_transformers()  # the long-text warning of building the workload
     setup = [systems.parrot(s, prefix_sharing=s == CACHED) for s in SYSTEMS]
     with systems.serve(args.model, setup, delay=None) as servers:
         window = servers[CACHED].engines[0].max_model_len

@@ -42,9 +42,9 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from benchmarks.common import log, markdown_table
-from benchmarks.harness import record
-from benchmarks.harness.disagg_runs import RealConfig, run_policies
+from benchmarks.common import log, markdown_table, safe_ratio
+from benchmarks.harness import disagg_runs, record
+from benchmarks.harness.disagg_runs import RealConfig
 from server.serve.mutel import Slo
 from server.sim.disagg import Policy, max_sustained_rate
 from server.sim.disagg_cost import LINKS, a100_llama13b
@@ -112,10 +112,6 @@ def _best(rates: dict[str, float], name: str) -> tuple[str, float]:
     return max(((k, v) for k, v in rates.items() if k.startswith(name + " ")), key=lambda kv: kv[1])
 
 
-def _ratio(a: float, b: float) -> float:
-    return a / b if b > 0 else float("nan")
-
-
 def simulate(cfg: BenchConfig) -> dict[str, Any]:
     """Every (link, TPOT SLO, policy) on the simulator: the sustained turn rates, each setting's best split
     per policy and the ratios, and their means over the SLOs per link."""
@@ -134,10 +130,10 @@ def simulate(cfg: BenchConfig) -> dict[str, Any]:
             rates = {label: r for ln, t, label, r in found if (ln, t) == (link, tpot)}
             (sw, sw_rate), (mu, mu_rate) = _best(rates, "splitwise"), _best(rates, "mutel")
             ratios = {
-                "vs_splitwise": _ratio(mu_rate, sw_rate),
-                "vs_colocated": _ratio(mu_rate, rates[COLOCATED]),
-                "vs_splitwise_2p2d": _ratio(rates["mutel 2P+2D"], rates["splitwise 2P+2D"]),
-                "vs_colocated_v0": _ratio(mu_rate, rates[COLOCATED_V0]),
+                "vs_splitwise": safe_ratio(mu_rate, sw_rate),
+                "vs_colocated": safe_ratio(mu_rate, rates[COLOCATED]),
+                "vs_splitwise_2p2d": safe_ratio(rates["mutel 2P+2D"], rates["splitwise 2P+2D"]),
+                "vs_colocated_v0": safe_ratio(mu_rate, rates[COLOCATED_V0]),
             }
             settings.append(
                 {"link": link, "tpot_s": tpot, "rates": rates, "best": {"splitwise": sw, "mutel": mu}}
@@ -181,44 +177,6 @@ def tables(result: dict[str, Any]) -> str:
     return f"Sustained turns per second (best split per policy):\n\n{summary}\n\nEvery split:\n\n{detail}"
 
 
-def real_table(real: dict[str, Any]) -> str:
-    """Per policy and turn: TTFT, KV moved, exchange bytes and prefill tokens per conversation."""
-    rows = [
-        [
-            policy,
-            str(t["turn"]),
-            f"{t['ttft_s'] * 1000:.0f}",
-            f"{t['kv_bytes_moved'] / 2**20:.2f}",
-            f"{t['exchange_bytes'] / 2**20:.2f}",
-            f"{t['prefill_tokens']:.0f}",
-            f"{t['answer_tokens']:.0f}",
-        ]
-        for policy, turns in real["per_turn"].items()
-        for t in turns
-    ]
-    heads = ["policy", "turn", "TTFT ms", "KV moved MiB", "exchange MiB", "prefill tokens", "answer tokens"]
-    return markdown_table(heads, rows, [False] + [True] * 6)
-
-
-def real_metrics(real: dict[str, Any]) -> dict[str, float | int]:
-    """Bytes per turn after the first (turn 1 has no history to move), and Mutel's against new KV."""
-    later = {p: turns[1:] or turns for p, turns in real["per_turn"].items()}
-
-    def mean(policy: str, key: str) -> float:
-        return statistics.fmean(t[key] for t in later[policy])
-
-    mutel_moved, new_tokens = mean("mutel", "kv_bytes_moved"), mean("mutel", "new_tokens")
-    return {
-        "mutel_kv_mib_per_turn": mutel_moved / 2**20,
-        "splitwise_kv_mib_per_turn": mean("splitwise", "kv_bytes_moved") / 2**20,
-        "mutel_exchange_mib_per_turn": mean("mutel", "exchange_bytes") / 2**20,
-        "mutel_moved_over_new_kv": mutel_moved / (new_tokens * real["kv_bytes_per_token"]),
-        # The answers' KV recomputed instead of moved back: what each costs the next turn's TTFT.
-        "ttft_recompute_over_move": mean("mutel recompute", "ttft_s") / mean("mutel", "ttft_s"),
-        "answers_identical": int(real["answers_identical"]),
-    }
-
-
 def main(argv: list[str] | None = None) -> None:
     args = record.parser(
         __doc__,
@@ -251,9 +209,9 @@ def main(argv: list[str] | None = None) -> None:
         metrics[f"{name}_req_s"] = statistics.fmean(s["rates"][s["best"][name]] for s in first)
     metrics["colocated_req_s"] = statistics.fmean(s["rates"][COLOCATED] for s in first)
     model = "tiny" if args.tiny else args.model
-    real = run_policies(model, cfg.real)
-    print(f"Real engines ({model}, float32, CPU), per conversation and turn:\n\n{real_table(real)}\n")
-    metrics |= real_metrics(real)
+    real = disagg_runs.run_policies(model, cfg.real)
+    print(f"Real engines ({model}, float32, CPU), per conversation and turn:\n\n{disagg_runs.table(real)}\n")
+    metrics |= disagg_runs.metrics(real)
     rec.finish(metrics, config=cfg, simulator=sim, real=real, link=cfg.links[0], model=model)
 
 

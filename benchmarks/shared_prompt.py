@@ -31,32 +31,40 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
-import parrot as P
-
-from benchmarks.common import Spread, fmt_num, log, markdown_table, safe_ratio
+from benchmarks.common import log, quiet_transformers
 from benchmarks.harness import engine_runs, measure, record, systems
-from benchmarks.harness.clients import complete, greedy
+from benchmarks.harness.clients import complete, parrot_users
 from benchmarks.harness.engine_runs import model_facts
+from benchmarks.harness.line_panels import line_panels
 from benchmarks.harness.systems import Served
-from benchmarks.plotting import pyplot, save
+from benchmarks.plotting import save
+from benchmarks.workloads import copilot
 from benchmarks.workloads.copilot import CopilotWorkload, make_workload
 from server.engine import EngineConfig
 
 NAME = "shared_prompt"
 PARROT, NO_KERNEL, BASELINE = "parrot", "parrot, no kernel", "no sharing"
 SYSTEMS = (PARROT, NO_KERNEL, BASELINE)
+# The ratios reported per batch size: (slower system, faster system, figure of `engine_runs.as_dict`).
+RATIOS = {
+    "speedup": (BASELINE, PARROT, "latency"),
+    "speedup_no_kernel": (BASELINE, NO_KERNEL, "latency"),
+    "kernel_latency": (NO_KERNEL, PARROT, "latency"),
+    "kernel_gain": (NO_KERNEL, PARROT, "tpot"),
+    "kernel_gain_pure": (NO_KERNEL, PARROT, "tpot_pure"),
+    "tpot_vs_baseline": (BASELINE, PARROT, "tpot"),
+    "kv_saving": (BASELINE, PARROT, "peak_blocks_max"),
+}
 # The Parrot paper (OSDI '24), Fig. 15/16, Bing-Copilot-like workload, A100, LLaMA-7B: not of this run.
 PAPER_ANCHORS = {
     "fig15_latency_speedup_vs_vllm_no_sharing": "up to ~1.8-2.0x lower batch latency (paper)",
     "fig16_kernel_gain_per_output_token": "1.1-1.8x lower per-output-token latency from the kernel (paper)",
     "system_prompt_tokens": "~6k (paper)",
 }
-_TEMPLATE_SLACK_TOKENS = 24  # the template's text around the query plus BOS, with room to spare
 
 KernelMode = Literal["auto", "always"]
 
@@ -83,32 +91,7 @@ TINY = BenchConfig(
 # ----------------------------------------------------------------------------------------------- sizes
 def fit_system_tokens(cfg: BenchConfig, max_model_len: int) -> int:
     """The system prompt length used: as asked, or less so that the longest prompt plus its answer fit."""
-    room = max_model_len - 1 - cfg.max_tokens - cfg.max_query_tokens - _TEMPLATE_SLACK_TOKENS
-    if room < 64:
-        raise SystemExit(f"the model's window ({max_model_len}) leaves no room for a system prompt")
-    return min(cfg.system_tokens, room)
-
-
-def blocks(n_tokens: int, block_size: int) -> int:
-    return -(-n_tokens // block_size)
-
-
-def shared_prefix(tokenizer: Any, workload: CopilotWorkload, prompt_ids: list[int]) -> int:
-    """The constant prefix the manager shares, in tokens: the text before the query, cut back to a true
-    prefix of the whole prompt's tokens (as `Manager._constant_prefix` does)."""
-    prefix = tokenizer.encode(workload.prompts(1)[0][: -len(workload.queries[0])])
-    while prefix and prompt_ids[: len(prefix)] != prefix:
-        prefix.pop()
-    return len(prefix)
-
-
-def expected_blocks(ids: list[list[int]], prefix: int, new_tokens: int, block_size: int) -> dict[str, int]:
-    """KV blocks with every context alive at its end (a context has KV for its prompt and all but its last
-    token). Parrot: the prefix once, plus per fork its context beyond the prefix's full blocks (exact).
-    No sharing: every whole context (a bound: early requests may finish before late ones start)."""
-    cached = [len(p) + new_tokens - 1 for p in ids]
-    shared = blocks(prefix, block_size) + sum(blocks(c, block_size) - prefix // block_size for c in cached)
-    return {PARROT: shared, NO_KERNEL: shared, BASELINE: sum(blocks(c, block_size) for c in cached)}
+    return copilot.fit_system_tokens(cfg.system_tokens, max_model_len, cfg.max_query_tokens, cfg.max_tokens)
 
 
 def compared(
@@ -117,7 +100,7 @@ def compared(
     """Two engines, with and without the kernel, each with room for the baseline's biggest batch at its
     longest (nothing waits for memory) and a step trace; neither caches OpenAI-route prefixes."""
     most = max(cfg.batches)
-    kv = most * blocks(longest_prompt + cfg.max_tokens, block_size) + 64  # + the warm-up's spare
+    kv = engine_runs.kv_blocks([longest_prompt + cfg.max_tokens] * most, block_size) + 64  # + warm-up room
     engine = EngineConfig(num_kv_blocks=kv, max_num_seqs=max(64, most), device=device, trace_steps=100_000)
     kernel = replace(engine, shared_prefix_decode=cfg.kernel_mode)
     return [
@@ -134,98 +117,25 @@ def batch_job(served: Served, workload: CopilotWorkload, batch: int, max_tokens:
         prompts = workload.prompts(batch)
         model = served.model_name
         return lambda _: asyncio.gather(*(complete(served.http, p, max_tokens, model=model) for p in prompts))
-    sampling = P.SamplingConfig(**greedy(max_tokens))
-    fn = P.SemanticFunction.from_template(workload.template, name="copilot", sampling=sampling)
-
-    async def users(done: Any) -> list[str]:
-        left = batch
-
-        async def user(query: str) -> str:
-            nonlocal left
-            async with P.Session(str(served.http.base_url), client=served.http, timeout=600):
-                answer = fn(query=query)
-                assert isinstance(answer, P.Variable)
-                value = str(await answer.aget())
-                left -= 1
-                if not left:
-                    done()
-            return value
-
-        return list(await asyncio.gather(*(user(q) for q in workload.queries[:batch])))
-
-    return users
-
-
-# ----------------------------------------------------------------------------------------------- runs
-def summary(
-    samples: dict[str, measure.Samples], ids: list[list[int]], prefix: int, expected: dict[str, int]
-) -> dict[str, Any]:
-    """One batch size's payload row: each system's figures (`engine_runs.as_dict`, with the blocks the
-    paged design predicts), and the ratios to Parrot."""
-    per = {n: engine_runs.as_dict(s) | {"expected_blocks": expected[n]} for n, s in samples.items()}
-
-    def vs(slow: str, fast: str, key: str) -> float:
-        x, y = per[slow][key], per[fast][key]
-        return safe_ratio(x["median"], y["median"]) if isinstance(x, dict) else safe_ratio(x, y)
-
-    ratios = {
-        "speedup": vs(BASELINE, PARROT, "latency"),
-        "speedup_no_kernel": vs(BASELINE, NO_KERNEL, "latency"),
-        "kernel_latency": vs(NO_KERNEL, PARROT, "latency"),
-        "kernel_gain": vs(NO_KERNEL, PARROT, "tpot"),
-        "kernel_gain_pure": vs(NO_KERNEL, PARROT, "tpot_pure"),
-        "tpot_vs_baseline": vs(BASELINE, PARROT, "tpot"),
-        "kv_saving": vs(BASELINE, PARROT, "peak_blocks_max"),
-    }
-    tokens = [len(p) for p in ids]  # BOS included: what the baseline prefills per request
-    return {
-        "batch": len(ids),
-        "prompt_tokens": tokens,
-        "shared_prefix_tokens": prefix,
-        "systems": per,
-        "ratios": ratios,
-    }
-
-
-async def measure_batches(
-    servers: dict[str, Served], workload: CopilotWorkload, tokenizer: Any, cfg: BenchConfig
-) -> list[tuple[dict[str, Any], dict[str, measure.Samples]]]:
-    """Per batch size: the payload row and the samples (answers checked identical first)."""
-    out = []
-    async with systems.connected(servers, timeout=600):
-        for b in cfg.batches:
-            log(f"batch {b}: verifying answers and warming up ...")
-            job = functools.partial(batch_job, workload=workload, batch=b, max_tokens=cfg.max_tokens)
-            samples = await engine_runs.compare(servers, job, cfg.repeats, f"b{b} ")
-            ids = [tokenizer.encode(p) for p in workload.prompts(b)]
-            prefix = shared_prefix(tokenizer, workload, ids[0])
-            expected = expected_blocks(ids, prefix, cfg.max_tokens, servers[PARROT].engines[0].block_size)
-            out.append((summary(samples, ids, prefix, expected), samples))
-    return out
+    queries = [{"query": q} for q in workload.queries[:batch]]
+    return parrot_users(served.http, workload.template, queries, max_tokens, name="copilot")
 
 
 # ----------------------------------------------------------------------------------------------- report
-def engine_table(rows: list[dict[str, Any]]) -> str:
-    """TPOT and KV blocks per batch size and system (the latencies are in `record.latency_table`)."""
-    cells = []
-    for row in rows:
-        vs = {NO_KERNEL: row["ratios"]["kernel_gain"], BASELINE: row["ratios"]["tpot_vs_baseline"]}
-        for name, f in row["systems"].items():
-            tp = Spread(*(f["tpot"][k] for k in ("median", "min", "max", "n")))
-            cells.append(
-                [
-                    str(row["batch"]),
-                    name,
-                    f"{tp.median * 1e3:.2f} ±{tp.rel_half_range:.0%}",
-                    f"{f['tpot_pure']['median'] * 1e3:.2f}",
-                    f"{fmt_num(f['peak_blocks_max'])} ({fmt_num(f['expected_blocks'])})",
-                    f"{f['grouped_decode_steps'][-1]}/{f['decode_steps'][-1]}",
-                    f"{vs[name]:.2f}x" if name in vs else "",
-                ]
-            )
-    heads = ["batch", "system", "TPOT ms", "pure-decode TPOT ms", "peak KV blocks (expected)"]
-    heads += ["grouped / decode steps (last)", "TPOT this / parrot"]
-    return markdown_table(heads, cells, [True, False, *([True] * 5)])
+def summary(
+    samples: dict[str, measure.Samples], ids: list[list[int]], prefix: int, expected: tuple[int, int]
+) -> dict[str, Any]:
+    """One batch size's payload row: each system's figures (`engine_runs.as_dict`, with the KV peak the
+    paged design predicts: Parrot's exact, no sharing's a bound), and the `RATIOS`."""
+    blocks = {PARROT: expected[0], NO_KERNEL: expected[0], BASELINE: expected[1]}
+    per = {n: engine_runs.as_dict(s) | {"expected_blocks": blocks[n]} for n, s in samples.items()}
+    return {
+        "batch": len(ids),
+        "prompt_tokens": [len(p) for p in ids],
+        "shared_prefix_tokens": prefix,
+        "systems": per,
+        "ratios": {k: engine_runs.figure_ratio(per, *spec) for k, spec in RATIOS.items()},
+    }
 
 
 def metrics(rows: list[dict[str, Any]], system_tokens: int) -> dict[str, float | int]:
@@ -245,21 +155,14 @@ def metrics(rows: list[dict[str, Any]], system_tokens: int) -> dict[str, float |
 
 def plot(payload: dict[str, Any], path: Path) -> None:
     """Batch latency, per-output-token latency and peak KV blocks against batch size, per system (PNG)."""
-    plt = pyplot()
     rows = payload["batches"]
-    xs = [r["batch"] for r in rows]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    panels = (
-        ("batch latency (s)", lambda s: s["latency"]["median"]),
-        ("per-output-token latency (ms)", lambda s: s["tpot"]["median"] * 1e3),
-        ("peak KV blocks", lambda s: s["peak_blocks_max"]),
-    )
-    for ax, (label, value) in zip(axes, panels, strict=True):
-        # Dashed/dotted lines: parrot and no-kernel hold the same KV blocks, one line would hide the other.
-        for name, marker, style in zip(SYSTEMS, ("o", "s", "^"), ("-", "--", ":"), strict=True):
-            ax.plot(xs, [value(r["systems"][name]) for r in rows], marker=marker, linestyle=style, label=name)
-        ax.set(xlabel="batch size (requests at once)", ylabel=label, xticks=xs)
-        ax.grid(True, alpha=0.3)
+    figures = {
+        "batch latency (s)": lambda s: s["latency"]["median"],
+        "per-output-token latency (ms)": lambda s: s["tpot"]["median"] * 1e3,
+        "peak KV blocks": lambda s: s["peak_blocks_max"],
+    }
+    panels = {y: {n: [f(r["systems"][n]) for r in rows] for n in SYSTEMS} for y, f in figures.items()}
+    fig, axes = line_panels([r["batch"] for r in rows], panels, "batch size (requests at once)", (15, 4.5))
     axes[0].legend()
     tokens = payload["system_prompt_tokens"]["used"]
     fig.suptitle(f"shared system prompt ({tokens} tokens), {payload['model']['name']}: Fig. 15/16 analogue")
@@ -292,22 +195,24 @@ def arguments(argv: list[str] | None) -> tuple[argparse.Namespace, BenchConfig]:
 def main(argv: list[str] | None = None) -> None:
     args, cfg = arguments(argv)
     rec = record.Recorder(NAME, args)
-    import transformers
-
-    transformers.utils.logging.set_verbosity_error()  # the long-text warning of building the workload
+    quiet_transformers()  # the long-text warning of building the workload
     tokenizer, max_model_len = model_facts(args.model)
     used, most = fit_system_tokens(cfg, max_model_len), max(cfg.batches)
     workload = make_workload(tokenizer, used, most, cfg.seed, cfg.min_query_tokens, cfg.max_query_tokens)
-    longest = max(len(tokenizer.encode(p)) for p in workload.prompts(most))
-    if longest + cfg.max_tokens >= max_model_len:
-        raise SystemExit(f"a prompt of {longest} tokens plus the answer exceeds the window ({max_model_len})")
+    longest = workload.longest_prompt(tokenizer, most, cfg.max_tokens, max_model_len)
     setup = compared(cfg, longest, device=args.device)
     log(f"system prompt {used} tokens (asked {cfg.system_tokens}); starting two servers ({args.model}) ...")
     with systems.serve(args.model, setup, delay=None) as servers:
         # The baseline's client on the no-kernel server: its OpenAI route shares nothing.
         servers[BASELINE] = replace(servers[NO_KERNEL], system=systems.baseline(BASELINE, setup[1].engine))
-        measured = asyncio.run(measure_batches(servers, workload, tokenizer, cfg))
-    rows = [row for row, _ in measured]
+        jobs = {f"b{b}": lambda s, b=b: batch_job(s, workload, b, cfg.max_tokens) for b in cfg.batches}
+        measured = list(asyncio.run(engine_runs.sweep(servers, jobs, cfg.repeats)).values())
+        block_size = servers[PARROT].engines[0].block_size
+    rows = []
+    for b, samples in zip(cfg.batches, measured, strict=True):
+        ids, prefix = workload.tokens(tokenizer, b)
+        expected = engine_runs.expected_peaks(ids, prefix, cfg.max_tokens, block_size)
+        rows.append(summary(samples, ids, prefix, expected))
 
     print(rec.header(args.model))
     print(
@@ -318,11 +223,13 @@ def main(argv: list[str] | None = None) -> None:
         f"identical. Shared-prefix decode {cfg.kernel_mode!r} for parrot, 'never' for the others.\n"
     )
     speedups = [
-        (str(row["batch"]), s, {n: measure.ratio(s[n], s[PARROT]) for n in (NO_KERNEL, BASELINE)})
-        for row, s in measured
+        (str(b), s, {n: measure.ratio(s[n], s[PARROT]) for n in (NO_KERNEL, BASELINE)})
+        for b, s in zip(cfg.batches, measured, strict=True)
     ]
     print(record.latency_table(speedups, "batch") + "\n")
-    print(engine_table(rows) + "\n")
+    vs = {NO_KERNEL: "kernel_gain", BASELINE: "tpot_vs_baseline"}  # TPOT, this system / parrot
+    tpot_ratios = [(str(r["batch"]), r["systems"], {n: r["ratios"][k] for n, k in vs.items()}) for r in rows]
+    print(engine_runs.trace_table(tpot_ratios, "batch", PARROT) + "\n")
     print("paper (Fig. 15/16, A100, LLaMA-7B): " + "; ".join(PAPER_ANCHORS.values()))
     rec.finish(
         metrics(rows, used),

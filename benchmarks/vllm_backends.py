@@ -23,9 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,15 +33,11 @@ import httpx
 
 from benchmarks import map_reduce, shared_prompt
 from benchmarks.common import log, safe_ratio
-from benchmarks.harness import measure, record, systems
-from benchmarks.harness.engines import add_vllm_flags, hf_folder, vllm_env
-from benchmarks.harness.openai_servers import Backend, parrot_backend, vllm_backend
-from benchmarks.harness.systems import DELAY_S, Served, System
+from benchmarks.harness import backend_fronts, measure, record, systems
+from benchmarks.harness.openai_servers import Backend
+from benchmarks.harness.systems import Served, System
+from benchmarks.harness.vllm_settings import add_vllm_flags
 from benchmarks.workloads.copilot import make_workload
-from server.engine import EngineConfig, LLMEngine
-from server.launcher import launch
-from server.serve.manager import ManagerConfig
-from server.serve.openai_backend import OpenAIBackendConfig
 
 NAME = "vllm_backends"
 PARROT, BASELINE = "parrot", "baseline"
@@ -68,60 +63,10 @@ TINY = BenchConfig(
 )
 
 
-class Delay:
-    """The client network delay, per request, switched on and off (both clients' transports)."""
-
-    def __init__(self, seed: int) -> None:
-        self.on = False
-        self._rng = random.Random(seed)
-
-    async def __call__(self, request: httpx.Request) -> None:
-        if self.on:
-            await asyncio.sleep(self._rng.uniform(*DELAY_S))
-
-
-@contextlib.contextmanager
-def backends(args: Any, count: int, workdir: Path) -> Iterator[list[Backend]]:
-    """``count`` vLLM servers on the model's weights (float32), or Parrot servers without vLLM."""
-    with contextlib.ExitStack() as stack:
-        if not args.vllm_python:
-            config = EngineConfig(dtype="float32", num_kv_blocks=512, max_model_len=MAX_MODEL_LEN)
-            yield [
-                stack.enter_context(parrot_backend(args.model, engine_config=config)) for _ in range(count)
-            ]
-            return
-        engine = LLMEngine.from_pretrained(args.model, EngineConfig(dtype="float32", num_kv_blocks=16))
-        folder = hf_folder(args.model, engine, workdir, EngineConfig().seed)
-        env = vllm_env(engine.model_config, "float32", MAX_MODEL_LEN, 32)
-        engine.shutdown()
-        yield [
-            stack.enter_context(
-                vllm_backend(
-                    args.vllm_python,
-                    folder,
-                    dtype="float32",
-                    max_model_len=MAX_MODEL_LEN,
-                    max_num_seqs=32,
-                    env=env,
-                    log_path=workdir / f"vllm{i}.log",
-                )
-            )
-            for i in range(count)
-        ]
-
-
-def clients(model: str, urls: list[str], affinity: bool = True) -> contextlib.AbstractContextManager[Any]:
-    """A Parrot manager whose engines are the backends at ``urls`` (the served model's tokenizer)."""
-    config = [OpenAIBackendConfig(u, tokenizer=model, max_model_len=MAX_MODEL_LEN) for u in urls]
-    return launch(
-        model, engines=0, openai_backends=config, manager_config=ManagerConfig(prefix_affinity=affinity)
-    )
-
-
 async def compare(
     served: dict[str, Served],
     backend: Backend,
-    delay: Delay,
+    delay: backend_fronts.Delay,
     job: Callable[[Served], measure.Job],
     cfg: BenchConfig,
 ) -> dict[bool, dict[str, measure.Samples]]:
@@ -148,8 +93,8 @@ async def compare(
 async def timed_apps(
     args: Any, cfg: BenchConfig, backend: Backend
 ) -> dict[str, dict[bool, dict[str, measure.Samples]]]:
-    delay = Delay(cfg.seed)
-    with clients(args.model, [backend.url]) as front:
+    delay = backend_fronts.Delay(cfg.seed)
+    with backend_fronts.front(args.model, [backend.url], MAX_MODEL_LEN) as front:
         tokenizer = front.engines[0].tokenizer
         model = front.engines[0].model_name
         served = {
@@ -188,7 +133,7 @@ async def hit_rates(args: Any, cfg: BenchConfig, pair: list[Backend]) -> dict[st
         for b in pair:
             b.reset_prefix_cache()
         before = sum(b.computed_prompt_tokens() for b in pair)
-        with clients(args.model, [b.url for b in pair], affinity) as front:
+        with backend_fronts.front(args.model, [b.url for b in pair], MAX_MODEL_LEN, affinity) as front:
             workload = make_workload(front.engines[0].tokenizer, cfg.system_tokens, cfg.batch, cfg.seed)
             served = Served(System(PARROT), front.url, front.engines, server=front)
             async with httpx.AsyncClient(base_url=front.url, timeout=600) as http:
@@ -216,7 +161,10 @@ def main(argv: list[str] | None = None) -> None:
     cfg = record.configured(args, FULL, QUICK, TINY)
     rec = record.Recorder(NAME, args)
     kind = "vLLM " if args.vllm_python else "Parrot's own /v1 (no --vllm-python) "
-    with tempfile.TemporaryDirectory(prefix=f"{NAME}-") as tmp, backends(args, 2, Path(tmp)) as pair:
+    with (
+        tempfile.TemporaryDirectory(prefix=f"{NAME}-") as tmp,
+        backend_fronts.backends(args.model, args.vllm_python, 2, Path(tmp), MAX_MODEL_LEN) as pair,
+    ):
         log(f"backends up: {kind}x2 ({args.model}, float32)")
         timed = asyncio.run(timed_apps(args, cfg, pair[0]))
         rates = asyncio.run(hit_rates(args, cfg, pair))

@@ -47,7 +47,7 @@ Generate = Callable[[Sequence[list[int]], int], tuple[float, list[list[int]]]]
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """The worker's command line (what `benchmarks.harness.engines.VLLMWorker` passes)."""
+    """The worker's command line (what `benchmarks.harness.vllm_generate.VLLMWorker` passes)."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

@@ -2,7 +2,8 @@
 job started at once on one system (`together`), as the chain-summary experiments (paper Fig. 12) need.
 
 A lone job shows what a system does for one user; these two show what it does for one user among many:
-a busy engine's queue, and apps contending for the same engine.
+a busy engine's queue, and apps contending for the same engine. Both are measured as `delayed_repeats`
+does: the network delay on, every client's runs interleaved after an untimed reference run.
 """
 
 from __future__ import annotations
@@ -10,15 +11,25 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from benchmarks.common import Spread, percentile
-from benchmarks.harness.measure import Job, Run, Samples, timed
-from benchmarks.harness.systems import Served
+from benchmarks.harness.clients import complete
+from benchmarks.harness.measure import Job, Run, Samples, interleave, timed
+from benchmarks.harness.systems import Served, delayed
 
-__all__ = ["BackgroundLoad", "Together", "per_job_median", "percentile_spread", "together"]
+__all__ = [
+    "BackgroundLoad",
+    "Together",
+    "completions",
+    "delayed_repeats",
+    "per_job_difference",
+    "per_job_median",
+    "percentile_spread",
+    "together",
+]
 
 
 class BackgroundLoad:
@@ -65,6 +76,20 @@ class BackgroundLoad:
         if errors := [r for r in results if isinstance(r, BaseException)]:
             raise RuntimeError(f"a background request failed: {errors[0]!r}") from errors[0]
 
+    def counts(self) -> dict[str, int]:
+        """What the load did, for the JSON payload: requests answered, and the most outstanding at once."""
+        return {"background_completed": self.completed, "background_max_in_flight": self.max_in_flight}
+
+
+def completions(served: Served, prompts: Sequence[str], max_tokens: int) -> Callable[[int], Awaitable[str]]:
+    """A `BackgroundLoad`'s ``send`` for plain requests of other users of ``served`` (no Parrot template):
+    slot *i* sends ``prompts[i]`` as a ``/v1/completions`` request for ``max_tokens`` tokens."""
+
+    async def send(slot: int) -> str:
+        return await complete(served.http, prompts[slot], max_tokens, model=served.model_name)
+
+    return send
+
 
 @dataclass(frozen=True)
 class Together(Run):
@@ -92,6 +117,12 @@ def per_job_median(samples: Samples) -> list[float]:
     return [statistics.median(job) for job in zip(*(r.each for r in _together(samples)), strict=True)]
 
 
+def per_job_difference(slow: Samples, fast: Samples) -> list[float]:
+    """Per job of runs made by `together`, ``slow``'s median latency minus ``fast``'s (positive: the job was
+    answered first with ``fast``)."""
+    return [s - f for s, f in zip(per_job_median(slow), per_job_median(fast), strict=True)]
+
+
 async def together(
     served: Served, jobs: Sequence[Job], clock: Callable[[], float] = time.perf_counter
 ) -> Together:
@@ -115,3 +146,13 @@ async def together(
 
     run = await timed(served, all_at_once, clock)
     return Together(statistics.fmean(each), run.output, run.requests, run.engine, tuple(each))
+
+
+async def delayed_repeats(
+    served: Served, jobs: Mapping[str, Callable[[], Awaitable[Run]]], reference: str, repeats: int, label: str
+) -> dict[str, Samples]:
+    """An untimed run of ``reference``'s job without the network delay (the expected output; a warm-up),
+    then ``repeats`` interleaved runs per job with the delay on (`measure.interleave`)."""
+    expected = (await jobs[reference]()).output
+    with delayed([served]):
+        return await interleave(jobs, repeats, expected, label)

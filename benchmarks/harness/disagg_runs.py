@@ -8,6 +8,7 @@ moving it back (the paper's balancer picks by bytes vs compute: both are measure
 of ``user_tokens`` tokens, greedy answers of up to ``max_tokens``. Per policy and turn: TTFT (median over
 conversations), KV bytes moved between engines and attention-exchange bytes per turn, prefill tokens; and
 whether every policy gave the same answers. On CPU these are small-scale mechanics, not GPU timings.
+`table` prints those figures, `metrics` is their part of the ``RESULT`` line.
 """
 
 from __future__ import annotations
@@ -18,9 +19,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-from benchmarks.common import log
-from benchmarks.workloads.chat import TextPool
-from benchmarks.workloads.copilot import user_queries
+from benchmarks.common import log, markdown_table
+from benchmarks.workloads.chat import TextPool, conversations
 from server.engine import EngineConfig, LLMEngine, SamplingParams
 from server.engine.model_runner import KVCache
 from server.serve.disagg_chat import POLICIES, DisaggregatedChat, TurnResult
@@ -102,9 +102,7 @@ def run_policies(model: str, cfg: RealConfig) -> dict[str, Any]:
     try:
         tokenizer = engines[0].tokenizer
         system = TextPool(tokenizer).text(random.Random(f"pd-{cfg.seed}"), cfg.system_tokens)
-        lo, hi = cfg.user_tokens
-        users = user_queries(tokenizer, cfg.conversations * cfg.turns, cfg.seed, lo, hi)
-        queries = [users[c * cfg.turns : (c + 1) * cfg.turns] for c in range(cfg.conversations)]
+        queries = conversations(tokenizer, cfg.conversations, cfg.turns, cfg.seed, *cfg.user_tokens)
         runs: dict[str, list[dict[str, Any]]] = {}
         for policy in RUNS:
             runs[policy] = asyncio.run(_policy(policy, engines, tokenizer, system, queries, cfg))
@@ -138,3 +136,42 @@ def _kv_bytes_per_token(engine: LLMEngine) -> int:
     cfg = engine.model_config
     dtype = engine.config.torch_dtype()
     return KVCache.bytes_per_block(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, cfg.head_dim, dtype)
+
+
+def table(real: dict[str, Any]) -> str:
+    """Per policy and turn (`run_policies`): TTFT, KV moved, exchange bytes and prefill tokens per
+    conversation."""
+    rows = [
+        [
+            policy,
+            str(t["turn"]),
+            f"{t['ttft_s'] * 1000:.0f}",
+            f"{t['kv_bytes_moved'] / 2**20:.2f}",
+            f"{t['exchange_bytes'] / 2**20:.2f}",
+            f"{t['prefill_tokens']:.0f}",
+            f"{t['answer_tokens']:.0f}",
+        ]
+        for policy, turns in real["per_turn"].items()
+        for t in turns
+    ]
+    heads = ["policy", "turn", "TTFT ms", "KV moved MiB", "exchange MiB", "prefill tokens", "answer tokens"]
+    return markdown_table(heads, rows, [False] + [True] * 6)
+
+
+def metrics(real: dict[str, Any]) -> dict[str, float | int]:
+    """Bytes per turn after the first (turn 1 has no history to move), and Mutel's against new KV."""
+    later = {p: turns[1:] or turns for p, turns in real["per_turn"].items()}
+
+    def mean(policy: str, key: str) -> float:
+        return statistics.fmean(t[key] for t in later[policy])
+
+    mutel_moved, new_tokens = mean("mutel", "kv_bytes_moved"), mean("mutel", "new_tokens")
+    return {
+        "mutel_kv_mib_per_turn": mutel_moved / 2**20,
+        "splitwise_kv_mib_per_turn": mean("splitwise", "kv_bytes_moved") / 2**20,
+        "mutel_exchange_mib_per_turn": mean("mutel", "exchange_bytes") / 2**20,
+        "mutel_moved_over_new_kv": mutel_moved / (new_tokens * real["kv_bytes_per_token"]),
+        # The answers' KV recomputed instead of moved back: what each costs the next turn's TTFT.
+        "ttft_recompute_over_move": mean(RECOMPUTE, "ttft_s") / mean("mutel", "ttft_s"),
+        "answers_identical": int(real["answers_identical"]),
+    }

@@ -5,8 +5,11 @@ KV high-water mark after (in-process servers of `systems.serve`).
 output tokens, `tpot`). `from_empty_cache` runs a job from a cache with nothing kept from earlier runs
 (the manager's cached prefixes dropped, so a shared prompt is prefilled inside the timed run), the engine
 tracing its steps (``EngineConfig(trace_steps=...)``), its KV peak taken by `peaks.peaked`, and returns
-a `Traced` run; `compare` is `measure.agree` + `measure.interleave` over such runs. `idle` waits for an
-engine with nothing running; `model_facts` sizes an engine before it starts.
+a `Traced` run; `compare` is `measure.agree` + `measure.interleave` over such runs, and `sweep` is
+`compare` at every point of a sweep (a batch size, say). `idle` waits for an engine with nothing running;
+`model_facts` sizes an engine before it starts. For the report: `expected_peaks` is the KV peak the paged
+design predicts (`kv_blocks`), `figure_ratio` divides two systems' figures (`as_dict`), and `trace_table`
+shows those figures beside `record.latency_table`.
 """
 
 from __future__ import annotations
@@ -19,8 +22,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import Spread, safe_ratio
-from benchmarks.harness import measure
+from benchmarks.common import Spread, fmt_num, log, markdown_table, safe_ratio
+from benchmarks.harness import measure, systems
 from benchmarks.harness.measure import Job, Run, Samples
 from benchmarks.harness.peaks import peaked
 from benchmarks.harness.systems import Served
@@ -31,10 +34,15 @@ __all__ = [
     "as_dict",
     "compare",
     "drop_cached_contexts",
+    "expected_peaks",
+    "figure_ratio",
     "from_empty_cache",
     "idle",
+    "kv_blocks",
     "model_facts",
+    "sweep",
     "tpot",
+    "trace_table",
     "traced",
 ]
 
@@ -160,3 +168,76 @@ async def compare(
     empty KV cache (`from_empty_cache`)."""
     jobs = {name: functools.partial(from_empty_cache, s, job(s)) for name, s in servers.items()}
     return await measure.interleave(jobs, repeats, await measure.agree(jobs), label)
+
+
+async def sweep(
+    servers: Mapping[str, Served],
+    points: Mapping[str, Callable[[Served], Job]],
+    repeats: int,
+    timeout: float = 600.0,
+) -> dict[str, dict[str, Samples]]:
+    """`compare` at every point of a sweep (``points``: its label, e.g. ``"b8"``, and each server's job
+    there), in order, the servers connected once for all (`systems.connected`)."""
+    out = {}
+    async with systems.connected(servers, timeout=timeout):
+        for label, job in points.items():
+            log(f"{label}: verifying answers and warming up ...")
+            out[label] = await compare(servers, job, repeats, f"{label} ")
+    return out
+
+
+def kv_blocks(contexts: Sequence[int], block_size: int, shared_prefix: int = 0) -> int:
+    """KV blocks of ``contexts`` (tokens with KV, each) all alive at once. With a ``shared_prefix``
+    (tokens), every context is a fork of it: the prefix's blocks once, and per fork its tokens beyond the
+    prefix's full blocks (a fork owns its copy of the prefix's partial last block). Without one, every
+    whole context."""
+    blocks = lambda n: -(-n // block_size)  # noqa: E731
+    return blocks(shared_prefix) + sum(blocks(c) - shared_prefix // block_size for c in contexts)
+
+
+def expected_peaks(
+    prompts: Sequence[Sequence[int]], shared_prefix: int, new_tokens: int, block_size: int
+) -> tuple[int, int]:
+    """The KV peak the paged design predicts for ``prompts`` (token ids) answered with ``new_tokens`` each,
+    every context alive at its end (KV for its prompt and all but its last token): forked from their
+    ``shared_prefix`` (exact), and each whole (a bound: early requests may finish before late ones start)."""
+    contexts = [len(p) + new_tokens - 1 for p in prompts]
+    return kv_blocks(contexts, block_size, shared_prefix), kv_blocks(contexts, block_size)
+
+
+def figure_ratio(figures: Mapping[str, Mapping[str, Any]], slow: str, fast: str, key: str) -> float:
+    """System ``slow``'s figure ``key`` over system ``fast``'s, in `as_dict` form (``figures`` by system):
+    the medians of a spread (latency, TPOT), or plain numbers (the KV peak)."""
+    x, y = figures[slow][key], figures[fast][key]
+    return safe_ratio(x["median"], y["median"]) if isinstance(x, Mapping) else safe_ratio(x, y)
+
+
+def trace_table(
+    settings: Sequence[tuple[str, Mapping[str, Mapping[str, Any]], Mapping[str, float]]],
+    setting_header: str,
+    reference: str,
+) -> str:
+    """Per setting and system: TPOT (decode-weighted, and pure-decode), the KV peak (the ``expected_blocks``
+    entry, if any, beside it), the last run's grouped decode steps out of its decode steps, and the system's
+    TPOT over ``reference``'s; ``settings`` holds each system's `as_dict` figures and those ratios."""
+    rows = []
+    for setting, per_system, ratios in settings:
+        for name, f in per_system.items():
+            tp = Spread(*(f["tpot"][k] for k in ("median", "min", "max", "n")))
+            peak = fmt_num(f["peak_blocks_max"])
+            rows.append(
+                [
+                    setting,
+                    name,
+                    f"{tp.median * 1e3:.2f} ±{tp.rel_half_range:.0%}",
+                    f"{f['tpot_pure']['median'] * 1e3:.2f}",
+                    f"{peak} ({fmt_num(f['expected_blocks'])})" if "expected_blocks" in f else peak,
+                    f"{f['grouped_decode_steps'][-1]}/{f['decode_steps'][-1]}",
+                    f"{ratios[name]:.2f}x" if name in ratios else "",
+                ]
+            )
+    expected = any("expected_blocks" in f for _, per_system, _ in settings for f in per_system.values())
+    heads = [setting_header, "system", "TPOT ms", "pure-decode TPOT ms"]
+    heads += ["peak KV blocks (expected)" if expected else "peak KV blocks", "grouped / decode steps (last)"]
+    heads += [f"TPOT this / {reference}"]
+    return markdown_table(heads, rows, [True, False, *([True] * 5)])

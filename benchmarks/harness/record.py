@@ -149,3 +149,15 @@ def latency_table(
         "speedup",
     ]
     return markdown_table(headers, rows, [False, False, *([True] * 7)])
+
+
+def setting_payload(
+    delay: bool, samples: Mapping[str, Samples], ratios: Mapping[str, Ratio]
+) -> dict[str, Any]:
+    """One network-delay setting for the JSON payload: whether the delay was on, each ratio by system
+    (`latency_table`'s speedup column) and every system's samples."""
+    return {
+        "network_delay": delay,
+        "speedup": {name: r.as_dict() for name, r in ratios.items()},
+        "clients": {name: s.as_dict() for name, s in samples.items()},
+    }

@@ -4,6 +4,7 @@ No ShareGPT data is downloaded. The lengths follow log-normal distributions clip
 medians and spreads in the range published ShareGPT length statistics show for single turns (prompts of
 a few hundred tokens, replies of one to three hundred); the text of a prompt is a random span of the
 standard library's docstrings (`benchmarks.common.stdlib_text`), so a run needs nothing but Python.
+Multi-turn chat experiments take their user messages from `conversations`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from benchmarks.common import stdlib_text
+from benchmarks.workloads.copilot import user_queries
 
 
 @dataclass(frozen=True)
@@ -57,3 +59,12 @@ class TextPool:
             raise ValueError(f"a {n}-token span is longer than the text pool ({len(self._ids)} tokens)")
         start = rng.randrange(0, len(self._ids) - n)
         return str(self._tokenizer.decode(self._ids[start : start + n]))
+
+
+def conversations(
+    tokenizer: Any, count: int, turns: int, seed: int, min_tokens: int, max_tokens: int
+) -> list[list[str]]:
+    """The user messages of ``count`` conversations, ``turns`` each (`copilot.user_queries`: seeded,
+    ``min_tokens``..``max_tokens`` tokens, no two alike)."""
+    users = user_queries(tokenizer, count * turns, seed, min_tokens, max_tokens)
+    return [users[c * turns : (c + 1) * turns] for c in range(count)]

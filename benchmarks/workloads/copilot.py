@@ -12,6 +12,9 @@ Everything is deterministic from a seed and text bundled with Python (standard-l
 * `copilot_template` — the app as a Parrot template: the system prompt as constant text (``{{`` escaped),
   then ``{{input:query}}`` and ``{{output:answer}}``. `render_prompt` is the request-centric client's
   rendering of the same template (`benchmarks.common.render_template`), the exact prompt the server renders.
+* `fit_system_tokens` — the system prompt length that fits a model's window with the longest query and
+  its answer; `CopilotWorkload.longest_prompt` checks it, and `CopilotWorkload.tokens` gives the prompts'
+  tokens and the constant prefix a Parrot manager shares between them.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ __all__ = [
     "PREAMBLE",
     "CopilotWorkload",
     "copilot_template",
+    "fit_system_tokens",
     "make_workload",
     "render_prompt",
     "system_prompt",
@@ -57,6 +61,7 @@ _OPENERS = (
 _VERBS = ("use", "parse", "configure", "debug", "test", "combine", "replace", "read")
 _QUERY_HEAD = "\n\nUser: "
 _ANSWER_HEAD = "\nCopilot: "
+_TEMPLATE_SLACK_TOKENS = 24  # the template's text around the query plus BOS, with room to spare
 
 
 def text_tokens(tokenizer: Any, text: str) -> list[int]:
@@ -150,6 +155,34 @@ class CopilotWorkload:
     def prompts(self, count: int) -> list[str]:
         """The rendered prompts of the first ``count`` queries (what the baseline client sends)."""
         return [render_prompt(self.template, q) for q in self.queries[:count]]
+
+    def longest_prompt(self, tokenizer: Any, count: int, answer_tokens: int, window: int) -> int:
+        """The longest of the first ``count`` prompts in tokens (BOS included), checked to fit the model's
+        ``window`` with its ``answer_tokens``."""
+        longest = max(len(tokenizer.encode(p)) for p in self.prompts(count))
+        if longest + answer_tokens >= window:
+            raise SystemExit(f"a prompt of {longest} tokens plus the answer exceeds the window ({window})")
+        return longest
+
+    def tokens(self, tokenizer: Any, count: int) -> tuple[list[list[int]], int]:
+        """The first ``count`` prompts' token ids (BOS included: what the baseline prefills per request),
+        and the constant prefix a Parrot manager shares between them, in tokens: the text before the query,
+        cut back to a true prefix of the prompts' tokens (the tokens at the seam may differ once the query
+        follows), as the manager cuts it."""
+        ids = [tokenizer.encode(p) for p in self.prompts(count)]
+        prefix = tokenizer.encode(self.prompts(1)[0][: -len(self.queries[0])])
+        while prefix and ids[0][: len(prefix)] != prefix:
+            prefix.pop()
+        return ids, len(prefix)
+
+
+def fit_system_tokens(asked: int, window: int, max_query_tokens: int, answer_tokens: int) -> int:
+    """The system prompt length to use: ``asked``, or less so that the longest prompt (a query of
+    ``max_query_tokens``) plus its ``answer_tokens`` fit the model's ``window``."""
+    room = window - 1 - answer_tokens - max_query_tokens - _TEMPLATE_SLACK_TOKENS
+    if room < 64:
+        raise SystemExit(f"the model's window ({window}) leaves no room for a system prompt")
+    return min(asked, room)
 
 
 def make_workload(

@@ -7,16 +7,25 @@ prompt of the app whatever the query (a prompt ending in ``"User: "`` would merg
 queries' first token, giving each app two shared prefixes). Each request picks an app uniformly, asks a
 query of ``query_tokens`` tokens and generates ``output_tokens`` tokens (EOS ignored); it carries a
 unit-rate exponential gap, so the same stream arrives as a Poisson process at any rate
-(`benchmarks.harness.rates.arrival_times`). Deterministic from the seed; nothing downloaded.
+(`benchmarks.harness.arrivals.arrival_times`). Deterministic from the seed; nothing downloaded.
+
+A request is sent by either client: `Workload.parrot` (one semantic-function call of the app in a session
+of its own, fetched with the latency criteria: the system prompt is the app's constant text, so the
+server can share it) or `Workload.baseline` (the prompt rendered by the client, one ``/v1/completions``).
 """
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass
 
+import httpx
+import parrot as P
+
 from benchmarks.common import render_template, stdlib_text
-from benchmarks.harness.rates import arrival_times
+from benchmarks.harness.arrivals import arrival_times
+from benchmarks.harness.clients import complete, greedy
 
 __all__ = ["APP_NAMES", "App", "Request", "Workload", "make_workload"]
 
@@ -59,6 +68,26 @@ class Workload:
     def prompt(self, request: Request) -> str:
         """The request's whole prompt as a request-centric client renders it."""
         return render_template(self.apps[request.app].template, {"query": request.query})
+
+    async def parrot(self, http: httpx.AsyncClient, request: Request) -> None:
+        """The request through the `parrot` frontend: one call in its own session, fetched with the
+        latency criteria."""
+        app = self.apps[request.app]
+        async with P.Session(str(http.base_url), client=http) as s:
+            out = _function(app.template, app.name, request.max_tokens)(query=s.variable(request.query))
+            await out.aget(criteria=P.LATENCY)
+
+    async def baseline(self, http: httpx.AsyncClient, request: Request, model: str | None = None) -> None:
+        """The request as a request-centric client sends it: the whole rendered prompt."""
+        await complete(http, self.prompt(request), request.max_tokens, model=model)
+
+
+@functools.cache
+def _function(template: str, name: str, max_tokens: int) -> P.SemanticFunction:
+    """An app's semantic function at one output length (made once: every request of the app reuses it)."""
+    return P.SemanticFunction.from_template(
+        template, name=name, sampling=P.SamplingConfig(**greedy(max_tokens))
+    )
 
 
 def make_workload(

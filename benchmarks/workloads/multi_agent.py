@@ -37,7 +37,7 @@ Everything is deterministic: the brief is a piece of `benchmarks.common.stdlib_t
 the file names are drawn from a fixed list with ``random.Random(seed)``, and the output lengths are fixed
 token budgets (greedy, EOS ignored). Prompt lengths grow with the pool: with ``files`` = 8, 3 rounds, a
 256-token brief and the default budgets the last prompts are about 3,000 tokens (the tiny model's window is
-4,096 positions; `Workflow.check_window` checks it).
+4,096 positions; `benchmarks.harness.template_dags.longest_request` checks it).
 """
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from parrot.protocol import parse_template, placeholder_names
 
 from benchmarks.common import document_chunks, render_template
 
@@ -125,7 +127,8 @@ class Call:
 
 @dataclass(frozen=True)
 class Workflow:
-    """One job: the brief, the files, and every call in a topological order, grouped into stages."""
+    """One job: the brief, the files, and every call in a topological order, grouped into stages (both
+    clients run it as a `benchmarks.harness.template_dags.TemplateDag`)."""
 
     brief: str
     files: tuple[str, ...]
@@ -145,17 +148,6 @@ class Workflow:
         """The rendered prompt of the call producing ``output`` (what a request-centric client sends, and
         exactly what the Parrot server renders): its template with the input ``values`` in."""
         return render_template(self.call(output).template, values)
-
-    def check_window(self, tokenizer: Any, values: Mapping[str, str], max_model_len: int) -> int:
-        """The longest request (prompt tokens + ``max_tokens``) given every call's output ``values``;
-        ValueError when it exceeds ``max_model_len``."""
-        longest = max(len(tokenizer.encode(self.prompt(c.output, values))) + c.max_tokens for c in self.calls)
-        if longest > max_model_len:
-            raise ValueError(
-                f"the longest request needs {longest} positions, the model has {max_model_len}: use fewer "
-                "files or rounds, a shorter brief or smaller budgets"
-            )
-        return longest
 
 
 def project_brief(tokenizer: Any, tokens: int, seed: int = 0) -> str:
@@ -182,7 +174,7 @@ def make_workflow(
     stages: list[tuple[str, ...]] = []
 
     def add(output: str, role: str, r: int, template: str, max_tokens: int) -> None:
-        inputs = tuple(dict.fromkeys(_inputs(template)))
+        inputs = tuple(placeholder_names(parse_template(template), "input"))
         calls.append(Call(output, role, r, template, inputs, max_tokens))
 
     # The pool so far, as template text; every message ends with a newline so that the next message's
@@ -238,14 +230,6 @@ def make_workflow(
         stages.append((log_var,))
         pool = head + f"{{{{input:{log_var}}}}}\n"
     return Workflow(brief, names, rounds, tuple(calls), tuple(stages), calls[-1].output)
-
-
-def _inputs(template: str) -> list[str]:
-    from parrot.protocol import TemplatePlaceholder, parse_template
-
-    return [
-        p.name for p in parse_template(template) if isinstance(p, TemplatePlaceholder) and p.role == "input"
-    ]
 
 
 def stage_roles(workflow: Workflow) -> list[tuple[str, int]]:

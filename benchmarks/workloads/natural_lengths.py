@@ -18,6 +18,7 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["CHAT_MIX", "EVEN_MIX", "KINDS", "TOPICS", "LengthRequest", "split"]
 
@@ -124,6 +125,10 @@ class LengthRequest:
     @property
     def messages(self) -> list[dict[str, str]]:
         return [{"role": "user", "content": self.message}]
+
+    def prompt(self, tokenizer: Any) -> str:
+        """The request as ``tokenizer``'s chat template renders it, ready for the model's answer."""
+        return str(tokenizer.apply_chat_template(self.messages, add_generation_prompt=True, tokenize=False))
 
 
 def _requests(

@@ -1,4 +1,5 @@
-"""engine_throughput and its harness (`benchmarks.harness.engines`): the vLLM worker's protocol, the worker
+"""engine_throughput and its harness (`benchmarks.harness`: `vllm_generate`, `process_groups`,
+`vllm_settings`, `hf_generate`, `generators`, `decode_ceiling`): the vLLM worker's protocol, the worker
 driven through a pipe, its process group stopped with it (closed, SIGTERM, SIGINT), the HF export of the
 engine's weights, the model record, and a tiny run with vLLM's side played by a fake worker (no vLLM needed).
 
@@ -23,7 +24,14 @@ import torch
 from benchmarks import engine_throughput as et
 from benchmarks import vllm_worker as vw
 from benchmarks.common import REPO_ROOT, engine_model, export_hf_folder, hf_config_dict
-from benchmarks.harness import engines
+from benchmarks.harness import (
+    decode_ceiling,
+    generators,
+    hf_generate,
+    process_groups,
+    vllm_generate,
+    vllm_settings,
+)
 from server.engine import EngineConfig, LLMEngine
 from server.engine.config import ModelConfig
 
@@ -142,7 +150,7 @@ def fake_worker(tmp_path: Path) -> Path:
 
 
 def test_worker_process_round_trip(fake_worker: Path, tmp_path: Path) -> None:
-    worker = engines.VLLMWorker(
+    worker = vllm_generate.VLLMWorker(
         sys.executable, tmp_path, dtype="bfloat16", max_model_len=64, max_num_seqs=4, script=fake_worker
     )
     try:
@@ -162,7 +170,7 @@ def test_worker_that_cannot_load_is_an_error(fake_worker: Path, tmp_path: Path) 
     script = tmp_path / "failing.py"
     script.write_text(FAKE_WORKER.replace('if "--fail" in sys.argv:', "if True:"))
     with pytest.raises(RuntimeError, match="no such model"):
-        engines.VLLMWorker(
+        vllm_generate.VLLMWorker(
             sys.executable, tmp_path, dtype="bfloat16", max_model_len=8, max_num_seqs=1, script=script
         )
 
@@ -171,7 +179,7 @@ def test_worker_that_dies_is_an_error(tmp_path: Path) -> None:
     script = tmp_path / "dies.py"
     script.write_text("import sys; sys.exit(3)\n")
     with pytest.raises(RuntimeError, match="exited"):
-        engines.VLLMWorker(
+        vllm_generate.VLLMWorker(
             sys.executable, tmp_path, dtype="bfloat16", max_model_len=8, max_num_seqs=1, script=script
         )
 
@@ -199,14 +207,14 @@ def test_closing_the_worker_stops_what_it_started(
 ) -> None:
     pidfile = tmp_path / "child.pid"
     monkeypatch.setenv("FAKE_CHILD_PIDFILE", str(pidfile))
-    worker = engines.VLLMWorker(
+    worker = vllm_generate.VLLMWorker(
         sys.executable, tmp_path, dtype="bfloat16", max_model_len=8, max_num_seqs=1, script=fake_worker
     )
     child = int(pidfile.read_text())
     assert not gone(child)
     worker.close()  # the worker quits cleanly; its child would live on without the group stop
     assert wait_gone(child)
-    assert signal.getsignal(signal.SIGTERM) is not engines._on_signal  # handlers restored
+    assert signal.getsignal(signal.SIGTERM) is not process_groups._on_signal  # handlers restored
 
 
 # The benchmark's side, as a separate process: a worker (with a child) started, then it waits to be killed.
@@ -216,10 +224,10 @@ import signal, sys, time
 from pathlib import Path
 signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.path.insert(0, {str(REPO_ROOT)!r})
-from benchmarks.harness import engines
+from benchmarks.harness.vllm_generate import VLLMWorker
 
-engines.VLLMWorker(sys.executable, Path(sys.argv[2]), dtype="bfloat16", max_model_len=8, max_num_seqs=1,
-                   script=Path(sys.argv[1]))
+VLLMWorker(sys.executable, Path(sys.argv[2]), dtype="bfloat16", max_model_len=8, max_num_seqs=1,
+           script=Path(sys.argv[1]))
 print("ready", flush=True)
 time.sleep(600)
 """
@@ -254,17 +262,17 @@ def test_a_killed_benchmark_leaves_no_worker_processes_behind(
 def test_model_record_names_the_weights_without_a_path(tiny_engine: LLMEngine, tmp_path: Path) -> None:
     gguf = tmp_path / "SomeModel.Q4.gguf"
     gguf.write_bytes(b"\0" * 1234)  # resolved by name only: the record reads the file's size, not its content
-    record = engines.model_record(str(gguf), tiny_engine)
+    record = generators.model_record(str(gguf), tiny_engine)
     assert record["name"] == "SomeModel.Q4" and record["file"] == gguf.name and record["file_bytes"] == 1234
     assert str(tmp_path) not in json.dumps(record)
     assert record["parameters"] == sum(p.numel() for p in engine_model(tiny_engine).parameters())
-    tiny = engines.model_record("tiny", tiny_engine)
+    tiny = generators.model_record("tiny", tiny_engine)
     assert (tiny["name"], tiny["file"], tiny["file_bytes"]) == ("tiny", None, None)
 
 
 def test_cpu_lists_and_worker_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert engines.cpu_list([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
-    assert engines.cpu_list([3]) == "3"
+    assert vllm_settings.cpu_list([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+    assert vllm_settings.cpu_list([3]) == "3"
     cfg = ModelConfig(
         vocab_size=10,
         hidden_size=8,
@@ -276,18 +284,18 @@ def test_cpu_lists_and_worker_environment(monkeypatch: pytest.MonkeyPatch) -> No
         max_position_embeddings=8192,
     )
     # 64 x 656 tokens of 30 layers x 3 heads x 64 x K and V x 2 bytes: ~0.96 GiB, 1.25x room -> 2.
-    assert engines.kv_cache_gib(cfg, "bfloat16", 64 * 656) == 2
+    assert vllm_settings.kv_cache_gib(cfg, "bfloat16", 64 * 656) == 2
     monkeypatch.setenv("PYTHONPATH", str(REPO_ROOT))
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "7")  # the user's own setting wins over the default
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
-    env = engines.vllm_env(cfg, "bfloat16", 656, 64, ["LD_PRELOAD=/x.so", "VLLM_LOGGING_LEVEL=INFO"])
+    env = vllm_settings.vllm_env(cfg, "bfloat16", 656, 64, ["LD_PRELOAD=/x.so", "VLLM_LOGGING_LEVEL=INFO"])
     assert "PYTHONPATH" not in env
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "7" and env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
     assert env["LD_PRELOAD"] == "/x.so" and env["VLLM_LOGGING_LEVEL"] == "INFO"
     cores = sorted(os.sched_getaffinity(0))[: torch.get_num_threads()]
-    assert env["VLLM_CPU_OMP_THREADS_BIND"] == engines.cpu_list(cores)
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == vllm_settings.cpu_list(cores)
     with pytest.raises(SystemExit):
-        engines.vllm_env(cfg, "bfloat16", 656, 64, ["NOEQUALS"])
+        vllm_settings.vllm_env(cfg, "bfloat16", 656, 64, ["NOEQUALS"])
 
 
 # ----------------------------------------------------------------------------------------------- export
@@ -300,7 +308,7 @@ def tiny_engine() -> Iterator[LLMEngine]:
 def test_export_writes_the_engines_weights_as_a_hf_folder(tiny_engine: LLMEngine, tmp_path: Path) -> None:
     folder = export_hf_folder(tiny_engine, tmp_path / "hf")
     assert ModelConfig.from_pretrained(folder) == tiny_engine.model_config
-    hf = engines.load_hf(folder, torch.float32)  # raises if any weight is missing
+    hf = hf_generate.load_hf(folder, torch.float32)  # raises if any weight is missing
     ours = dict(engine_model(tiny_engine).named_parameters())
     for name, tensor in hf.state_dict().items():
         assert torch.equal(tensor, ours[name]), name
@@ -334,9 +342,9 @@ def test_hf_folder_exports_only_when_the_model_is_not_a_folder(
 ) -> None:
     folder = tmp_path / "given"
     folder.mkdir()
-    assert engines.hf_folder(str(folder), tiny_engine, tmp_path, 0) == folder
+    assert hf_generate.hf_folder(str(folder), tiny_engine, tmp_path, 0) == folder
     assert not (tmp_path / "hf-export").exists()
-    exported = engines.hf_folder(str(tmp_path / "model.gguf"), tiny_engine, tmp_path, 0)
+    exported = hf_generate.hf_folder(str(tmp_path / "model.gguf"), tiny_engine, tmp_path, 0)
     assert exported == tmp_path / "hf-export" and (exported / "model.safetensors").is_file()
 
 
@@ -347,7 +355,10 @@ def test_decode_weight_bytes_counts_a_tied_embedding_once(tiny_engine: LLMEngine
     total = sum(p.numel() for p in model.parameters()) * per_param
     # "tiny" is untied: of its embedding table a decode step reads one row.
     assert not cfg.tie_word_embeddings
-    assert engines.decode_weight_bytes(model) == total - (cfg.vocab_size - 1) * cfg.hidden_size * per_param
+    assert (
+        decode_ceiling.decode_weight_bytes(model)
+        == total - (cfg.vocab_size - 1) * cfg.hidden_size * per_param
+    )
 
 
 # ----------------------------------------------------------------------------------------------- whole run
@@ -380,7 +391,7 @@ def test_tiny_run_without_vllm(tmp_path: Path, capsys: pytest.CaptureFixture[str
 def test_tiny_run_with_a_fake_vllm_worker(
     fake_worker: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(engines, "WORKER_SCRIPT", fake_worker)
+    monkeypatch.setattr(vllm_generate, "WORKER_SCRIPT", fake_worker)
     argv = [
         "--tiny",
         "--dtype",
@@ -411,14 +422,14 @@ def test_real_vllm_generates_exactly_n_tokens_on_the_tiny_weights(
     tiny_engine: LLMEngine, tmp_path: Path
 ) -> None:
     folder = export_hf_folder(tiny_engine, tmp_path / "hf")
-    worker = engines.VLLMWorker(
+    worker = vllm_generate.VLLMWorker(
         os.environ["VLLM_PYTHON"],
         folder,
         dtype="float32",
         max_model_len=64,
         max_num_seqs=2,
         engine_args={"enforce_eager": True},
-        env=engines.vllm_env(tiny_engine.model_config, "float32", 64, 2),
+        env=vllm_settings.vllm_env(tiny_engine.model_config, "float32", 64, 2),
         cwd=tmp_path,
     )
     try:

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks import gpts_cluster as g
-from benchmarks.harness.rates import RatePoint, Work
+from benchmarks.harness.rates import RatePoint
+from benchmarks.harness.sim_runs import Work
 from benchmarks.workloads.gpts import Workload
 from server.sim import tiny_tokenizer
 

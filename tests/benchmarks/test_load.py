@@ -14,10 +14,12 @@ import pytest
 
 from benchmarks import load
 from benchmarks.common import REPO_ROOT
+from benchmarks.harness.load_report import summarize
+from benchmarks.harness.load_sessions import SessionOutcome
 
 
 def outcome(seed: int, values: list[str | None], errors: tuple[str, ...] = (), seconds: float = 1.0) -> Any:
-    return load.SessionOutcome(seed, seconds, values, list(errors), [f"{e}: boom" for e in errors])
+    return SessionOutcome(seed, seconds, values, list(errors), [f"{e}: boom" for e in errors])
 
 
 def test_summary_counts_errors_lost_variables_and_inconsistent_chains() -> None:
@@ -28,7 +30,7 @@ def test_summary_counts_errors_lost_variables_and_inconsistent_chains() -> None:
         outcome(1, ["d", None, "f"], ("VariableFailedError 200",)),
         outcome(1, [None, None, None], ("ConnectError",)),
     ]
-    s = load.summarize(outcomes, seconds=2.0)
+    s = summarize(outcomes, seconds=2.0)
     assert (s["sessions"], s["completed"], s["errors"], s["lost_variables"]) == (5, 3, 2, 4)
     assert s["errors_by_type"] == {"VariableFailedError 200": 1, "ConnectError": 1}
     assert s["error_examples"]["ConnectError"] == "ConnectError: boom"
@@ -38,7 +40,7 @@ def test_summary_counts_errors_lost_variables_and_inconsistent_chains() -> None:
 
 
 def test_summary_of_nothing_done() -> None:
-    s = load.summarize([outcome(0, [None, None, None], ("ReadTimeout",))], seconds=1.0)
+    s = summarize([outcome(0, [None, None, None], ("ReadTimeout",))], seconds=1.0)
     assert s["completed"] == 0 and math.isnan(s["p99_s"]) and s["lost_variables"] == 3
 
 
