@@ -20,11 +20,21 @@ Thresholds:
   take at its 3 TB/s; rounded up because the L2 cache serves part of plain decode's repeated prefix reads
   (64 sequences over a 4k prefix of 4 KiB tokens, 1 GiB nominal, saved only 0.13 ms per layer). A 7B
   without GQA (16 KiB per token) at 64 x 4k saves 4 GiB per layer and groups.
-* CPU (torch path): at least 2 members and at least 6 MiB of KV reads saved per layer,
+* CPU, plain decode on the torch path: at least 2 members and at least 6 MiB of KV reads saved per layer,
   ``(members - 1) * prefix_len * kv_bytes_per_token``. Measured on 2 cores: the grouped pass costs a fixed
   ~0.2 ms per layer (prefix pass, merge), which plain decode spends reading about that much KV. With the
   default 8 KiB per token (8 KV heads x 128 dims x K and V x fp32) that is 768 saved tokens, e.g. 2
   members sharing 768 tokens or 4 sharing 256.
+* CPU, plain decode in our C++ kernel (``cpu_kernel``; `kernels.cpu_kernels`): at least 8 members and
+  64k member-tokens of prefix (``members * prefix_len``). That kernel re-reads a prefix of a few MiB from
+  the caches at the speed of its arithmetic, so grouping saves little traffic; what it gains is the prefix
+  pass's GEMMs against the kernel's dot products, and it pays a gather and a merge. Measured on 2 cores
+  (attention of 4-30 layers, KV in DRAM, the prefix gathered per layer as the engine does), grouped over
+  plain for SmolLM2 (bf16, 3 KV heads) / the tiny model (fp32, 2 KV heads): 64 x 256 tokens 0.97 / 0.85,
+  4 x 4k 0.84 / 1.29, 4 x 8k 0.49, 8 x 1k 0.98 / 0.89, 16 x 1k 0.79-1.35 / 1.12-1.33, 32 x 1k 0.94 / 1.34,
+  16 x 2k 1.59 / 1.81, 64 x 1k 1.42 / 1.73, 32 x 2k 1.26 / 1.92, 16 x 4k 1.85 / 2.29, 64 x 4k 2.13 / 2.36.
+  Byte counts do not separate these (64 x 256 and 16 x 1k save the same bytes); the product does, with
+  the noisy 16-32 x 1k left ungrouped: never slower matters more than the last 1.3x.
 """
 
 from __future__ import annotations
@@ -32,6 +42,8 @@ from __future__ import annotations
 import torch
 
 __all__ = [
+    "CPU_KERNEL_MIN_MEMBERS",
+    "CPU_KERNEL_MIN_MEMBER_TOKENS",
     "CPU_MIN_SAVED_BYTES",
     "CUDA_GRAPHED_MIN_SAVED_BYTES",
     "CUDA_MIN_SAVED_BYTES",
@@ -41,6 +53,8 @@ __all__ = [
 CUDA_MIN_SAVED_BYTES = 128 << 20
 CUDA_GRAPHED_MIN_SAVED_BYTES = 1 << 30
 CPU_MIN_SAVED_BYTES = 6 << 20
+CPU_KERNEL_MIN_MEMBERS = 8
+CPU_KERNEL_MIN_MEMBER_TOKENS = 64 << 10
 _DEFAULT_KV_BYTES_PER_TOKEN = 2 * 8 * 128 * 4
 
 
@@ -51,6 +65,7 @@ def should_share_prefix(
     *,
     kv_bytes_per_token: int | None = None,
     graphed: bool = False,
+    cpu_kernel: bool = False,
 ) -> bool:
     """Whether ``num_members`` decoding sequences sharing ``prefix_len`` tokens should be grouped.
 
@@ -61,10 +76,15 @@ def should_share_prefix(
         kv_bytes_per_token: K plus V bytes of one token in one layer
             (``2 * num_kv_heads * head_dim * element_size``); default 8 KiB.
         graphed: on CUDA, the step would otherwise replay a CUDA graph (grouped steps run eagerly).
+        cpu_kernel: on CPU, plain decode runs our C++ kernel (else the torch path).
     """
     if num_members < 2 or prefix_len <= 0:
         return False
     saved = (num_members - 1) * prefix_len * (kv_bytes_per_token or _DEFAULT_KV_BYTES_PER_TOKEN)
     if torch.device(device).type == "cuda":
         return saved >= (CUDA_GRAPHED_MIN_SAVED_BYTES if graphed else CUDA_MIN_SAVED_BYTES)
+    if cpu_kernel:
+        return (
+            num_members >= CPU_KERNEL_MIN_MEMBERS and num_members * prefix_len >= CPU_KERNEL_MIN_MEMBER_TOKENS
+        )
     return saved >= CPU_MIN_SAVED_BYTES

@@ -102,10 +102,17 @@ class ModelRunner:
         self.shared_prefix_decode = shared_prefix_decode
         self.backend = backend or PagedAttentionBackend()
         model.prepare_weights()  # one GEMM for q/k/v and one for gate/up, packed where it pays
-        if device.type == "cpu":
-            cpu_kernels.paged_decode_kernel()  # built (or found in the cache) now, not in the first step
         k = kv.k[0]
         self._kv_bytes_per_token = 2 * k.shape[2] * k.shape[3] * k.element_size()
+        # Plain CPU decode in our C++ kernel (built, or found in the cache, now rather than in the first
+        # step) moves the point where grouping shared prefixes pays (`kernels.should_share_prefix`).
+        self._cpu_decode_kernel = (
+            device.type == "cpu"
+            and cpu_kernels.paged_decode_kernel() is not None
+            and cpu_kernels.decode_kernel_covers(
+                model.config.num_attention_heads, k.shape[2], k.shape[3], k.shape[1]
+            )
+        )
         self.grouped_decode_steps = 0  # decode steps that took the shared-prefix path
         # The last step's rows attended over remote KV (None: none), read by the engine after `run` for
         # the bytes exchanged and the contexts whose KV holder was lost.
@@ -256,7 +263,12 @@ class ModelRunner:
         if self.shared_prefix_decode == "always":
             return True
         return kernels.should_share_prefix(
-            members, prefix_len, self.device, kv_bytes_per_token=self._kv_bytes_per_token, graphed=graphed
+            members,
+            prefix_len,
+            self.device,
+            kv_bytes_per_token=self._kv_bytes_per_token,
+            graphed=graphed,
+            cpu_kernel=self._cpu_decode_kernel,
         )
 
     def _group(

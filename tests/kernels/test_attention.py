@@ -290,6 +290,13 @@ def test_gate() -> None:
     # Smaller KV per token (e.g. 2 KV heads x 64 dims, fp32 = 1 KiB) needs more sharing to pay off.
     assert not kernels.should_share_prefix(4, 1024, "cpu", kv_bytes_per_token=1024)
     assert kernels.should_share_prefix(8, 1024, "cpu", kv_bytes_per_token=1024)
+    # Plain decode in our C++ kernel: 8 members and 64k member-tokens at least, whatever the bytes.
+    assert not kernels.should_share_prefix(64, 256, "cpu", cpu_kernel=True)  # measured 0.85-0.97x
+    assert not kernels.should_share_prefix(4, 8192, "cpu", cpu_kernel=True)  # 0.49x
+    assert not kernels.should_share_prefix(32, 1024, "cpu", cpu_kernel=True)  # 0.94-1.34x: left out
+    assert kernels.should_share_prefix(64, 1024, "cpu", cpu_kernel=True)  # 1.42-1.73x
+    assert kernels.should_share_prefix(16, 4096, "cpu", cpu_kernel=True)  # 1.85-2.29x
+    assert kernels.should_share_prefix(16, 4096, "cuda", kv_bytes_per_token=mha_7b, cpu_kernel=True)  # CUDA's
 
 
 def test_import_does_not_load_triton() -> None:
