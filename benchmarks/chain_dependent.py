@@ -1,8 +1,9 @@
 """Dependent chain: Parrot (submit every call, one ``get``) vs request-centric calls, one server (Fig. 11).
 
-The app: a chain summary of ``steps`` document chunks (stdlib docstrings); step *i* reads the summary
-written by step *i - 1* plus chunk *i* and writes the next summary (greedy, ``max_tokens`` tokens, EOS
-ignored: every step writes exactly that many). Three clients of one server and engine:
+The app (`benchmarks.workloads.summary_chain`): a chain summary of ``steps`` document chunks (stdlib
+docstrings); step *i* reads the summary written by step *i - 1* plus chunk *i* and writes the next summary
+(greedy, ``max_tokens`` tokens, EOS ignored: every step writes exactly that many). Three clients of one
+server and engine (`benchmarks.harness.app_jobs.summary_chain`):
 
 * **parrot** — the `parrot` frontend: every step queued in one session (each call's input is the previous
   call's output variable), then one ``aget(criteria=P.LATENCY)`` of the last summary: the server runs the
@@ -27,32 +28,21 @@ speedup_nodelay_submit_criteria=... total_s=...`` (speedup: baseline over Parrot
 from __future__ import annotations
 
 import asyncio
-import functools
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
-import httpx
-import parrot as P
-
-from benchmarks.common import document_chunks, log, render_template
-from benchmarks.harness import measure, record, systems
-from benchmarks.harness.clients import complete, greedy
+from benchmarks.common import document_chunks, log
+from benchmarks.harness import app_jobs, measure, record, systems
 from benchmarks.harness.measure import Ratio, Samples
+from benchmarks.workloads.summary_chain import FIRST_SUMMARY, TEMPLATE, render_prompt
 from server.engine import EngineConfig
 
 NAME = "chain_dependent"
 SERVER = "server"  # one server for every client: the baseline's configuration (no OpenAI-route cache)
-PARROT, PARROT_SUBMIT, BASELINE = "parrot", "parrot, criteria at submit", "baseline"
-CLIENTS = (PARROT, PARROT_SUBMIT, BASELINE)
+# The chain's three clients by name: the frontend, the frontend with the criteria at submit, the baseline.
+CLIENTS = app_jobs.CHAIN_CLIENTS
+PARROT, PARROT_SUBMIT, BASELINE = CLIENTS
 PAPER_ANCHOR = (1.38, 1.88)
-
-TEMPLATE = """You are summarizing a long document one part at a time.
-Summary of the document so far: {{input:previous}}
-Next part of the document:
-{{input:chunk}}
-Updated summary of the document so far: {{output:summary}}"""
-FIRST_SUMMARY = "(nothing yet)"
 
 Setting = tuple[str, dict[str, Samples], dict[str, Ratio]]
 
@@ -71,94 +61,17 @@ QUICK = BenchConfig(chunk_tokens=32, max_tokens=8, repeats=3)
 TINY = BenchConfig(steps=2, chunk_tokens=8, max_tokens=2, repeats=1)
 
 
-# ----------------------------------------------------------------------------------------------- the app
-def render_prompt(previous: str, chunk: str) -> str:
-    """The baseline's client-side rendering of a step (exactly what the Parrot server renders)."""
-    return render_template(TEMPLATE, {"previous": previous, "chunk": chunk})
-
-
-async def parrot_chain(
-    client: httpx.AsyncClient,
-    fn: P.SemanticFunction,
-    chunks: Sequence[str],
-    *,
-    every_step: bool = False,
-    on_result: Callable[[], None] | None = None,
-) -> list[str]:
-    """Every step queued in one session, then one ``aget`` of the last summary (``on_result`` is called
-    the moment it is in hand); ``every_step`` then also fetches the other summaries."""
-    async with P.Session(str(client.base_url), client=client, timeout=300.0):
-        made: list[Any] = []
-        previous: Any = FIRST_SUMMARY
-        for chunk in chunks:
-            previous = fn(previous=previous, chunk=chunk)
-            made.append(previous)
-        last = await made[-1].aget(criteria=P.LATENCY)
-        if on_result is not None:
-            on_result()
-        earlier = await asyncio.gather(*(v.aget() for v in made[:-1])) if every_step else []
-    return [*earlier, last]
-
-
-async def baseline_chain(
-    client: httpx.AsyncClient, chunks: Sequence[str], max_tokens: int, *, model: str | None = None
-) -> list[str]:
-    """Render, ``POST /v1/completions``, wait, repeat: one client round trip per step."""
-    outputs, previous = [], FIRST_SUMMARY
-    for chunk in chunks:
-        previous = await complete(client, render_prompt(previous, chunk), max_tokens, model=model)
-        outputs.append(previous)
-    return outputs
-
-
-def job(
-    served: systems.Served, client: str, chunks: Sequence[str], max_tokens: int, every_step: bool = False
-) -> measure.Job:
-    """``client``'s chain on ``served`` as a harness job. Its output: the last summary, or with
-    ``every_step`` every summary (a tuple)."""
-    criteria = P.LATENCY if client == PARROT_SUBMIT else None  # the outputs' criteria at submit
-    sampling = P.SamplingConfig(**greedy(max_tokens))
-    fn = P.SemanticFunction.from_template(TEMPLATE, name="summarize", sampling=sampling, criteria=criteria)
-
-    async def run(done: Callable[[], None]) -> str | tuple[str, ...]:
-        if client == BASELINE:
-            outputs = await baseline_chain(served.http, chunks, max_tokens, model=served.model_name)
-        else:
-            outputs = await parrot_chain(served.http, fn, chunks, every_step=every_step, on_result=done)
-        return tuple(outputs) if every_step else outputs[-1]
-
-    return run
-
-
-def timed_jobs(
-    served: systems.Served,
-    clients: Sequence[str],
-    chunks: Sequence[str],
-    max_tokens: int,
-    every_step: bool = False,
-) -> dict[str, Callable[[], Awaitable[measure.Run]]]:
-    """Each client's chain on ``served``, timed (`measure.timed`), by client name."""
-    jobs = {name: job(served, name, chunks, max_tokens, every_step) for name in clients}
-    return {name: functools.partial(measure.timed, served, j) for name, j in jobs.items()}
-
-
-async def verify(served: systems.Served, chunks: Sequence[str], max_tokens: int) -> tuple[str, ...]:
-    """Every step's output equal between the clients (greedy; a difference stops the run): the common
-    summaries. Untimed; also every client's warm-up."""
-    return await measure.agree(timed_jobs(served, CLIENTS, chunks, max_tokens, every_step=True))
-
-
 # ----------------------------------------------------------------------------------------------- runs
 async def measure_settings(
     served: systems.Served, chunks: Sequence[str], cfg: BenchConfig
 ) -> tuple[tuple[str, ...], list[Setting]]:
     """Outputs checked (the warm-up), then ``repeats`` interleaved chains per client without and with the
     network delay; the summaries, and per setting each client's samples and ratio to the baseline."""
-    jobs = timed_jobs(served, CLIENTS, chunks, cfg.max_tokens)
+    jobs = app_jobs.summary_chains(served, CLIENTS, chunks, cfg.max_tokens)
     settings: list[Setting] = []
     async with systems.connected({SERVER: served}):
         log(f"verifying outputs and warming up ({cfg.steps} steps) ...")
-        outputs = await verify(served, chunks, cfg.max_tokens)
+        outputs = await app_jobs.verify_summary_chain(served, chunks, cfg.max_tokens)
         for delay, samples in (await measure.per_delay([served], jobs, cfg.repeats, outputs[-1])).items():
             ratios = {n: measure.ratio(samples[BASELINE], samples[n]) for n in (PARROT, PARROT_SUBMIT)}
             settings.append((systems.delay_label(delay), samples, ratios))

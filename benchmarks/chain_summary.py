@@ -1,13 +1,13 @@
 """Chain summary under load (the Parrot paper's Fig. 11, 12 and 13): Parrot vs a request-centric baseline.
 
-The app is `benchmarks.chain_dependent`'s chain summary (step *i* reads the summary of step *i - 1* plus
-document chunk *i*; greedy, EOS ignored) with its two main clients: **parrot** (every step queued in one
-session, one ``aget`` of the last summary) and **baseline** (render, ``POST /v1/completions``, wait: one
-client round trip per step). One server and engine serve the whole run; the engine admits requests FIFO
-under a running-token cap (``--max-running-tokens``, the request-centric latency cap): a lone chain never
-reaches it, the background load and concurrent apps do, so a request arriving at a busy engine waits
-behind earlier ones — the same queue for both clients. Every measurement has the client network delay on
-(U(0.2, 0.3) s per request, the paper's 200-300 ms). Four sweeps:
+The app is `benchmarks.chain_dependent`'s chain summary (`benchmarks.workloads.summary_chain`: step *i* reads
+the summary of step *i - 1* plus document chunk *i*; greedy, EOS ignored) with its two main clients:
+**parrot** (every step queued in one session, one ``aget`` of the last summary) and **baseline** (render,
+``POST /v1/completions``, wait: one client round trip per step). One server and engine serve the whole run;
+the engine admits requests FIFO under a running-token cap (``--max-running-tokens``, the request-centric
+latency cap): a lone chain never reaches it, the background load and concurrent apps do, so a request arriving
+at a busy engine waits behind earlier ones — the same queue for both clients. Every measurement has the client
+network delay on (U(0.2, 0.3) s per request, the paper's 200-300 ms). Four sweeps:
 
 1. **Output length** (Fig. 11a): summary tokens per step, at a fixed chunk size.
 2. **Chunk size** (Fig. 11b): document tokens per step, at a fixed output length.
@@ -37,16 +37,17 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks import chain_dependent as cd
 from benchmarks.common import document_chunks, log
 from benchmarks.harness import chains, payload_plots, point_sweeps, record, systems
+from benchmarks.harness.app_jobs import ChainClient, summary_chain, summary_chains, verify_summary_chain
 from benchmarks.harness.measure import Samples
 from benchmarks.plotting import pyplot, save
+from benchmarks.workloads.summary_chain import TEMPLATE
 from server.engine import EngineConfig
 
 NAME = "chain_summary"
-SERVER, PARROT, BASELINE = cd.SERVER, cd.PARROT, cd.BASELINE
-CLIENTS = (PARROT, BASELINE)
+SERVER, PARROT, BASELINE = "server", "parrot", "baseline"  # one server, the baseline's configuration
+CLIENTS = {PARROT: ChainClient(parrot=True), BASELINE: ChainClient(parrot=False)}  # how each runs a chain
 # The background client's prompt (plain requests of other users of the service: no Parrot template).
 BACKGROUND_INSTRUCTION = "Summarize the following text.\n\n"
 PAPER_ANCHORS: dict[str, Any] = {  # OSDI'24 §8.2: one A100, LLaMA 13B, documents of 20k+ tokens
@@ -118,7 +119,7 @@ class Point(point_sweeps.Point):
 async def chain(served: systems.Served, cfg: SummaryConfig, out: int, chunk: int) -> dict[str, Samples]:
     """Both clients' chains at ``out`` output and ``chunk`` document tokens per step."""
     chunks = document_chunks(served.tokenizer, cfg.steps, chunk)
-    jobs = cd.timed_jobs(served, CLIENTS, chunks, out)
+    jobs = summary_chains(served, CLIENTS, chunks, out)
     label = f"chain, {out} output and {chunk} chunk tokens: "
     return await chains.delayed_repeats(served, jobs, BASELINE, cfg.repeats, label)
 
@@ -137,10 +138,10 @@ async def concurrent_apps(served: systems.Served, cfg: SummaryConfig, apps: int)
     text = document_chunks(served.tokenizer, apps * cfg.steps, cfg.fixed_chunk)
     parts = [text[a * cfg.steps : (a + 1) * cfg.steps] for a in range(apps)]
 
-    def run(client: str) -> Any:
-        return chains.together(served, [cd.job(served, client, p, cfg.fixed_out) for p in parts])
+    def run(client: ChainClient) -> Any:
+        return chains.together(served, [summary_chain(served, client, p, cfg.fixed_out) for p in parts])
 
-    jobs = {name: functools.partial(run, name) for name in CLIENTS}
+    jobs = {name: functools.partial(run, client) for name, client in CLIENTS.items()}
     label = f"{apps} concurrent apps: "
     return Point("apps", apps, await chains.delayed_repeats(served, jobs, BASELINE, cfg.repeats, label))
 
@@ -150,7 +151,7 @@ async def run_all(served: systems.Served, cfg: SummaryConfig) -> tuple[int, list
     async with systems.connected({SERVER: served}):
         log(f"verifying outputs and warming up ({cfg.steps} steps) ...")
         chunks = document_chunks(served.tokenizer, cfg.steps, cfg.fixed_chunk)
-        verified = len(await cd.verify(served, chunks, cfg.fixed_out))
+        verified = len(await verify_summary_chain(served, chunks, cfg.fixed_out))
         by_size = {(o, c): await chain(served, cfg, o, c) for o, c in cfg.chain_points()}
         points = [Point("out", o, by_size[o, cfg.fixed_chunk]) for o in cfg.outs]
         points += [Point("chunk", c, by_size[cfg.fixed_out, c]) for c in cfg.chunks]
@@ -162,7 +163,7 @@ async def run_all(served: systems.Served, cfg: SummaryConfig) -> tuple[int, list
 # ----------------------------------------------------------------------------------------------- report
 def table(points: list[Point]) -> str:
     """One row per point (apps: the mean and the p90): both clients' median latency and the speedup."""
-    return point_sweeps.table(points, CLIENTS)
+    return point_sweeps.table(points, tuple(CLIENTS))
 
 
 result_metrics = point_sweeps.speedup_metrics  # the headline range of speedups, then each point's
@@ -173,7 +174,7 @@ def plot(payload: dict[str, Any], path: Path) -> None:
     baseline's latency minus Parrot's (Fig. 13)."""
     plt = pyplot()
     fig, axes = plt.subplots(1, 5, figsize=(24, 4.5))
-    payload_plots.sweep_bars(axes, payload["sweeps"], CLIENTS)
+    payload_plots.sweep_bars(axes, payload["sweeps"], tuple(CLIENTS))
     apps = payload["sweeps"]["apps"]["points"]
     diff = apps[-1]["per_app_difference_s"] if apps else []
     axes[4].bar(range(1, len(diff) + 1), diff, color=["tab:green" if d > 0 else "tab:red" for d in diff])
@@ -236,7 +237,7 @@ def main(argv: list[str] | None = None) -> None:
         result_metrics(points),
         config=cfg,
         systems={SERVER: setup.describe()},
-        template=cd.TEMPLATE,
+        template=TEMPLATE,
         outputs_identical=True,
         verified_steps=verified,
         paper_anchors=PAPER_ANCHORS,

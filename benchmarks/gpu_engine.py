@@ -28,10 +28,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import engine_throughput as et
 from benchmarks.common import bench_dtype, engine_model, log, result_line, write_json
 from benchmarks.harness import random_models
-from benchmarks.harness.engine_batches import make_prompts, measure_batch, workload
+from benchmarks.harness.engine_batches import Sizes, make_prompts, measure_batch, workload
 from benchmarks.harness.generators import Generator, OurEngine
 from benchmarks.harness.gpu_results import (
     EAGER,
@@ -134,14 +133,7 @@ def run_shape(cfg: GpuConfig, shape: str, device: torch.device, dtype: str, band
             eager_runner.name = EAGER
             runners.append(eager_runner)
             systems.insert(0, eager_runner)
-        bench = et.BenchConfig(
-            batches=tuple(batches),
-            prompt_len=cfg.prompt_len,
-            spread=cfg.spread,
-            new_tokens=cfg.new_tokens,
-            repeats=cfg.repeats,
-            min_time_s=0.0,
-        )
+        bench = Sizes(cfg.prompt_len, cfg.spread, cfg.new_tokens, cfg.repeats, min_time_s=0.0)
         tokens = workload(pair.engine.tokenizer, 4 * cfg.prompt_len)
         for b in batches:
             prompts = make_prompts(tokens, b, bench)

@@ -1,7 +1,7 @@
 """Tune the Triton decode kernels on a GPU: tile and split-KV settings, and the shared-prefix gate.
 
-Two sweeps over `benchmarks.kernels.run_case` (one decode step, GQA 32/8, head dim 128, page 16, shuffled
-blocks; plain paged decode vs shared-prefix decode on the same caches):
+Two sweeps over `benchmarks.harness.kernel_cases.run_case` (one decode step, GQA 32/8, head dim 128, page
+16, shuffled blocks; plain paged decode vs shared-prefix decode on the same caches):
 
 * **settings**: each module setting of `kernels.triton_kernels` (``BLOCK_N``, ``PREFIX_BLOCK_M``,
   ``PROGRAMS_PER_SM``, ``MIN_SPLIT_TOKENS``) varied one at a time around the shipped values, at the
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import bench_dtype, log, result_line, write_json
-from benchmarks.kernels import run_case
+from benchmarks.harness.kernel_cases import run_case
 
 SETTINGS: dict[str, tuple[int, ...]] = {
     "BLOCK_N": (32, 64, 128),

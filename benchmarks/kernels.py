@@ -20,122 +20,24 @@ The last line is ``RESULT kernels speedup_b<B>_p<P>=... ceiling_b<B>_p<P>=... ..
 from __future__ import annotations
 
 import argparse
-import math
-import statistics
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
 if not __package__:
-    # Run as a file, this script's own directory would come first on sys.path and `import kernels` would
-    # import this file; import the repository's package instead.
+    # Run as a file, this script's own directory would come first on sys.path and `import kernels` (in
+    # `benchmarks.harness.kernel_cases`) would import this file; import the repository's package instead.
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-import kernels
 from benchmarks.common import add_size_flags, bench_dtype, machine_info, result_line, write_json
-from benchmarks.harness.kernel_timing import interleaved
+from benchmarks.harness.kernel_cases import BLOCK, HEAD_DIM, HEADS, KV_HEADS, Row, run_case
 from benchmarks.plotting import pyplot, save
 from server.malloc_tuning import tune_glibc_malloc
 
-HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 SUFFIX = 256
-
-
-@dataclass
-class Row:
-    batch: int
-    prefix: int
-    suffix: int
-    plain_ms: float
-    shared_ms: float
-    speedup: float
-    ceiling: float
-    frac_of_ceiling: float
-    max_abs_diff: float
-    # CUDA: the times above are device times with the L2 cache flushed before each call (what the kernels
-    # do); these are wall times of a call as an eager caller sees them, host launch overhead included.
-    plain_wall_ms: float = math.nan
-    shared_wall_ms: float = math.nan
-
-
-def ceiling(batch: int, prefix: int, suffix: int) -> float:
-    """KV tokens read by plain paged decode over those read by shared-prefix decode."""
-    return batch * (prefix + suffix) / (prefix + batch * suffix)
-
-
-def run_case(
-    batch: int, prefix: int, suffix: int, repeats: int, device: torch.device, dtype: torch.dtype
-) -> Row:
-    gen = torch.Generator().manual_seed(batch * 100_003 + prefix)
-    n_prefix = -(-prefix // BLOCK)
-    n_suffix = -(-suffix // BLOCK)
-    num_blocks = n_prefix + batch * n_suffix
-    shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
-    k_cache = torch.randn(shape, generator=gen).to(device, dtype)
-    v_cache = torch.randn(shape, generator=gen).to(device, dtype)
-    q = torch.randn(batch, HEADS, HEAD_DIM, generator=gen).to(device, dtype)
-    # Shuffled physical blocks, as a long-running paged cache has them.
-    perm = torch.randperm(num_blocks, generator=gen).to(torch.int32)
-    prefix_table = perm[:n_prefix]
-    suffix_tables = perm[n_prefix:].view(batch, n_suffix)
-
-    def i32(x: torch.Tensor) -> torch.Tensor:
-        return x.to(device=device, dtype=torch.int32).contiguous()
-
-    plain_tables = i32(torch.cat([prefix_table.expand(batch, n_prefix), suffix_tables], dim=1))
-    plain_lens = i32(torch.full((batch,), prefix + suffix))
-    prefix_tables = i32(prefix_table[None])
-    prefix_lens = i32(torch.tensor([prefix]))
-    group_of = i32(torch.zeros(batch))
-    suffix_tables_d = i32(suffix_tables)
-    suffix_lens = i32(torch.full((batch,), suffix))
-    backend: kernels.Backend = "auto" if device.type == "cuda" else "torch"
-    scale = HEAD_DIM**-0.5
-
-    def plain() -> torch.Tensor:
-        return kernels.paged_decode_attention(
-            q, k_cache, v_cache, plain_tables, plain_lens, scale, backend=backend
-        )
-
-    def shared() -> torch.Tensor:
-        return kernels.shared_prefix_decode_attention(
-            q,
-            k_cache,
-            v_cache,
-            prefix_tables,
-            prefix_lens,
-            group_of,
-            suffix_tables_d,
-            suffix_lens,
-            scale,
-            backend=backend,
-        )
-
-    # The first calls also warm up (compilation, workspaces, caches).
-    diff = (plain().float() - shared().float()).abs().max().item()
-    # The two interleaved (`kernel_timing.interleaved`), and the speedup taken as the median of the
-    # back-to-back pairs' ratios: on a shared machine whose speed shifts between runs, a pair sees one
-    # state, while a ratio of two medians can mix states.
-    t = interleaved([plain, shared], repeats, device)
-    (plain_ms, shared_ms), (plain_wall, shared_wall) = t.ms, t.wall_ms
-    speedup = statistics.median(p / s for p, s in zip(plain_ms, shared_ms, strict=True))
-    ceil = ceiling(batch, prefix, suffix)
-    return Row(
-        batch,
-        prefix,
-        suffix,
-        statistics.median(plain_ms),
-        statistics.median(shared_ms),
-        speedup,
-        ceil,
-        speedup / ceil,
-        diff,
-        statistics.median(plain_wall),
-        statistics.median(shared_wall),
-    )
 
 
 def _key(row: Row) -> str:

@@ -36,16 +36,10 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import log, safe_ratio
-from benchmarks.harness import job_runs, measure, record, systems
+from benchmarks.harness import app_jobs, job_runs, measure, record, systems
 from benchmarks.harness.systems import Served
 from benchmarks.plotting import pyplot, save
-from benchmarks.workloads.map_reduce_app import (
-    MAP_TEMPLATE,
-    MapReduceDoc,
-    baseline_map_reduce,
-    make_doc,
-    parrot_map_reduce,
-)
+from benchmarks.workloads.map_reduce_app import MAP_TEMPLATE, MapReduceDoc, make_doc
 from server.engine import EngineConfig
 
 NAME = "map_reduce"
@@ -80,12 +74,9 @@ TINY = BenchConfig(chunks=2, chunk_tokens=16, map_tokens=4, reduce_tokens=4, rep
 
 # ----------------------------------------------------------------------------------------------- clients
 def job(served: Served, doc: MapReduceDoc) -> measure.Job:
-    """The system's client as a harness job."""
-    if served.system.name == PARROT:
-        return lambda done: parrot_map_reduce(served.http, doc, on_result=lambda _: done())
-    return lambda done: baseline_map_reduce(
-        served.http, doc, model=served.model_name, on_result=lambda _: done()
-    )
+    """The system's client as a harness job: Parrot's through the `parrot` frontend, the baseline's
+    request by request."""
+    return app_jobs.map_reduce(served, doc, parrot=served.system.name == PARROT)
 
 
 def compared(engine: EngineConfig, cap: int) -> list[systems.System]:

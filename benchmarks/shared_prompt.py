@@ -36,8 +36,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from benchmarks.common import log, quiet_transformers
-from benchmarks.harness import engine_runs, measure, record, systems
-from benchmarks.harness.clients import complete, parrot_users
+from benchmarks.harness import app_jobs, engine_runs, measure, record, systems
 from benchmarks.harness.engine_runs import model_facts
 from benchmarks.harness.line_panels import line_panels
 from benchmarks.harness.systems import Served
@@ -111,14 +110,9 @@ def compared(
 
 # ----------------------------------------------------------------------------------------------- clients
 def batch_job(served: Served, workload: CopilotWorkload, batch: int, max_tokens: int) -> measure.Job:
-    """The first ``batch`` users at once through the system's client: ``B`` completions (baseline) or one
-    `parrot` session each, timed to the last answer in hand (the sessions' ``DELETE`` is not)."""
-    if served.system.name == BASELINE:
-        prompts = workload.prompts(batch)
-        model = served.model_name
-        return lambda _: asyncio.gather(*(complete(served.http, p, max_tokens, model=model) for p in prompts))
-    queries = [{"query": q} for q in workload.queries[:batch]]
-    return parrot_users(served.http, workload.template, queries, max_tokens, name="copilot")
+    """The first ``batch`` users at once through the system's client (`app_jobs.copilot_batch`): ``B``
+    completions (baseline) or one `parrot` session each (both Parrot systems)."""
+    return app_jobs.copilot_batch(served, workload, batch, max_tokens, parrot=served.system.name != BASELINE)
 
 
 # ----------------------------------------------------------------------------------------------- report

@@ -9,11 +9,12 @@ default) serves two clients in one run:
 * **baseline** — the request-centric client straight to vLLM: rendered prompts, ``POST /v1/completions``.
 
 Workloads: the shared system prompt (`shared_prompt`'s copilot app, ``batch`` users at once) and map-reduce
-(`map_reduce`'s app) without and with the client network delay U(0.2, 0.3) s per request (added by both
-clients' HTTP transport). vLLM's prefix cache is emptied before every timed run; answers are checked
-identical first (float32, so batching does not change greedy picks). Then the prefix-cache hit rate across
-**two** backends with Parrot's prefix affinity on and off (1 - prompt tokens computed / prompt tokens sent).
-Without ``--vllm-python``, Parrot's own ``/v1`` serves as the backend (the figures then say so).
+(`map_reduce`'s app), as `benchmarks.harness.app_jobs` runs them, without and with the client network delay
+U(0.2, 0.3) s per request (added by both clients' HTTP transport). vLLM's prefix cache is emptied before
+every timed run; answers are checked identical first (float32, so batching does not change greedy picks).
+Then the prefix-cache hit rate across **two** backends with Parrot's prefix affinity on and off (1 - prompt
+tokens computed / prompt tokens sent). Without ``--vllm-python``, Parrot's own ``/v1`` serves as the
+backend (the figures then say so).
 
 Last line: ``RESULT vllm_backends shared_speedup=... mapreduce_speedup=... mapreduce_speedup_nodelay=...
 hit_rate_affinity=... hit_rate_no_affinity=... total_s=...`` (speedups: baseline over Parrot latency).
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,13 +33,13 @@ from typing import Any
 
 import httpx
 
-from benchmarks import map_reduce, shared_prompt
 from benchmarks.common import log, safe_ratio
-from benchmarks.harness import backend_fronts, measure, record, systems
+from benchmarks.harness import app_jobs, backend_fronts, measure, record, systems
 from benchmarks.harness.openai_servers import Backend
 from benchmarks.harness.systems import Served, System
 from benchmarks.harness.vllm_settings import add_vllm_flags
 from benchmarks.workloads.copilot import make_workload
+from benchmarks.workloads.map_reduce_app import make_doc
 
 NAME = "vllm_backends"
 PARROT, BASELINE = "parrot", "baseline"
@@ -67,20 +69,21 @@ async def compare(
     served: dict[str, Served],
     backend: Backend,
     delay: backend_fronts.Delay,
-    job: Callable[[Served], measure.Job],
+    job: Callable[[Served, bool], measure.Job],
     cfg: BenchConfig,
 ) -> dict[bool, dict[str, measure.Samples]]:
     """Answers checked equal, then interleaved repeats without and with the delay, each from an empty
-    prefix cache (vLLM's and the Parrot manager's)."""
+    prefix cache (vLLM's and the Parrot manager's). ``job(served, parrot)``: the app's job on ``served``
+    through the `parrot` frontend (the Parrot front) or the baseline's client (straight to vLLM)."""
     front = served[PARROT].server
     assert front is not None
 
-    async def run(s: Served) -> measure.Run:
+    async def run(s: Served, parrot: bool) -> measure.Run:
         backend.reset_prefix_cache()
         front.run(front.manager.drop_cache())  # the manager's contexts: none is warm on the backend now
-        return await measure.timed(s, job(s))
+        return await measure.timed(s, job(s, parrot))
 
-    jobs = {name: (lambda s=s: run(s)) for name, s in served.items()}
+    jobs = {name: functools.partial(run, s, name == PARROT) for name, s in served.items()}
     expected = await measure.agree(jobs)
     out = {}
     for on in (False, True):
@@ -101,27 +104,28 @@ async def timed_apps(
             PARROT: Served(
                 System(PARROT), front.url, front.engines, server=front, request_counts=front.request_counts
             ),
-            BASELINE: Served(System(shared_prompt.BASELINE), backend.url, front.engines),
+            BASELINE: Served(System(BASELINE), backend.url, front.engines),
         }
         async with contextlib.AsyncExitStack() as stack:
             for s in served.values():
                 http = httpx.AsyncClient(base_url=s.url, timeout=600, event_hooks={"request": [delay]})
                 s.client = await stack.enter_async_context(http)
             workload = make_workload(tokenizer, cfg.system_tokens, cfg.batch, cfg.seed)
-            doc = map_reduce.make_doc(
-                tokenizer, cfg.chunks, cfg.chunk_tokens, cfg.summary_tokens, cfg.summary_tokens
-            )
+            doc = make_doc(tokenizer, cfg.chunks, cfg.chunk_tokens, cfg.summary_tokens, cfg.summary_tokens)
             log(f"shared prompt: {cfg.batch} users, {cfg.system_tokens}-token system prompt ({model}) ...")
             shared = await compare(
                 served,
                 backend,
                 delay,
-                lambda s: shared_prompt.batch_job(s, workload, cfg.batch, cfg.answer_tokens),
+                lambda s, parrot: app_jobs.copilot_batch(
+                    s, workload, cfg.batch, cfg.answer_tokens, parrot=parrot
+                ),
                 cfg,
             )
-            served[BASELINE].system = System(map_reduce.BASELINE)
             log(f"map-reduce: {cfg.chunks} parts of {cfg.chunk_tokens} tokens ...")
-            mapred = await compare(served, backend, delay, lambda s: map_reduce.job(s, doc), cfg)
+            mapred = await compare(
+                served, backend, delay, lambda s, parrot: app_jobs.map_reduce(s, doc, parrot=parrot), cfg
+            )
     return {"shared_prompt": shared, "map_reduce": mapred}
 
 
@@ -138,7 +142,8 @@ async def hit_rates(args: Any, cfg: BenchConfig, pair: list[Backend]) -> dict[st
             served = Served(System(PARROT), front.url, front.engines, server=front)
             async with httpx.AsyncClient(base_url=front.url, timeout=600) as http:
                 served.client = http
-                await shared_prompt.batch_job(served, workload, cfg.batch, cfg.answer_tokens)(lambda: None)
+                job = app_jobs.copilot_batch(served, workload, cfg.batch, cfg.answer_tokens, parrot=True)
+                await job(lambda: None)
             sent = sum(e.prompt_tokens_sent for e in front.engines)
             requests = [e.requests_sent for e in front.engines]
         computed = sum(b.computed_prompt_tokens() for b in pair) - before

@@ -2,7 +2,9 @@
 `kernels`; `kernels` -> torch/triton only; `parrot` never imports `server`, torch or transformers (a client
 install is httpx + pydantic). Inside the service the HTTP edge (`server.app`, `server.openai_api`, the
 launcher) sits on the manager (`server.serve`), which sits on the engine (`server.engine`). The benchmarks
-and the recipes share their workload text through `workload_text`, not through each other.
+and the recipes share their workload text through `workload_text`, not through each other; experiments
+(``benchmarks/<name>.py``) share through `benchmarks.harness` and `benchmarks.workloads`, not through each
+other.
 
 Checked on every import statement of every module — lazy (function-level) ones and ``if TYPE_CHECKING:``
 ones included: a type-only import still makes one module's meaning depend on the other's, and a type a
@@ -59,8 +61,24 @@ FORBIDDEN: dict[str, set[str]] = {
     "server.serve": {"server.sim", *_HTTP_EDGE},
     # The kernels benchmark times the kernels alone: loading the engine would skew the machine it measures.
     "benchmarks.kernels": {"server.engine", "server.serve", *_HTTP_EDGE},
+    "benchmarks.harness.kernel_cases": {"server.engine", "server.serve", *_HTTP_EDGE},
     "recipes": {"benchmarks"},
     "workload_text": set(ROOTS) - {"workload_text"},
+}
+
+# The top-level modules of `benchmarks` that are not experiments: the package, what runs the experiments
+# (`__main__`, `runner`) and lists them (`experiments`), what they share (`common`, `plotting`), the GPU run's
+# report (`gpu_report`) and vLLM's side of a worker process (`vllm_worker`). Every other
+# ``benchmarks/<name>.py`` is an experiment.
+NOT_EXPERIMENTS = {
+    "__init__",
+    "__main__",
+    "common",
+    "plotting",
+    "experiments",
+    "runner",
+    "gpu_report",
+    "vllm_worker",
 }
 
 
@@ -144,6 +162,28 @@ def test_dependencies_point_one_way(importer: str) -> None:
         if _under(module, importer)
         for name in imported_names(module, path)
         if any(_under(name, forbidden) for forbidden in FORBIDDEN[importer])
+    }
+    assert not wrong, sorted(wrong)
+
+
+def experiment_modules() -> set[str]:
+    """Every experiment module, from the files: ``benchmarks.<name>`` for each ``benchmarks/<name>.py``
+    not in `NOT_EXPERIMENTS`."""
+    return {f"benchmarks.{p.stem}" for p in ROOTS["benchmarks"].glob("*.py") if p.stem not in NOT_EXPERIMENTS}
+
+
+def test_no_experiment_imports_another() -> None:
+    """What experiments share lives in `benchmarks.harness` (or `benchmarks.workloads`), never in another
+    experiment: an experiment is free to change its own sizes, clients and names without breaking another
+    (the report and the runner read experiments; they are not experiments)."""
+    experiments = experiment_modules()
+    assert {"benchmarks.map_reduce", "benchmarks.kernels"} <= experiments  # the files were found
+    assert all((ROOTS["benchmarks"] / f"{name}.py").is_file() for name in NOT_EXPERIMENTS)  # none stale
+    wrong = {
+        f"{module} imports {name}"
+        for module in experiments
+        for name in imported_names(module, MODULES[module])
+        if any(_under(name, other) for other in experiments - {module})
     }
     assert not wrong, sorted(wrong)
 

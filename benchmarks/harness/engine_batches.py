@@ -21,6 +21,7 @@ __all__ = [
     "LABELS",
     "BatchResult",
     "BatchSizes",
+    "Sizes",
     "make_prompts",
     "measure_batch",
     "throughput_table",
@@ -47,6 +48,19 @@ class BatchSizes(Protocol):
     def min_time_s(self) -> float: ...
     @property
     def seed(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """`BatchSizes` as plain values, for an experiment whose own configuration has another shape
+    (`benchmarks.gpu_engine`): no time floor on the repeats unless given, the prompts of seed 0."""
+
+    prompt_len: int
+    spread: float
+    new_tokens: int
+    repeats: int
+    min_time_s: float = 0.0
+    seed: int = 0
 
 
 def workload(tokenizer: Any, min_tokens: int) -> list[int]:

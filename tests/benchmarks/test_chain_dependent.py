@@ -13,25 +13,28 @@ import pytest
 from benchmarks import chain_dependent as cd
 from benchmarks.common import document_chunks
 from benchmarks.experiments import by_name
-from benchmarks.harness import measure, systems
+from benchmarks.harness import app_jobs, measure, systems
+from benchmarks.workloads import summary_chain
 
 
 def test_every_client_writes_the_same_summaries_and_a_difference_stops_the_run() -> None:
+    baseline, parrot = cd.CLIENTS[cd.BASELINE], cd.CLIENTS[cd.PARROT]
+
     async def check(served: systems.Served) -> None:
         chunks = document_chunks(served.tokenizer, 3, 8)
         async with systems.connected({cd.SERVER: served}):
-            outputs = await cd.verify(served, chunks, 2)
+            outputs = await app_jobs.verify_summary_chain(served, chunks, 2)
             assert len(outputs) == 3 and all(outputs)
             # Chains over different documents cannot agree: `verify`'s check stops rather than time them.
             jobs = {
-                "a": lambda: measure.timed(served, cd.job(served, cd.BASELINE, chunks[:2], 2)),
-                "b": lambda: measure.timed(served, cd.job(served, cd.PARROT, chunks[1:], 2)),
+                "a": lambda: measure.timed(served, app_jobs.summary_chain(served, baseline, chunks[:2], 2)),
+                "b": lambda: measure.timed(served, app_jobs.summary_chain(served, parrot, chunks[1:], 2)),
             }
             with pytest.raises(SystemExit, match="outputs differ"):
                 await measure.agree(jobs)
         # The baseline renders each step from the previous summary: the text before Parrot's output.
-        prompt = cd.render_prompt(outputs[0], chunks[1])
-        assert prompt.startswith(cd.TEMPLATE.split("{{")[0]) and outputs[0] in prompt
+        prompt = summary_chain.render_prompt(outputs[0], chunks[1])
+        assert prompt.startswith(summary_chain.TEMPLATE.split("{{")[0]) and outputs[0] in prompt
         assert prompt.endswith(f"{chunks[1]}\nUpdated summary of the document so far: ")
 
     with systems.serve("tiny", [systems.baseline(cd.SERVER)], delay=None) as servers:

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from benchmarks import map_reduce
+from benchmarks.workloads import map_reduce_app
 from server.launcher import launch
 
 TINY_JOB = [
@@ -23,11 +24,11 @@ async def test_the_two_clients_write_the_same_summary_on_one_server() -> None:
     """`parrot_map_reduce` and `baseline_map_reduce` are interchangeable apps: same prompts, same answer."""
     with launch("tiny") as served:
         tokenizer = served.engines[0].tokenizer
-        doc = map_reduce.make_doc(tokenizer, chunks=3, chunk_tokens=12, map_tokens=3, reduce_tokens=5)
+        doc = map_reduce_app.make_doc(tokenizer, chunks=3, chunk_tokens=12, map_tokens=3, reduce_tokens=5)
         async with httpx.AsyncClient(base_url=served.url, timeout=60) as client:
             seen: list[str] = []
-            parrot = await map_reduce.parrot_map_reduce(client, doc, on_result=seen.append)
-            baseline = await map_reduce.baseline_map_reduce(client, doc, on_result=seen.append)
+            parrot = await map_reduce_app.parrot_map_reduce(client, doc, on_result=seen.append)
+            baseline = await map_reduce_app.baseline_map_reduce(client, doc, on_result=seen.append)
     assert parrot == baseline
     assert seen == [parrot, baseline]
     assert len(tokenizer.encode(parrot, add_special_tokens=False)) > 0

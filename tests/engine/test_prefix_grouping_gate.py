@@ -19,7 +19,9 @@ TWO_TOKENS = SamplingParams(max_tokens=2, ignore_eos=True)
 
 
 async def _grouped_steps(members: int, prefix_len: int) -> int:
-    cfg = EngineConfig(dtype="float32", num_kv_blocks=members * 2 + prefix_len // 16 + 8, max_num_seqs=members)
+    cfg = EngineConfig(
+        dtype="float32", num_kv_blocks=members * 2 + prefix_len // 16 + 8, max_num_seqs=members
+    )
     with LLMEngine.from_pretrained("tiny", cfg) as eng:
         await eng.fill(0, [5 + i % 1000 for i in range(prefix_len)])
         await asyncio.gather(*(eng.fill(i + 1, [7, 8 + i], parent_context_id=0) for i in range(members)))
