@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import gpu_report
-from benchmarks.common import output_root
 from benchmarks.experiments import EXPERIMENTS, Experiment
+from benchmarks.harness.machine import output_root
 from benchmarks.report import write_report
 from benchmarks.runner import RunOptions, load_records, run_all, select
 

@@ -31,10 +31,11 @@ import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from benchmarks.common import document_chunks, log
 from benchmarks.harness import app_jobs, measure, record, systems
 from benchmarks.harness.measure import Ratio, Samples
+from benchmarks.harness.output import log
 from benchmarks.workloads.summary_chain import FIRST_SUMMARY, TEMPLATE, render_prompt
+from benchmarks.workloads.text import document_chunks
 from server.engine import EngineConfig
 
 NAME = "chain_dependent"

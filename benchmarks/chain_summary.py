@@ -37,12 +37,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import document_chunks, log
 from benchmarks.harness import chains, payload_plots, point_sweeps, record, systems
 from benchmarks.harness.app_jobs import ChainClient, summary_chain, summary_chains, verify_summary_chain
 from benchmarks.harness.measure import Samples
+from benchmarks.harness.output import log
 from benchmarks.plotting import pyplot, save
 from benchmarks.workloads.summary_chain import TEMPLATE
+from benchmarks.workloads.text import document_chunks
 from server.engine import EngineConfig
 
 NAME = "chain_summary"
@@ -100,16 +101,12 @@ class Point(point_sweeps.Point):
 
     sweeps, slow, fast = SWEEPS, BASELINE, PARROT
 
-    def per_app_difference(self) -> list[float]:
-        """Fig. 13: per app, the baseline's median latency minus Parrot's (positive: Parrot was first)."""
-        return self.per_job_difference()
-
     def as_dict(self) -> dict[str, Any]:
         out = self.base_dict()
         if self.together:  # apps
             for name, client in out["clients"].items():
                 client["per_app_median"] = chains.per_job_median(self.samples[name])
-            diff = self.per_app_difference()
+            diff = self.per_job_difference()  # Fig. 13: per app, baseline - Parrot (> 0: Parrot first)
             out |= {"speedup_p90": self.speedup_p90, "per_app_difference_s": diff}
             out["apps_faster_in_parrot"] = sum(d > 0 for d in diff)
         return out
@@ -225,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(table(points) + "\n")
     for p in (p for p in points if p.sweep == "apps"):
-        diff = p.per_app_difference()
+        diff = p.per_job_difference()
         faster = f"{sum(d > 0 for d in diff)}/{len(diff)} finish earlier with Parrot"
         print(f"Fig. 13, {p.label}: baseline - Parrot {', '.join(f'{d:+.2f}s' for d in diff)} ({faster})")
     print("paper (A100, LLaMA 13B): " + "; ".join(f"{k} {v}" for k, v in PAPER_ANCHORS.items()))

@@ -46,7 +46,6 @@ if not __package__:
     # shadows the `kernels` package); put the repository root there instead.
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from benchmarks.common import engine_model, fmt_num, log, memory_bandwidth
 from benchmarks.harness import record
 from benchmarks.harness.decode_ceiling import Ceiling, decode_ceiling
 from benchmarks.harness.engine_batches import (
@@ -58,9 +57,12 @@ from benchmarks.harness.engine_batches import (
     workload,
     workload_table,
 )
+from benchmarks.harness.engine_models import engine_model
 from benchmarks.harness.generators import DTYPES, Generator, OurEngine, dtype_name, model_record
 from benchmarks.harness.hf_generate import HFGenerate, load_baseline, pad_token_id
 from benchmarks.harness.kv_fork import KVResult, blocks, kv_table, measure_kv
+from benchmarks.harness.machine import memory_bandwidth
+from benchmarks.harness.output import fmt_num, log
 from benchmarks.harness.vllm_generate import start_vllm
 from benchmarks.harness.vllm_settings import add_vllm_flags
 from server.engine import EngineConfig, LLMEngine

@@ -46,11 +46,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import log, safe_ratio
 from benchmarks.harness import rate_tables, rates, record, systems
 from benchmarks.harness.arrivals import enough_requests
+from benchmarks.harness.output import log
 from benchmarks.harness.rates import RatePoint, Search, Timed
 from benchmarks.harness.sim_runs import SimServed
+from benchmarks.harness.stats import safe_ratio
 from benchmarks.workloads.gpts import Request, Workload, make_workload
 from server.engine.config import EngineConfig
 from server.serve.manager import ManagerConfig

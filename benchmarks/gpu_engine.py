@@ -28,9 +28,10 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import bench_dtype, engine_model, log, result_line, write_json
 from benchmarks.harness import random_models
 from benchmarks.harness.engine_batches import Sizes, make_prompts, measure_batch, workload
+from benchmarks.harness.engine_models import engine_model
+from benchmarks.harness.flags import bench_dtype
 from benchmarks.harness.generators import Generator, OurEngine
 from benchmarks.harness.gpu_results import (
     EAGER,
@@ -46,6 +47,7 @@ from benchmarks.harness.gpu_results import (
 )
 from benchmarks.harness.hf_generate import HFGenerate
 from benchmarks.harness.kv_fork import blocks
+from benchmarks.harness.output import log, result_line, write_json
 from server.engine import EngineConfig, LLMEngine
 
 NAME = "gpu_engine"

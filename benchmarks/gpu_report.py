@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import markdown_table
+from benchmarks.harness.output import markdown_table
 
 RECORD = "gpu.json"
 # The GPU issue's goals: metric, comparison, bound, what it means.

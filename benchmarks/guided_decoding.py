@@ -25,15 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from benchmarks.common import (
-    add_engine_flags,
-    add_size_flags,
-    log,
-    machine_info,
-    result_line,
-    set_threads,
-    write_json,
-)
+from benchmarks.harness.flags import add_engine_flags, add_size_flags, set_threads
+from benchmarks.harness.machine import machine_info
+from benchmarks.harness.output import log, result_line, write_json
 from server.engine import LLMEngine, SamplingParams
 from server.engine.guided import Guide, mask_logits
 from server.engine.sampling import GuidedDecoding

@@ -23,8 +23,9 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import bench_dtype, log, result_line, write_json
+from benchmarks.harness.flags import bench_dtype
 from benchmarks.harness.kernel_cases import run_case
+from benchmarks.harness.output import log, result_line, write_json
 
 SETTINGS: dict[str, tuple[int, ...]] = {
     "BLOCK_N": (32, 64, 128),

@@ -32,8 +32,10 @@ if not __package__:
     # `benchmarks.harness.kernel_cases`) would import this file; import the repository's package instead.
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from benchmarks.common import add_size_flags, bench_dtype, machine_info, result_line, write_json
+from benchmarks.harness.flags import add_size_flags, bench_dtype
 from benchmarks.harness.kernel_cases import BLOCK, HEAD_DIM, HEADS, KV_HEADS, Row, run_case
+from benchmarks.harness.machine import machine_info
+from benchmarks.harness.output import result_line, write_json
 from benchmarks.plotting import pyplot, save
 from server.malloc_tuning import tune_glibc_malloc
 

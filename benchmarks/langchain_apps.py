@@ -39,9 +39,10 @@ from langchain_core.prompts import ChatPromptTemplate
 from langchain_core.runnables import Runnable, RunnableLambda
 from langchain_parrot import TINY_MODEL_DIR, ChatFormat, ChatParrot, CompiledChain, compile_chain
 
-from benchmarks.common import add_engine_flags, log
 from benchmarks.harness import frameworks, record
+from benchmarks.harness.flags import add_engine_flags
 from benchmarks.harness.frameworks import Apps
+from benchmarks.harness.output import log
 from server.engine import EngineConfig
 from workload_text import stdlib_text
 

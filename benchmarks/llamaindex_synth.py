@@ -41,10 +41,11 @@ from typing import Any
 from llama_index.core.response_synthesizers import BaseSynthesizer, Refine, TreeSummarize
 from llamaindex_parrot import ParrotLLM, ParrotRefine, ParrotTreeSummarize
 
-from benchmarks.common import document_chunks, log
 from benchmarks.harness import frameworks, record
 from benchmarks.harness.frameworks import Apps, Run
+from benchmarks.harness.output import log
 from benchmarks.harness.systems import Served
+from benchmarks.workloads.text import document_chunks
 from server.engine import EngineConfig
 
 NAME = "llamaindex_synth"

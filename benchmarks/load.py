@@ -54,7 +54,7 @@ if not __package__:
     # shadows the `kernels` package); put the repository root there instead.
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from benchmarks.common import add_size_flags, log, machine_info, result_line, sized, write_json
+from benchmarks.harness.flags import add_size_flags, sized
 from benchmarks.harness.load_probes import RssSampler, rss_bytes, settled_blocks, wait_for_engines
 from benchmarks.harness.load_report import Report, result_metrics, summarize, table
 from benchmarks.harness.load_server import (
@@ -65,6 +65,8 @@ from benchmarks.harness.load_server import (
     host_server,
 )
 from benchmarks.harness.load_sessions import run_wave
+from benchmarks.harness.machine import machine_info
+from benchmarks.harness.output import log, result_line, write_json
 
 NAME = "load"
 

@@ -35,8 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import log, safe_ratio
 from benchmarks.harness import app_jobs, job_runs, measure, record, systems
+from benchmarks.harness.output import log
+from benchmarks.harness.stats import safe_ratio
 from benchmarks.harness.systems import Served
 from benchmarks.plotting import pyplot, save
 from benchmarks.workloads.map_reduce_app import MAP_TEMPLATE, MapReduceDoc, make_doc

@@ -35,9 +35,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, cast
 
-from benchmarks.common import Spread, log, markdown_table, percentile
 from benchmarks.harness import rate_tables, record, sim_runs, systems
+from benchmarks.harness.output import log, markdown_table
 from benchmarks.harness.seed_runs import Result, SeedRun, ratio_cell, spread
+from benchmarks.harness.stats import Spread, percentile
 from benchmarks.plotting import pyplot, save
 from benchmarks.workloads import mixed as workloads
 from benchmarks.workloads.chat import SHAREGPT_LIKE, ChatLengths

@@ -35,8 +35,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import int_list
 from benchmarks.harness import dag_sweeps, first_jobs, payload_plots, record, systems
+from benchmarks.harness.flags import int_list
 from benchmarks.harness.systems import System
 from benchmarks.plotting import pyplot, save
 from benchmarks.workloads.multi_agent import Budgets, Workflow, make_workflow, project_brief, stage_roles

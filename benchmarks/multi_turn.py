@@ -32,10 +32,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import Spread, fmt_num, log, markdown_table, quiet_transformers, safe_ratio
 from benchmarks.harness import engine_runs, record, systems
 from benchmarks.harness.clients import stream_chat
 from benchmarks.harness.line_panels import line_panels
+from benchmarks.harness.output import fmt_num, log, markdown_table, quiet_transformers
+from benchmarks.harness.stats import Spread, safe_ratio
 from benchmarks.harness.systems import Served
 from benchmarks.plotting import save
 from benchmarks.workloads.chat import TextPool, conversations

@@ -42,9 +42,10 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from benchmarks.common import log, markdown_table, safe_ratio
 from benchmarks.harness import disagg_runs, record
 from benchmarks.harness.disagg_runs import RealConfig
+from benchmarks.harness.output import log, markdown_table
+from benchmarks.harness.stats import safe_ratio
 from server.serve.mutel import Slo
 from server.sim.disagg import Policy, max_sustained_rate
 from server.sim.disagg_cost import LINKS, a100_llama13b

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from benchmarks.common import REPO_ROOT, machine_info, output_root, write_json
 from benchmarks.experiments import EXPERIMENTS, Experiment, by_name
+from benchmarks.harness.machine import REPO_ROOT, machine_info, output_root
+from benchmarks.harness.output import write_json
 
 Size = Literal["full", "quick", "tiny"]
 RESULTS_DIR = output_root() / "benchmarks" / "results"  # `--results` changes it

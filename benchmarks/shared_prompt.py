@@ -35,10 +35,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from benchmarks.common import log, quiet_transformers
 from benchmarks.harness import app_jobs, engine_runs, measure, record, systems
 from benchmarks.harness.engine_runs import model_facts
 from benchmarks.harness.line_panels import line_panels
+from benchmarks.harness.output import log, quiet_transformers
 from benchmarks.harness.systems import Served
 from benchmarks.plotting import save
 from benchmarks.workloads import copilot

@@ -31,18 +31,10 @@ from pathlib import Path
 if not __package__:
     sys.path[0] = str(Path(__file__).resolve().parents[1])  # benchmarks/kernels.py would shadow `kernels`
 
-from benchmarks.common import (
-    Spread,
-    add_size_flags,
-    fmt_num,
-    load_average,
-    log,
-    machine_info,
-    markdown_table,
-    result_line,
-    safe_ratio,
-    write_json,
-)
+from benchmarks.harness.flags import add_size_flags
+from benchmarks.harness.machine import load_average, machine_info
+from benchmarks.harness.output import fmt_num, log, markdown_table, result_line, write_json
+from benchmarks.harness.stats import Spread, safe_ratio
 from server.engine import EngineConfig, LLMEngine
 from server.sim import SimEngine, fit_latency_model, run, tiny_tokenizer
 from server.sim.calibrate import WorkloadResult, calibrate, validation_workload

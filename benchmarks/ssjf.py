@@ -36,10 +36,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import log
 from benchmarks.harness import jct, record, sim_runs, streaming, systems
 from benchmarks.harness.clients import complete
 from benchmarks.harness.jct import BURST
+from benchmarks.harness.output import log
 from benchmarks.harness.systems import Served
 from benchmarks.workloads.natural_lengths import split
 from server.engine import EngineConfig, SamplingParams

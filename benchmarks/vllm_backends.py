@@ -33,9 +33,10 @@ from typing import Any
 
 import httpx
 
-from benchmarks.common import log, safe_ratio
 from benchmarks.harness import app_jobs, backend_fronts, measure, record, systems
 from benchmarks.harness.openai_servers import Backend
+from benchmarks.harness.output import log
+from benchmarks.harness.stats import safe_ratio
 from benchmarks.harness.systems import Served, System
 from benchmarks.harness.vllm_settings import add_vllm_flags
 from benchmarks.workloads.copilot import make_workload

@@ -36,7 +36,7 @@ from typing import IO, Any
 
 PROTOCOL = 1
 
-# The script's own folder (benchmarks/) would be first on sys.path, where `kernels.py`, `common.py` and
+# The script's own folder (benchmarks/) would be first on sys.path, where `kernels.py`, `plotting.py` and
 # friends would shadow unrelated packages that vLLM or transformers may import by those names. The
 # worker needs nothing from it; vLLM's spawned engine processes inherit the cleaned path.
 _HERE = Path(__file__).resolve().parent

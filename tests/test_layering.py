@@ -67,13 +67,12 @@ FORBIDDEN: dict[str, set[str]] = {
 }
 
 # The top-level modules of `benchmarks` that are not experiments: the package, what runs the experiments
-# (`__main__`, `runner`) and lists them (`experiments`), what they share (`common`, `plotting`), the GPU run's
+# (`__main__`, `runner`) and lists them (`experiments`), what they share (`plotting`), the GPU run's
 # report (`gpu_report`) and vLLM's side of a worker process (`vllm_worker`). Every other
 # ``benchmarks/<name>.py`` is an experiment.
 NOT_EXPERIMENTS = {
     "__init__",
     "__main__",
-    "common",
     "plotting",
     "experiments",
     "runner",

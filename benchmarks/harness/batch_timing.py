@@ -9,9 +9,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from benchmarks.common import Spread, log, safe_ratio
 from benchmarks.harness.generators import Generator, Outputs
 from benchmarks.harness.measure import Ratio
+from benchmarks.harness.output import log
+from benchmarks.harness.stats import Spread, safe_ratio
 
 __all__ = ["Rate", "Rates", "Timed", "time_batch"]
 

@@ -15,9 +15,9 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from benchmarks.common import Spread, percentile
 from benchmarks.harness.clients import complete
 from benchmarks.harness.measure import Job, Run, Samples, interleave, timed
+from benchmarks.harness.stats import Spread, percentile
 from benchmarks.harness.systems import Served, delayed
 
 __all__ = [

@@ -16,9 +16,9 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from benchmarks.common import log
 from benchmarks.harness import first_jobs, measure, systems
 from benchmarks.harness.measure import Job, Run
+from benchmarks.harness.output import log
 from benchmarks.harness.systems import Served, System
 from benchmarks.harness.template_dags import TemplateDag, job, longest_request
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from benchmarks.common import safe_ratio
+from benchmarks.harness.stats import safe_ratio
 
 __all__ = ["Ceiling", "decode_ceiling", "decode_weight_bytes"]
 
@@ -31,7 +31,9 @@ def decode_weight_bytes(model: torch.nn.Module) -> int:
 class Ceiling:
     """The batch-1 decode rate memory bandwidth allows, and a measured rate against it."""
 
-    read_bytes_per_s: float  # median memory read bandwidth (see `benchmarks.common.memory_bandwidth`)
+    read_bytes_per_s: (
+        float  # median memory read bandwidth (see `benchmarks.harness.machine.memory_bandwidth`)
+    )
     weight_bytes: int  # read per decode step (`decode_weight_bytes`)
     dtype: str
     ceiling_tps: float  # read_bytes_per_s / weight_bytes
@@ -43,7 +45,7 @@ class Ceiling:
 def decode_ceiling(
     bandwidth: dict[str, float | int], model: torch.nn.Module, dtype: str, decode_b1_tps: float
 ) -> Ceiling:
-    """``decode_b1_tps`` against memory bandwidth (`benchmarks.common.memory_bandwidth`) / the weight
+    """``decode_b1_tps`` against memory bandwidth (`benchmarks.harness.machine.memory_bandwidth`) / the weight
     bytes one step of ``model`` reads."""
     read, weights = float(bandwidth["read_bytes_per_s"]), decode_weight_bytes(model)
     ceiling = safe_ratio(read, weights)

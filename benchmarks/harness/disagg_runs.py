@@ -19,7 +19,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-from benchmarks.common import log, markdown_table
+from benchmarks.harness.output import log, markdown_table
 from benchmarks.workloads.chat import TextPool, conversations
 from server.engine import EngineConfig, LLMEngine, SamplingParams
 from server.engine.model_runner import KVCache

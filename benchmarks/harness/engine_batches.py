@@ -11,10 +11,11 @@ import random
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from benchmarks.common import fmt_num, markdown_table, stdlib_text
 from benchmarks.harness.batch_timing import Rates, time_batch
 from benchmarks.harness.generators import Generator, OurEngine
 from benchmarks.harness.measure import Ratio
+from benchmarks.harness.output import fmt_num, markdown_table
+from workload_text import stdlib_text
 
 __all__ = [
     "KINDS",

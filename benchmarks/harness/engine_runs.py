@@ -22,10 +22,11 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import Spread, fmt_num, log, markdown_table, safe_ratio
 from benchmarks.harness import measure, systems
 from benchmarks.harness.measure import Job, Run, Samples
+from benchmarks.harness.output import fmt_num, log, markdown_table
 from benchmarks.harness.peaks import peaked
+from benchmarks.harness.stats import Spread, safe_ratio
 from benchmarks.harness.systems import Served
 from server.engine.step_features import StepRecord
 

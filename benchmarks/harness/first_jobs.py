@@ -20,9 +20,10 @@ from typing import Any, TypeVar
 
 import httpx
 
-from benchmarks.common import fmt_num, markdown_table, safe_ratio
 from benchmarks.harness import peaks, record, systems
 from benchmarks.harness.measure import Job, Ratio, Samples, ratio
+from benchmarks.harness.output import fmt_num, markdown_table
+from benchmarks.harness.stats import safe_ratio
 from benchmarks.harness.systems import Served, System
 
 __all__ = ["Cold", "Compared", "OpenSystem", "compare", "first_job", "on_simulator", "running", "table"]

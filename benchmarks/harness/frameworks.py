@@ -16,9 +16,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from benchmarks.common import log
 from benchmarks.harness import measure, record, systems
 from benchmarks.harness.measure import Ratio, Samples
+from benchmarks.harness.output import log
 from benchmarks.harness.systems import Served
 from server.engine import EngineConfig
 

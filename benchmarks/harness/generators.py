@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
-from benchmarks.common import engine_model
+from benchmarks.harness.engine_models import engine_model
 from server.engine import LLMEngine, SamplingParams
 from server.engine.model_names import resolve_model
 

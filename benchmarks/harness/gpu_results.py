@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import log
 from benchmarks.harness import engine_batches as et
+from benchmarks.harness.output import log
 
 EAGER = "ours_eager"  # our engine with CUDA graphs off, as a system of the comparison
 # The calibration sweep of --profile-shape (`server.sim.calibrate`).

@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import export_hf_folder, log
+from benchmarks.harness.engine_models import export_hf_folder
 from benchmarks.harness.generators import Outputs
+from benchmarks.harness.output import log
 from server.engine import LLMEngine
 from server.engine.compute_thread import on_own_thread
 

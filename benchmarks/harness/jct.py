@@ -17,8 +17,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import fmt_num, markdown_table, percentile
 from benchmarks.harness.arrivals import poisson_arrivals
+from benchmarks.harness.output import fmt_num, markdown_table
+from benchmarks.harness.stats import percentile
 from benchmarks.harness.streaming import Answer
 from benchmarks.plotting import pyplot, save
 

@@ -12,8 +12,9 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from benchmarks.common import fmt_num, markdown_table, safe_ratio
 from benchmarks.harness.generators import OurEngine
+from benchmarks.harness.output import fmt_num, markdown_table
+from benchmarks.harness.stats import safe_ratio
 from server.engine import SamplingParams
 
 __all__ = ["KVMode", "KVResult", "blocks", "kv_table", "measure_kv"]

@@ -8,8 +8,9 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from benchmarks.common import fmt_num, markdown_table, percentile
 from benchmarks.harness.load_sessions import SessionOutcome
+from benchmarks.harness.output import fmt_num, markdown_table
+from benchmarks.harness.stats import percentile
 
 
 @dataclass

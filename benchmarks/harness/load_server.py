@@ -21,7 +21,7 @@ import threading
 from collections.abc import Iterator
 from typing import IO, Any
 
-from benchmarks.common import log
+from benchmarks.harness.output import log
 from server.malloc_tuning import OBJECTS_ON_MALLOC, PYTHON_ALLOCATOR_ENV
 
 CLUSTER_TOKEN_ENV = "PARROT_CLUSTER_TOKEN"  # what `python -m server` and `python -m server.engine` read

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import parrot as P
 
-from benchmarks.common import log
+from benchmarks.harness.output import log
 
 # Distinct chain inputs: sessions of the same input must produce the same chain (greedy), which is how a
 # wrong answer shows; several inputs keep the prefix cache from making every session one request.

@@ -16,7 +16,8 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from benchmarks.common import Spread, log, safe_ratio
+from benchmarks.harness.output import log
+from benchmarks.harness.stats import Spread, safe_ratio
 from benchmarks.harness.systems import ENGINE_COUNTERS, Served, delayed
 
 __all__ = ["Job", "Ratio", "Run", "Samples", "agree", "as_dicts", "interleave", "per_delay", "ratio", "timed"]

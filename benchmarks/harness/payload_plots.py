@@ -2,8 +2,8 @@
 error bar (on a line or on grouped bars), a sweep of first jobs and timed runs (`first_jobs.Compared`), and
 sweeps around a fixed point (`point_sweeps`).
 
-A payload keeps a latency as a `benchmarks.common.Spread` (``median``, ``min``, ``max``, ...); a plot draws
-the median and shows the range, so that a noisy point is seen as one (`whisker`).
+A payload keeps a latency as a `benchmarks.harness.stats.Spread` (``median``, ``min``, ``max``, ...); a
+plot draws the median and shows the range, so that a noisy point is seen as one (`whisker`).
 """
 
 from __future__ import annotations

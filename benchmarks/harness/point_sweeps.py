@@ -15,9 +15,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from benchmarks.common import Spread, markdown_table, safe_ratio
 from benchmarks.harness import chains, measure
 from benchmarks.harness.measure import Samples
+from benchmarks.harness.output import markdown_table
+from benchmarks.harness.stats import Spread, safe_ratio
 
 __all__ = ["Point", "by_sweep", "speedup_metrics", "table"]
 

@@ -9,9 +9,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import markdown_table, safe_ratio
+from benchmarks.harness.output import markdown_table
 from benchmarks.harness.rates import Search
 from benchmarks.harness.sim_runs import Work
+from benchmarks.harness.stats import safe_ratio
 from benchmarks.plotting import pyplot, save
 
 __all__ = ["engines_table", "plot", "rates_table", "report", "summary_table"]

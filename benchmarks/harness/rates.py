@@ -15,8 +15,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from benchmarks.common import log, percentile
+from benchmarks.harness.output import log
 from benchmarks.harness.sim_runs import Call, SimServed, Work, open_loop, simulated
+from benchmarks.harness.stats import percentile
 from benchmarks.harness.systems import System
 
 __all__ = ["RateGrid", "RatePoint", "Search", "Timed", "at_rate", "max_sustained_rate", "measure"]

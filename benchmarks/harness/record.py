@@ -16,19 +16,10 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
-from benchmarks.common import (
-    add_engine_flags,
-    add_size_flags,
-    int_list,
-    load_average,
-    machine_info,
-    markdown_table,
-    result_line,
-    set_threads,
-    sized,
-    write_json,
-)
+from benchmarks.harness.flags import add_engine_flags, add_size_flags, int_list, set_threads, sized
+from benchmarks.harness.machine import load_average, machine_info
 from benchmarks.harness.measure import Ratio, Samples
+from benchmarks.harness.output import markdown_table, result_line, write_json
 
 __all__ = ["Recorder", "configured", "latency_table", "parser"]
 

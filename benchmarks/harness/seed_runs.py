@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from benchmarks.common import Spread, safe_ratio
+from benchmarks.harness.stats import Spread, safe_ratio
 
 __all__ = ["Headline", "Result", "SeedRun", "ratio_cell", "spread"]
 

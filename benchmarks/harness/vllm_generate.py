@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import log
 from benchmarks.harness.generators import Outputs
+from benchmarks.harness.output import log
 from benchmarks.harness.process_groups import start_group, stop_group
 from benchmarks.harness.vllm_settings import vllm_env
 from server.engine import LLMEngine

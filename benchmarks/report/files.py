@@ -7,8 +7,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import REPO_ROOT
 from benchmarks.experiments import EXPERIMENTS
+from benchmarks.harness.machine import REPO_ROOT
 from benchmarks.report.headline_plot import plot_headline
 from benchmarks.report.page import render_page
 from benchmarks.report.summary_plot import plot_summary

@@ -11,8 +11,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from benchmarks import gpu_report
-from benchmarks.common import markdown_table
 from benchmarks.experiments import EXPERIMENTS, Experiment, Metric
+from benchmarks.harness.output import markdown_table
 from benchmarks.report.goals import checks, finite
 from benchmarks.report.spreads import stored_spread
 

@@ -19,7 +19,8 @@ _RATIO_KEY = re.compile(r"speedup|ratio", re.IGNORECASE)
 
 
 def as_printed(value: float) -> float:
-    """``value`` as a ``RESULT`` line prints it (`benchmarks.common.result_line`: 3 significant digits)."""
+    """``value`` as a ``RESULT`` line prints it (`benchmarks.harness.output.result_line`: 3 significant
+    digits)."""
     return float(f"{value:.3g}") if abs(value) < 1000 else float(f"{value:.0f}")
 
 

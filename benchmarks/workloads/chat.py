@@ -3,7 +3,7 @@
 No ShareGPT data is downloaded. The lengths follow log-normal distributions clipped to a range, with
 medians and spreads in the range published ShareGPT length statistics show for single turns (prompts of
 a few hundred tokens, replies of one to three hundred); the text of a prompt is a random span of the
-standard library's docstrings (`benchmarks.common.stdlib_text`), so a run needs nothing but Python.
+standard library's docstrings (`workload_text.stdlib_text`), so a run needs nothing but Python.
 Multi-turn chat experiments take their user messages from `conversations`.
 """
 
@@ -14,8 +14,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from benchmarks.common import stdlib_text
 from benchmarks.workloads.copilot import user_queries
+from workload_text import stdlib_text
 
 
 @dataclass(frozen=True)

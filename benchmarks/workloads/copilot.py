@@ -1,7 +1,7 @@
 """A Bing-Copilot-like app (the Parrot paper's Fig. 15/16): one long system prompt shared by many users.
 
 Everything is deterministic from a seed and text bundled with Python (standard-library docstrings, via
-`benchmarks.common.stdlib_text`), nothing is downloaded:
+`workload_text.stdlib_text`), nothing is downloaded:
 
 * `system_prompt` — a fixed "copilot" preamble (role, rules) followed by reference text cut from the stdlib
   token stream at a seeded offset, exactly ``tokens`` tokens long under the given tokenizer (special tokens
@@ -11,7 +11,8 @@ Everything is deterministic from a seed and text bundled with Python (standard-l
   of one batch are the same.
 * `copilot_template` — the app as a Parrot template: the system prompt as constant text (``{{`` escaped),
   then ``{{input:query}}`` and ``{{output:answer}}``. `render_prompt` is the request-centric client's
-  rendering of the same template (`benchmarks.common.render_template`), the exact prompt the server renders.
+  rendering of the same template (`benchmarks.workloads.text.render_template`), the exact prompt the
+  server renders.
 * `fit_system_tokens` — the system prompt length that fits a model's window with the longest query and
   its answer; `CopilotWorkload.longest_prompt` checks it, and `CopilotWorkload.tokens` gives the prompts'
   tokens and the constant prefix a Parrot manager shares between them.
@@ -24,7 +25,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from benchmarks.common import render_template, stdlib_text
+from benchmarks.workloads.text import render_template
+from workload_text import stdlib_text
 
 __all__ = [
     "DEFAULT_SYSTEM_PROMPT_TOKENS",

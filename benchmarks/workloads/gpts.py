@@ -23,9 +23,10 @@ from dataclasses import dataclass
 import httpx
 import parrot as P
 
-from benchmarks.common import render_template, stdlib_text
 from benchmarks.harness.arrivals import arrival_times
 from benchmarks.harness.clients import complete, greedy
+from benchmarks.workloads.text import render_template
+from workload_text import stdlib_text
 
 __all__ = ["APP_NAMES", "App", "Request", "Workload", "make_workload"]
 

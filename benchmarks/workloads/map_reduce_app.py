@@ -1,7 +1,7 @@
 """Map-reduce summary of a long document (the Parrot paper's Fig. 14 app), written for both clients.
 
-The job: a long document (stdlib docstrings, `benchmarks.common.document_chunks`) cut into parts; one *map*
-call per part writes its summary, then one *reduce* call reads every summary and writes the whole
+The job: a long document (stdlib docstrings, `benchmarks.workloads.text.document_chunks`) cut into parts;
+one *map* call per part writes its summary, then one *reduce* call reads every summary and writes the whole
 document's. Greedy, EOS ignored: every call writes exactly its budget (`clients.greedy`).
 
 * `parrot_map_reduce` — the `parrot` frontend: the map calls and the reduce call queued in one session and
@@ -23,8 +23,8 @@ import httpx
 import parrot as P
 from parrot.protocol import Criteria
 
-from benchmarks.common import document_chunks, render_template
 from benchmarks.harness.clients import complete, greedy
+from benchmarks.workloads.text import document_chunks, render_template
 
 __all__ = [
     "MAP_TEMPLATE",

@@ -25,10 +25,11 @@ import httpx
 import parrot as P
 from parrot.protocol import Criteria
 
-from benchmarks.common import Spread, render_template
 from benchmarks.harness.clients import complete, greedy
+from benchmarks.harness.stats import Spread
 from benchmarks.workloads.chat import SHAREGPT_LIKE, ChatLengths, TextPool
 from benchmarks.workloads.map_reduce_app import MapReduceDoc, baseline_map_reduce, parrot_map_reduce
+from benchmarks.workloads.text import render_template
 
 __all__ = ["CHAT_TEMPLATE", "SIZES", "ChatRequest", "Workload", "make_workload"]
 

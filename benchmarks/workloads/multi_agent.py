@@ -33,7 +33,7 @@ the integrator / reviewers; the coders of a round feed the integrator together (
 reviewers of a round feed every reviser together (a task group), and the revisers feed the merger together
 (a task group). Parallel calls of one stage are independent of each other.
 
-Everything is deterministic: the brief is a piece of `benchmarks.common.stdlib_text` chosen by ``seed``,
+Everything is deterministic: the brief is a piece of `workload_text.stdlib_text` chosen by ``seed``,
 the file names are drawn from a fixed list with ``random.Random(seed)``, and the output lengths are fixed
 token budgets (greedy, EOS ignored). Prompt lengths grow with the pool: with ``files`` = 8, 3 rounds, a
 256-token brief and the default budgets the last prompts are about 3,000 tokens (the tiny model's window is
@@ -49,7 +49,7 @@ from typing import Any
 
 from parrot.protocol import parse_template, placeholder_names
 
-from benchmarks.common import document_chunks, render_template
+from benchmarks.workloads.text import document_chunks, render_template
 
 __all__ = [
     "ARCHITECT",

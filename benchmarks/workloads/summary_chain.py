@@ -1,8 +1,8 @@
 """Chain summary of a long document (the Parrot paper's Fig. 11-13 app), written for both clients.
 
-The job: ``steps`` document chunks (stdlib docstrings, `benchmarks.common.document_chunks`); step *i* reads
-the summary written by step *i - 1* plus chunk *i* and writes the next summary. Greedy, EOS ignored: every
-step writes exactly its budget (`clients.greedy`).
+The job: ``steps`` document chunks (stdlib docstrings, `benchmarks.workloads.text.document_chunks`); step
+*i* reads the summary written by step *i - 1* plus chunk *i* and writes the next summary. Greedy, EOS
+ignored: every step writes exactly its budget (`clients.greedy`).
 
 * `parrot_chain` — the `parrot` frontend: every step queued in one session (each call's input is the
   previous call's output variable), then one ``aget(criteria=P.LATENCY)`` of the last summary: the server
@@ -22,8 +22,8 @@ from typing import Any
 import httpx
 import parrot as P
 
-from benchmarks.common import render_template
 from benchmarks.harness.clients import complete
+from benchmarks.workloads.text import render_template
 
 __all__ = ["FIRST_SUMMARY", "TEMPLATE", "baseline_chain", "parrot_chain", "render_prompt"]
 

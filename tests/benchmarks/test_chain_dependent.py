@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from benchmarks import chain_dependent as cd
-from benchmarks.common import document_chunks
 from benchmarks.experiments import by_name
 from benchmarks.harness import app_jobs, measure, systems
 from benchmarks.workloads import summary_chain
+from benchmarks.workloads.text import document_chunks
 
 
 def test_every_client_writes_the_same_summaries_and_a_difference_stops_the_run() -> None:

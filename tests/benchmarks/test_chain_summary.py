@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import pytest
 
 from benchmarks import chain_summary as cs
-from benchmarks import common
 from benchmarks.harness import chains, systems
+from benchmarks.harness.flags import int_list
 from benchmarks.harness.measure import Job, Run, Samples
 
 ZERO_WORK = dict.fromkeys(systems.ENGINE_COUNTERS, 0)
@@ -38,7 +38,7 @@ def test_flags_override_the_chosen_size() -> None:
     assert (cfg.outs, cfg.apps, cfg.repeats, cfg.chunks) == ((4, 12), (), 5, cs.QUICK.chunks)
     assert cs.configure([])[1] == cs.FULL
     assert cs.configure(["--max-running-tokens", "300"])[1].max_running_tokens == 300
-    assert common.int_list(" 8, 16 ,") == (8, 16)
+    assert int_list(" 8, 16 ,") == (8, 16)
 
 
 async def test_background_load_keeps_exactly_k_requests_in_flight() -> None:
@@ -124,7 +124,7 @@ def test_apps_statistics_and_the_result_line() -> None:
     assert apps.samples[cs.PARROT].spread.median == 2.0  # run means 1.5 and 2.5
     assert apps.p90(cs.PARROT).median == pytest.approx((1.9 + 3.7) / 2)
     assert apps.ratio.median == pytest.approx(3.5 / 2.0)
-    assert apps.per_app_difference() == [2.0, 1.0]  # per-app medians: parrot 1, 3; baseline 3, 4
+    assert apps.per_job_difference() == [2.0, 1.0]  # per-app medians: parrot 1, 3; baseline 3, 4
     assert apps.as_dict()["apps_faster_in_parrot"] == 2
     assert apps.as_dict()["clients"][cs.PARROT]["per_app_median"] == [1.0, 3.0]
 

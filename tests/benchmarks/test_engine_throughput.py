@@ -23,7 +23,6 @@ import torch
 
 from benchmarks import engine_throughput as et
 from benchmarks import vllm_worker as vw
-from benchmarks.common import REPO_ROOT, engine_model, export_hf_folder, hf_config_dict
 from benchmarks.harness import (
     decode_ceiling,
     generators,
@@ -32,6 +31,8 @@ from benchmarks.harness import (
     vllm_generate,
     vllm_settings,
 )
+from benchmarks.harness.engine_models import engine_model, export_hf_folder, hf_config_dict
+from benchmarks.harness.machine import REPO_ROOT
 from server.engine import EngineConfig, LLMEngine
 from server.engine.config import ModelConfig
 

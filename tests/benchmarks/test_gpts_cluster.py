@@ -137,7 +137,7 @@ def test_tiny_run_ends_with_the_result_line(capsys: pytest.CaptureFixture[str], 
 
 def test_an_empty_table_renders_its_header() -> None:
     # A run where no policy sustained any rate has no rows: the report still prints (it crashed here).
-    from benchmarks.common import markdown_table
+    from benchmarks.harness.output import markdown_table
 
     table = markdown_table(["policy", "rate"], [], [False, True])
     assert table.splitlines()[0] == "| policy | rate |"

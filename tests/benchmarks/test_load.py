@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from benchmarks import load
-from benchmarks.common import REPO_ROOT
 from benchmarks.harness.load_report import summarize
 from benchmarks.harness.load_sessions import SessionOutcome
+from benchmarks.harness.machine import REPO_ROOT
 
 
 def outcome(seed: int, values: list[str | None], errors: tuple[str, ...] = (), seconds: float = 1.0) -> Any:

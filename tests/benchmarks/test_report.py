@@ -38,7 +38,7 @@ def record(name: str, metrics: dict[str, Any], payload: dict[str, Any] | None = 
 
 
 def spread(median: float, lo: float, hi: float, n: int | None = None) -> dict[str, float]:
-    """A ratio's spread as `benchmarks.common.Spread.as_dict` stores it."""
+    """A ratio's spread as `benchmarks.harness.stats.Spread.as_dict` stores it."""
     return {"median": median, "min": lo, "max": hi} | ({} if n is None else {"n": n})
 
 

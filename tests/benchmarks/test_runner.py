@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from benchmarks.__main__ import main
-from benchmarks.common import REPO_ROOT
 from benchmarks.experiments import EXPERIMENTS, Experiment, Metric, by_name
+from benchmarks.harness.machine import REPO_ROOT
 from benchmarks.report import headline, paper_range, write_report
 from benchmarks.runner import (
     RunOptions,

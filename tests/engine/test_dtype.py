@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import engine_model
+from benchmarks.harness.engine_models import engine_model
 from server.engine import EngineConfig, LLMEngine
 from server.engine.config import default_dtype
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import engine_model
+from benchmarks.harness.engine_models import engine_model
 from kernels import cpu_linear
 from server.engine import EngineConfig, LLMEngine
 
