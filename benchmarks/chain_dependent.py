@@ -32,8 +32,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from benchmarks.harness import app_jobs, measure, record, systems
-from benchmarks.harness.measure import Ratio, Samples
 from benchmarks.harness.output import log
+from benchmarks.harness.record import LatencyRow
 from benchmarks.workloads.summary_chain import FIRST_SUMMARY, TEMPLATE, render_prompt
 from benchmarks.workloads.text import document_chunks
 from server.engine import EngineConfig
@@ -44,8 +44,6 @@ SERVER = "server"  # one server for every client: the baseline's configuration (
 CLIENTS = app_jobs.CHAIN_CLIENTS
 PARROT, PARROT_SUBMIT, BASELINE = CLIENTS
 PAPER_ANCHOR = (1.38, 1.88)
-
-Setting = tuple[str, dict[str, Samples], dict[str, Ratio]]
 
 
 @dataclass(frozen=True)
@@ -65,11 +63,11 @@ TINY = BenchConfig(steps=2, chunk_tokens=8, max_tokens=2, repeats=1)
 # ----------------------------------------------------------------------------------------------- runs
 async def measure_settings(
     served: systems.Served, chunks: Sequence[str], cfg: BenchConfig
-) -> tuple[tuple[str, ...], list[Setting]]:
+) -> tuple[tuple[str, ...], list[LatencyRow]]:
     """Outputs checked (the warm-up), then ``repeats`` interleaved chains per client without and with the
     network delay; the summaries, and per setting each client's samples and ratio to the baseline."""
     jobs = app_jobs.summary_chains(served, CLIENTS, chunks, cfg.max_tokens)
-    settings: list[Setting] = []
+    settings: list[LatencyRow] = []
     async with systems.connected({SERVER: served}):
         log(f"verifying outputs and warming up ({cfg.steps} steps) ...")
         outputs = await app_jobs.verify_summary_chain(served, chunks, cfg.max_tokens)

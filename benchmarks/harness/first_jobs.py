@@ -72,7 +72,7 @@ class Compared:
         """``name``'s median seconds in the setting; NaN where it was not measured."""
         return self.settings[delay][name].spread.median if delay in self.settings else math.nan
 
-    def latency_rows(self, label: str) -> list[tuple[str, dict[str, Samples], dict[str, Ratio]]]:
+    def latency_rows(self, label: str) -> list[record.LatencyRow]:
         """The settings as `record.latency_table` rows, each labelled ``label`` and its network delay."""
         return [(f"{label}{systems.delay_label(d)}", s, self.speedups(d)) for d, s in self.settings.items()]
 

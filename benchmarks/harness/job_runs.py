@@ -14,14 +14,11 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 
 from benchmarks.harness import measure, systems
-from benchmarks.harness.measure import Job, Ratio, Run, Samples
+from benchmarks.harness.measure import Job, Run
+from benchmarks.harness.record import LatencyRow
 from benchmarks.harness.systems import Served, System
 
-__all__ = ["Setting", "delay_settings", "median_s", "simulated_once"]
-
-# One network-delay setting as `record.latency_table` takes it: its label (`systems.delay_label`), each
-# system's samples, and each system's ratio to the reference (the reference's time over the system's).
-Setting = tuple[str, dict[str, Samples], dict[str, Ratio]]
+__all__ = ["delay_settings", "median_s", "simulated_once"]
 
 
 async def delay_settings(
@@ -30,7 +27,7 @@ async def delay_settings(
     repeats: int,
     reference: str,
     delays: Sequence[bool] = (False, True),
-) -> list[Setting]:
+) -> list[LatencyRow]:
     """Each server's ``job``: the outputs checked equal (the warm-up, `measure.agree`), then ``repeats``
     interleaved runs per setting of ``delays`` (`measure.per_delay`); the ratio of ``reference``'s median
     time over every other system's, shown on that system's row."""
@@ -48,7 +45,7 @@ async def delay_settings(
     ]
 
 
-def median_s(settings: Sequence[Setting], delay: bool, name: str) -> float:
+def median_s(settings: Sequence[LatencyRow], delay: bool, name: str) -> float:
     """``name``'s median seconds in the setting with or without the delay; NaN if it was not measured."""
     label = systems.delay_label(delay)
     found = [samples[name].spread.median for lab, samples, _ in settings if lab == label]

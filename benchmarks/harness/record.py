@@ -104,6 +104,11 @@ def _plain(value: Any) -> Any:
     return value
 
 
+# One setting's row group of `latency_table`: its label (e.g. `systems.delay_label`), each system's samples,
+# and each system's ratio to the reference (shown on that system's row).
+LatencyRow = tuple[str, dict[str, Samples], dict[str, Ratio]]
+
+
 def latency_table(
     settings: Sequence[tuple[str, Mapping[str, Samples], Mapping[str, Ratio]]],
     setting_header: str = "network delay",
