@@ -14,7 +14,9 @@ process with a time limit, so one failure or hang costs only that step, and the 
 5. ``engine``: our engine vs HF ``generate`` at batch 1/16/64/256 on random-weight SmolLM2-135M,
    Llama-3.2-1B and Llama-2-7B shapes, and the simulator's latency model fitted on the 7B
    (`benchmarks.gpu_engine`);
-6. ``random_model`` + ``shared_prompt``: the quick shared-system-prompt experiment
+6. ``steps``: where a decode step's time goes (wall vs device time, the engine thread's Python) and the
+   graphed shared-prefix gate's end-to-end crossover on the 7B shape (`benchmarks.gpu_steps`);
+7. ``random_model`` + ``shared_prompt``: the quick shared-system-prompt experiment
    (`benchmarks.shared_prompt`) on CUDA, over a random SmolLM2-shaped model written as a folder.
 
 Every step writes ``DIR/<step>.json`` (and its log ``DIR/<step>.log``); ``DIR/gpu.json`` gathers the
@@ -99,6 +101,7 @@ def steps(out: Path, tiny: bool, tests_k: str | None = None, shapes: list[str] |
             + ([] if tiny else ["--profile-shape", "llama-2-7b"]),
             270,
         ),
+        Step("steps", [*py, "-m", "benchmarks.gpu_steps", *size, "--json", str(out / "steps.json")], 120),
         kernels["fp16"],
         Step(
             "kernel_tuning",

@@ -36,6 +36,8 @@ from benchmarks.harness.generators import Generator, OurEngine
 from benchmarks.harness.gpu_results import (
     EAGER,
     PROFILE_BATCHES,
+    PROFILE_LONG_BATCHES,
+    PROFILE_LONG_PROMPTS,
     PROFILE_NEW,
     PROFILE_PROMPTS,
     ShapeResult,
@@ -115,8 +117,15 @@ def run_shape(cfg: GpuConfig, shape: str, device: torch.device, dtype: str, band
     config = engine_config(cfg, batches, str(device), dtype)
     eager_config = replace(config, cuda_graphs=False)
     if cfg.profile_shape == shape:  # room for the calibration sweep's largest shape too
-        longest = max(PROFILE_PROMPTS) + PROFILE_NEW
-        sweep = max(PROFILE_BATCHES) * (blocks(longest, config.block_size) + 1) + 64
+        longest = max(PROFILE_LONG_PROMPTS) + PROFILE_NEW
+        sweep = max(
+            max(batches) * (blocks(max(prompts) + PROFILE_NEW, config.block_size) + 1)
+            for batches, prompts in (
+                (PROFILE_BATCHES, PROFILE_PROMPTS),
+                (PROFILE_LONG_BATCHES, PROFILE_LONG_PROMPTS),
+            )
+        )
+        sweep += 64
         kv_blocks = max(config.num_kv_blocks or 0, sweep)
         config = replace(config, trace_steps=100_000, max_model_len=2 * longest, num_kv_blocks=kv_blocks)
     log(f"{shape}: building {params / 1e9:.2f}B random parameters on {device} ({dtype}) ...")
@@ -149,7 +158,11 @@ def run_shape(cfg: GpuConfig, shape: str, device: torch.device, dtype: str, band
             tps = b1["ours"]["decode_tps"]
             out.floor = {"floor_tps": 1 / floor_s, "decode_tps": tps, "floor_ratio": 1 / (floor_s * tps)}
         if cfg.profile_shape == shape:
-            out.profile = fit_profile(pair.engine, shape)
+            try:
+                out.profile = fit_profile(pair.engine, shape)
+            except Exception as e:  # the rows above stand without the profile
+                log(f"{shape}: the calibration sweep failed: {e!r}")
+                out.error = f"profile: {e!r}"
     finally:
         for runner in runners:
             runner.close()

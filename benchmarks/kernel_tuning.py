@@ -34,8 +34,8 @@ SETTINGS: dict[str, tuple[int, ...]] = {
     "MIN_SPLIT_TOKENS": (128, 256, 512),
 }
 SHAPES = ((32, 4096), (64, 4096), (8, 1024))  # (batch, prefix)
-GATE_BATCHES = (2, 4, 8, 16)
-GATE_PREFIXES = (128, 256, 512, 1024)
+GATE_BATCHES = (4, 8, 16, 32, 64)
+GATE_PREFIXES = (256, 1024, 2048, 4096)
 
 
 def sweep_settings(

@@ -112,6 +112,7 @@ def gather(out: Path, statuses: dict[str, dict[str, Any]]) -> dict[str, Any]:
     metrics |= result_metrics(out / "engine.log")
     metrics |= {f"shared_prompt_{k}": v for k, v in result_metrics(out / "shared_prompt.log").items()}
     metrics |= {f"tuning_{k}": v for k, v in result_metrics(out / "kernel_tuning.log").items()}
+    metrics |= {f"steps_{k}": v for k, v in result_metrics(out / "steps.log").items()}
     tests = _junit_counts(out / "tests.xml") or _log_counts(out / "tests.log")
     return {
         "benchmark": "gpu",
@@ -122,7 +123,7 @@ def gather(out: Path, statuses: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "metrics": metrics,
         "payloads": {
             name: _load(out / f"{name}.json")
-            for name in ("kernels_bf16", "kernels_fp16", "kernel_tuning", "engine", "shared_prompt")
+            for name in ("kernels_bf16", "kernels_fp16", "kernel_tuning", "engine", "steps", "shared_prompt")
         },
     }
 

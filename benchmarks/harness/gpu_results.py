@@ -18,6 +18,8 @@ from benchmarks.harness.output import log
 EAGER = "ours_eager"  # our engine with CUDA graphs off, as a system of the comparison
 # The calibration sweep of --profile-shape (`server.sim.calibrate`).
 PROFILE_BATCHES, PROFILE_PROMPTS, PROFILE_NEW = (1, 8, 32, 64), (128, 512), 12
+# ... and long prompts at small batches (the prefill-attention term; within a 4k window).
+PROFILE_LONG_BATCHES, PROFILE_LONG_PROMPTS = (1, 4), (2048, 4000)
 
 
 @dataclass
@@ -89,11 +91,16 @@ def fit_profile(engine: Any, shape: str) -> dict[str, Any]:
     log(f"{shape}: calibration sweep for the simulator's latency model ...")
     loop = asyncio.new_event_loop()
     try:
-        trace = loop.run_until_complete(
-            calibrate(
-                engine, batch_sizes=PROFILE_BATCHES, prompt_lens=PROFILE_PROMPTS, new_tokens=PROFILE_NEW
+        trace = [
+            step
+            for batches, prompts in (
+                (PROFILE_BATCHES, PROFILE_PROMPTS),
+                (PROFILE_LONG_BATCHES, PROFILE_LONG_PROMPTS),
             )
-        )
+            for step in loop.run_until_complete(
+                calibrate(engine, batch_sizes=batches, prompt_lens=prompts, new_tokens=PROFILE_NEW)
+            )
+        ]
     finally:
         loop.close()
     name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
