@@ -14,12 +14,11 @@ Thresholds:
   about there on (8 x 4k, 117 MiB: 1.06x; 32 x 1k, 124 MiB: 1.18x; 64 x 1k: 1.34x; 64 x 4k: 2.48x). The
   former gate (8 members, 256 tokens) grouped steps the kernel made slower.
 * CUDA, when the step would otherwise replay a CUDA graph (``graphed``; `server.engine.cuda_graphs` captures
-  no grouped step): at least 1 GiB saved per layer, since grouping then also pays for running the whole
-  step eagerly. An estimate from the same H100 run, not a measured crossover: a Llama-2-7B-shaped batch of
-  64 stepped in 19.7 ms eagerly against 12.3 ms replayed, ~0.23 ms per layer, the time ~0.7 GB of DRAM reads
-  take at its 3 TB/s; rounded up because the L2 cache serves part of plain decode's repeated prefix reads
-  (64 sequences over a 4k prefix of 4 KiB tokens, 1 GiB nominal, saved only 0.13 ms per layer). A 7B
-  without GQA (16 KiB per token) at 64 x 4k saves 4 GiB per layer and groups.
+  no grouped step): at least 3 GiB saved per layer, since grouping then also pays for running the whole
+  step eagerly. Measured end to end on the H100 (`benchmarks.gpu_steps`: a Llama-2-7B shape, no GQA, 16 KiB
+  per token; forks of one prefix, each with 128 tokens of its own, mean decode step grouped-eager against
+  graphed): 32 x 3,840 tokens, 1.9 GiB saved: 0.78-0.83x; 64 x 3,840, 3.7 GiB: 1.26-1.31x; everything
+  smaller 0.40-0.60x (an eager 7B step costs ~25 ms against 10-22 ms graphed at these sizes).
 * CPU, plain decode on the torch path: at least 2 members and at least 6 MiB of KV reads saved per layer,
   ``(members - 1) * prefix_len * kv_bytes_per_token``. Measured on 2 cores: the grouped pass costs a fixed
   ~0.2 ms per layer (prefix pass, merge), which plain decode spends reading about that much KV. With the
@@ -51,7 +50,7 @@ __all__ = [
 ]
 
 CUDA_MIN_SAVED_BYTES = 128 << 20
-CUDA_GRAPHED_MIN_SAVED_BYTES = 1 << 30
+CUDA_GRAPHED_MIN_SAVED_BYTES = 3 << 30
 CPU_MIN_SAVED_BYTES = 6 << 20
 CPU_KERNEL_MIN_MEMBERS = 8
 CPU_KERNEL_MIN_MEMBER_TOKENS = 64 << 10

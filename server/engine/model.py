@@ -30,17 +30,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu_kernels import add_rms_norm_kernel, rope_write_kv_kernel, silu_mul_kernel
 from kernels.cpu_linear import linear, pack_weight
+from kernels.layer_ops import add_rms_norm_op, rope_write_kv_op, silu_mul_op
 from server.engine.attention import AttentionBackend, AttentionMetadata
 from server.engine.config import ModelConfig
 from server.engine.rope import RotaryEmbedding, rotate
-
-
-def _cpu_half(x: torch.Tensor) -> bool:
-    """Whether our fused CPU kernels may take ``x``: bf16/fp16 on CPU (fp32 keeps the reference's ops, bit
-    for bit, for the parity tests)."""
-    return x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
 
 
 class RMSNorm(nn.Module):
@@ -51,17 +45,15 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
         """The norm of ``x``; with ``delta``, ``x += delta`` first, in place (``x``: the residual stream)."""
+        fused = add_rms_norm_op(x)  # bf16/fp16: one pass instead of ~9 ops
         if (
-            delta is not None
-            and x.dtype != torch.float32  # fp32 keeps the reference's ops, bit for bit
-            and x.device.type == "cpu"
+            fused is not None
             and x.is_contiguous()
-            and delta.shape == x.shape
-            and delta.dtype == self.weight.dtype == x.dtype
+            and self.weight.dtype == x.dtype
+            and (delta is not None or x.device.type == "cuda")  # (the CPU op is used with a delta only)
+            and (delta is None or (delta.shape == x.shape and delta.dtype == x.dtype))
         ):
-            fused = add_rms_norm_kernel()  # one pass instead of ~9 ops
-            if fused is not None:
-                return fused(x, delta.contiguous(), self.weight, self.eps)
+            return fused(x, None if delta is None else delta.contiguous(), self.weight, self.eps)
         if delta is not None:
             x.add_(delta)
         # fp32 statistics, as the reference implementation does, whatever the activation dtype; the same ops
@@ -123,7 +115,7 @@ class Attention(nn.Module):
         t = x.shape[0]
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = linear(x, self.qkv_weight, self.qkv_bias, self.qkv_packed)
-        fused = rope_write_kv_kernel() if _cpu_half(qkv) and k_cache.is_contiguous() else None
+        fused = rope_write_kv_op(qkv, d) if k_cache.is_contiguous() and qkv.is_contiguous() else None
         if fused is not None:  # one pass: q and k rotated, the step's k and v written to their cache slots
             q, k = fused(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, heads, kv_heads)
         else:
@@ -159,7 +151,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias, self.gate_up_packed)
-        fused = silu_mul_kernel() if _cpu_half(gate_up) else None
+        fused = silu_mul_op(gate_up) if gate_up.is_contiguous() else None
         if fused is not None:
             act = fused(gate_up)
         else:

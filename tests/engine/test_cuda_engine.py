@@ -88,3 +88,30 @@ async def test_cuda_graph_decode_equals_eager(gqa_model: Path) -> None:
     assert replays > 0 and none == 0
     assert graphed == eager
     assert graphed == [hf_greedy(gqa_model, p, GREEDY.max_tokens) for p in batch]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+async def test_triton_layer_kernels_agree_with_the_torch_ops(
+    gqa_model: Path, dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine with the Triton layer kernels (`kernels.layer_ops`) and without them: the same greedy
+    tokens but where a near-tie flips (the norm's mean sums in another order)."""
+    from kernels import layer_ops
+
+    batch = prompts(8, seed=27, low=2, high=90)
+
+    async def run(enabled: bool) -> list[list[int]]:
+        monkeypatch.setenv(layer_ops.DISABLE_ENV, "1" if enabled else "0")
+        layer_ops.clear_cache()
+        probe = torch.zeros(1, 2, dtype=getattr(torch, dtype), device="cuda")
+        assert (layer_ops.silu_mul_op(probe) is not None) == enabled
+        with LLMEngine.from_pretrained(gqa_model, cuda_config(dtype=dtype)) as engine:
+            return await asyncio.gather(*(run_prompt(engine, p) for p in batch))
+
+    try:
+        fused, plain = await run(True), await run(False)
+    finally:
+        monkeypatch.undo()
+        layer_ops.clear_cache()
+    assert sum(f[:3] == p[:3] for f, p in zip(fused, plain, strict=True)) >= 7
+    assert sum(f == p for f, p in zip(fused, plain, strict=True)) >= 5

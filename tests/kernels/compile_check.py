@@ -14,6 +14,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from kernels import triton_kernels as tk
+from kernels import triton_layer_ops as lo
 
 
 def _compile(fn: triton.JITFunction, pointers: dict[str, str], constexprs: dict, arch: int) -> None:
@@ -24,9 +25,12 @@ def _compile(fn: triton.JITFunction, pointers: dict[str, str], constexprs: dict,
         elif name in pointers:
             signature[name] = pointers[name]
         else:
-            signature[name] = "fp32" if name == "qk_scale" else "i32"
+            signature[name] = "fp32" if name in ("qk_scale", "eps") else "i32"
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
     triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
+
+
+ROPE_POINTERS = ("qkv_ptr", "cos_ptr", "sin_ptr", "k_cache_ptr", "v_cache_ptr", "q_ptr", "k_ptr")
 
 
 def main(arch: int = 90) -> None:
@@ -62,6 +66,20 @@ def main(arch: int = 90) -> None:
         {"HEAD_DIM": 64, "BLOCK_R": 16, "BLOCK_D": 64},
         arch,
     )  # fmt: skip
+    for dt in ("bf16", "fp16"):
+        _compile(
+            lo._add_rms_norm_kernel,
+            dict.fromkeys(("h_ptr", "delta_ptr", "w_ptr", "out_ptr"), f"*{dt}"),
+            {"HAS_DELTA": True, "BLOCK": 4096},
+            arch,
+        )
+        _compile(
+            lo._rope_write_kv_kernel,
+            {**dict.fromkeys(ROPE_POINTERS, f"*{dt}"), "slots_ptr": "*i64"},
+            {"HEADS": 32, "KV_HEADS": 8, "HEAD_DIM": 128},
+            arch,
+        )  # fmt: skip
+        _compile(lo._silu_mul_kernel, {"gate_up_ptr": f"*{dt}", "out_ptr": f"*{dt}"}, {"BLOCK": 1024}, arch)
     print("compiled")
 
 

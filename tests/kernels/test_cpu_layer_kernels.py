@@ -104,8 +104,8 @@ def test_the_model_takes_the_kernels_for_bf16_with_the_same_tokens(monkeypatch: 
 
         return run
 
-    monkeypatch.setattr(model_module, "rope_write_kv_kernel", lambda: counted("rope", rope_write_kv))
-    monkeypatch.setattr(model_module, "silu_mul_kernel", lambda: counted("silu", silu_mul))
+    monkeypatch.setattr(model_module, "rope_write_kv_op", lambda qkv, d: counted("rope", rope_write_kv))
+    monkeypatch.setattr(model_module, "silu_mul_op", lambda gate_up: counted("silu", silu_mul))
     prompt = list(range(5, 40))
     sampling = SamplingParams(max_tokens=12, ignore_eos=True)
 
@@ -120,6 +120,6 @@ def test_the_model_takes_the_kernels_for_bf16_with_the_same_tokens(monkeypatch: 
     fused = tokens()
     layers = calls["rope"]
     assert layers > 0 and calls["silu"] == layers  # one call each per layer and step
-    monkeypatch.setattr(model_module, "rope_write_kv_kernel", lambda: None)
-    monkeypatch.setattr(model_module, "silu_mul_kernel", lambda: None)
+    monkeypatch.setattr(model_module, "rope_write_kv_op", lambda qkv, d: None)
+    monkeypatch.setattr(model_module, "silu_mul_op", lambda gate_up: None)
     assert tokens() == fused
