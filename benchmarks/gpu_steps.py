@@ -9,9 +9,10 @@ Two measurements on our engine alone, over a random-weight model of a real shape
   engine thread's Python functions by own time (``cProfile`` on that thread) — what the batch-1 floor gap
   is made of.
 * **grouping**: ``n`` requests fork one ``P``-token prefix (each with its own suffix) and decode; the mean
-  decode step with ``shared_prefix_decode`` = ``never`` (every step replays a CUDA graph), ``always``
-  (grouped, eager: the Triton shared-prefix kernel) and ``auto`` (the engine's gate,
-  `kernels.should_share_prefix` with ``graphed=True``) — the gate's end-to-end crossover.
+  decode step with ``shared_prefix_decode`` = ``never`` (plain paged decode), ``always`` (grouped: the
+  Triton shared-prefix kernel) and ``auto`` (the engine's gate, `kernels.should_share_prefix`) — the gate's
+  end-to-end crossover. Grouped steps replay graphs of their own (`server.engine.cuda_graphs`); before
+  those existed they ran eagerly.
 
     python -m benchmarks.gpu_steps [--tiny] [--shape llama-2-7b] [--json PATH]
 

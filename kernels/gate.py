@@ -13,9 +13,9 @@ Thresholds:
   grouped pass was slower below that (8 sequences sharing 1k tokens, 29 MiB saved: 0.60x) and faster from
   about there on (8 x 4k, 117 MiB: 1.06x; 32 x 1k, 124 MiB: 1.18x; 64 x 1k: 1.34x; 64 x 4k: 2.48x). The
   former gate (8 members, 256 tokens) grouped steps the kernel made slower.
-* CUDA, when the step would otherwise replay a CUDA graph (``graphed``; `server.engine.cuda_graphs` captures
-  no grouped step): at least 3 GiB saved per layer, since grouping then also pays for running the whole
-  step eagerly. Measured end to end on the H100 (`benchmarks.gpu_steps`: a Llama-2-7B shape, no GQA, 16 KiB
+* CUDA, when the step would otherwise replay a CUDA graph and a grouped one cannot (``graphed``: the engine
+  has no grouped graphs, `server.engine.cuda_graphs`): at least 3 GiB saved per layer, since grouping then
+  also pays for running the whole step eagerly. Measured end to end on the H100 (`benchmarks.gpu_steps`: a Llama-2-7B shape, no GQA, 16 KiB
   per token; forks of one prefix, each with 128 tokens of its own, mean decode step grouped-eager against
   graphed): 32 x 3,840 tokens, 1.9 GiB saved: 0.78-0.83x; 64 x 3,840, 3.7 GiB: 1.26-1.31x; everything
   smaller 0.40-0.60x (an eager 7B step costs ~25 ms against 10-22 ms graphed at these sizes).

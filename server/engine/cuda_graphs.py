@@ -11,9 +11,14 @@ whole step's launches once and replays them with one call. Graphs need fixed sha
 * padding rows write their K/V into a scratch block that no context owns and attend over it (one token), so
   they touch nothing real.
 
-Only pure decode steps without shared-prefix grouping or remote KV replay; every other step runs eagerly
-(`ModelRunner.run`). Capturing is done by a `GraphBackend`: CUDA's on a GPU; tests on CPU inject one that
-re-runs the recorded step, which checks the buffers and padding without a GPU.
+Pure decode steps only (no fill chunk, no remote KV replay); every other step runs eagerly
+(`ModelRunner.run`). Steps whose sequences are grouped by shared prefix (`SharedPrefixGroups`) replay graphs
+of their own, captured per bucket with up to `MAX_GRAPH_GROUPS` groups in static buffers (prefix tables and
+lengths, each row's group; unused groups have length 0, padding rows group -1): the Triton shared-prefix
+path takes every grid size from tensor shapes and never reads the grouping back on the host, so it records
+as it is. Without them a grouped step ran eagerly, which on a 7B cost more than grouping saved below ~3 GiB
+of prefix reads per layer (`kernels.gate`). Capturing is done by a `GraphBackend`: CUDA's on a GPU; tests on
+CPU inject one that re-runs the recorded step, which checks the buffers and padding without a GPU.
 """
 
 from __future__ import annotations
@@ -24,10 +29,11 @@ from typing import Any, Protocol
 
 import torch
 
-from server.engine.attention import AttentionMetadata, DecodeBatch
+from server.engine.attention import AttentionMetadata, DecodeBatch, SharedPrefixGroups
 from server.engine.config import EngineConfig
 
 __all__ = [
+    "MAX_GRAPH_GROUPS",
     "CudaGraphBackend",
     "DecodeGraphs",
     "GraphBackend",
@@ -38,6 +44,9 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+# Shared-prefix groups a grouped graph holds; a step with more runs eagerly.
+MAX_GRAPH_GROUPS = 8
 
 # Forward over (token ids, positions, metadata) -> final hidden states of every row.
 StepForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
@@ -93,7 +102,8 @@ def graph_backend(config: EngineConfig) -> GraphBackend | None:
 
 
 class DecodeGraphs:
-    """Static inputs and one captured graph per bucket; `run` replays a decode step of up to `max_batch`."""
+    """Static inputs and captured graphs per bucket (plain, and grouped by shared prefix); `run` replays a
+    decode step of up to `max_batch` sequences."""
 
     def __init__(
         self,
@@ -107,23 +117,36 @@ class DecodeGraphs:
         dtype: torch.dtype,
         device: torch.device,
         backend: GraphBackend,
+        max_groups: int | None = None,
     ) -> None:
         self.sizes = graph_batch_sizes(max_batch)
         self.max_batch = max_batch
+        self.max_groups = max_groups = max_groups or MAX_GRAPH_GROUPS
         self._forward = forward
         self._backend = backend
         self._scratch_block = scratch_block
         self._scratch_slot = scratch_block * block_size
         i64 = {"dtype": torch.int64, "device": device}
         i32 = {"dtype": torch.int32, "device": device}
+        width = max(1, max_blocks)
         self.ids = torch.zeros(max_batch, **i64)
         self.positions = torch.zeros(max_batch, **i64)
         self.slots = torch.full((max_batch,), self._scratch_slot, **i64)
-        self.tables = torch.full((max_batch, max(1, max_blocks)), scratch_block, **i32)
+        self.tables = torch.full((max_batch, width), scratch_block, **i32)  # a grouped step's suffix tables
         self.lens = torch.ones(max_batch, **i32)
+        self.prefix_tables = torch.full((max_groups, width), scratch_block, **i32)
+        self.prefix_lens = torch.zeros(max_groups, **i32)
+        self.group_of = torch.full((max_batch,), -1, **i32)
         self.hidden = torch.zeros(max_batch, hidden_size, dtype=dtype, device=device)
         self._graphs: dict[int, Any] = {}
+        self._grouped: dict[int, Any] = {}
         self.replays = 0  # steps served by a graph
+        self.grouped_replays = 0  # of which grouped by shared prefix
+
+    @property
+    def has_grouped(self) -> bool:
+        """Whether grouped steps replay graphs too."""
+        return bool(self._grouped)
 
     def capture(self) -> None:
         """Run each bucket once eagerly (kernels compile outside the recording), then record it."""
@@ -131,11 +154,27 @@ class DecodeGraphs:
             self._step(size)
             self._graphs[size] = self._backend.capture(lambda size=size: self._step(size))
 
-    def _step(self, size: int) -> None:
+    def capture_grouped(self) -> None:
+        """The same for steps grouped by shared prefix (buckets of two rows or more); all or none."""
+        try:
+            for size in reversed([s for s in self.sizes if s >= 2]):
+                self._step(size, grouped=True)
+                self._grouped[size] = self._backend.capture(lambda size=size: self._step(size, grouped=True))
+        except BaseException:
+            self._grouped.clear()
+            raise
+
+    def _step(self, size: int, grouped: bool = False) -> None:
         """What a graph holds: the forward over the static buffers' first ``size`` rows."""
+        tables, lens = self.tables[:size], self.lens[:size]
+        groups = (
+            SharedPrefixGroups(self.prefix_tables, self.prefix_lens, self.group_of[:size], tables, lens)
+            if grouped
+            else None
+        )
         meta = AttentionMetadata(
             slot_mapping=self.slots[:size],
-            decode=DecodeBatch(block_tables=self.tables[:size], context_lens=self.lens[:size]),
+            decode=DecodeBatch(block_tables=tables, context_lens=lens, groups=groups),
             prefills=[],
         )
         self.hidden[:size].copy_(self._forward(self.ids[:size], self.positions[:size], meta))
@@ -147,12 +186,19 @@ class DecodeGraphs:
         slots: torch.Tensor,
         tables: torch.Tensor,
         lens: torch.Tensor,
+        groups: SharedPrefixGroups | None = None,
     ) -> torch.Tensor | None:
-        """Replay the step of ``len(ids)`` decodes (inputs on the device, ``tables`` [B, width]); the final
-        hidden states [B, hidden], or None when no graph holds it (too many rows, too wide a table)."""
+        """Replay the step of ``len(ids)`` decodes (inputs on the device, ``tables`` [B, width]; with
+        ``groups``, their suffix tables and lengths are used instead); the final hidden states [B, hidden],
+        or None when no graph holds it (too many rows or groups, too wide a table)."""
+        if groups is not None:
+            tables, lens = groups.suffix_block_tables, groups.suffix_lens
         n, width = tables.shape
         size = bucket_for(n, self.sizes)
-        if size is None or size not in self._graphs or width > self.tables.shape[1]:
+        graphs = self._graphs if groups is None else self._grouped
+        if size is None or size not in graphs or width > self.tables.shape[1]:
+            return None
+        if groups is not None and not self._load_groups(groups, n, size):
             return None
         self.ids[:n].copy_(ids)
         self.positions[:n].copy_(positions)
@@ -165,16 +211,36 @@ class DecodeGraphs:
             self.slots[n:size].fill_(self._scratch_slot)
             self.tables[n:size, 0].fill_(self._scratch_block)
             self.lens[n:size].fill_(1)
-        self._backend.replay(self._graphs[size])
+        self._backend.replay(graphs[size])
         self.replays += 1
+        self.grouped_replays += groups is not None
         return self.hidden[:n]
 
+    def _load_groups(self, groups: SharedPrefixGroups, n: int, size: int) -> bool:
+        """Copy the grouping into the static buffers; False when they cannot hold it."""
+        count, width = groups.prefix_block_tables.shape
+        if count > self.max_groups or width > self.prefix_tables.shape[1]:
+            return False
+        self.prefix_tables[:count, :width].copy_(groups.prefix_block_tables)
+        self.prefix_lens[:count].copy_(groups.prefix_lens)
+        self.prefix_lens[count:].zero_()  # unused groups: no members, nothing to read
+        self.group_of[:n].copy_(groups.group_of)
+        self.group_of[n:size].fill_(-1)  # padding rows: plain decode over the scratch block
+        return True
 
-def try_capture(graphs: DecodeGraphs) -> DecodeGraphs | None:
-    """Capture every bucket; on failure log why and return None (the engine then runs eagerly)."""
+
+def try_capture(graphs: DecodeGraphs, grouped: bool = True) -> DecodeGraphs | None:
+    """Capture every bucket (and, with ``grouped``, the grouped ones); on failure log why and return None
+    (the engine then runs eagerly). A failed grouped capture leaves the plain graphs: grouped steps then run
+    eagerly."""
     try:
         graphs.capture()
     except Exception:  # a capture that fails must not take the engine down: eager still works
         log.warning("CUDA graph capture failed; decode steps run eagerly", exc_info=True)
         return None
+    if grouped:
+        try:
+            graphs.capture_grouped()
+        except Exception:
+            log.warning("CUDA graph capture of grouped steps failed; they run eagerly", exc_info=True)
     return graphs

@@ -133,7 +133,7 @@ class ModelRunner:
             device=self.device,
             backend=settings.backend,
         )
-        return try_capture(graphs)
+        return try_capture(graphs, grouped=self.shared_prefix_decode != "never")
 
     def run(self, batch: list[ScheduledChunk]) -> torch.Tensor:
         """Run the step; return the final hidden state of each chunk's last token ([len(batch), hidden]).
@@ -211,18 +211,17 @@ class ModelRunner:
         return torch.stack(out)
 
     def _replay(self, meta: AttentionMetadata, ids: list[int], positions: list[int]) -> torch.Tensor | None:
-        """A pure decode step through its CUDA graph; None when it has shared-prefix groups or no graph
+        """A pure decode step through its CUDA graph (grouped by shared prefix or not); None when no graph
         holds it (the caller then runs it eagerly)."""
         decode = meta.decode
         assert decode is not None and self.graphs is not None
-        if decode.groups is not None:
-            return None
         return self.graphs.run(
             torch.tensor(ids, dtype=torch.int64, device=self.device),
             torch.tensor(positions, dtype=torch.int64, device=self.device),
             meta.slot_mapping,
             decode.block_tables,
             decode.context_lens,
+            decode.groups,
         )
 
     def _remote_rows(self, chunks: list[ScheduledChunk], first_row: int) -> RemoteRows:
@@ -254,7 +253,11 @@ class ModelRunner:
             block_tables=pad_tables(tables, self.device), context_lens=_int32(lens, self.device), groups=None
         )
         if self.shared_prefix_decode != "never" and len(ctxs) > 1:
-            graphed = graphable and self.graphs is not None and len(ctxs) <= self.graphs.max_batch
+            # Grouping costs a graph replay only where grouped steps have no graphs of their own.
+            graphs = self.graphs
+            graphed = (
+                graphable and graphs is not None and len(ctxs) <= graphs.max_batch and not graphs.has_grouped
+            )
             batch.groups = self._group(ctxs, tables, lens, graphed)
             self.grouped_decode_steps += batch.groups is not None
         return batch

@@ -42,17 +42,21 @@ async def test_shared_prefix_kernel_in_the_engine_changes_nothing(gqa_model: Pat
     prefix = prompts(1, seed=23, low=300, high=301)[0]
     suffixes = prompts(8, seed=24, low=1, high=25)
 
-    async def run(mode: str) -> tuple[list[list[int]], int]:
-        with LLMEngine.from_pretrained(gqa_model, cuda_config(shared_prefix_decode=mode)) as eng:
+    async def run(mode: str, graphs: bool = True) -> tuple[list[list[int]], int, int]:
+        config = cuda_config(shared_prefix_decode=mode, cuda_graphs=graphs)
+        with LLMEngine.from_pretrained(gqa_model, config) as eng:
             await eng.fill(0, prefix)
             await asyncio.gather(*(eng.fill(i + 1, s, parent_context_id=0) for i, s in enumerate(suffixes)))
             res = await asyncio.gather(*(eng.generate(i + 1, GREEDY) for i in range(len(suffixes))))
-            return [r.token_ids for r in res], eng.stats().grouped_decode_steps
+            replays = eng._runner.graphs.grouped_replays if eng._runner.graphs is not None else 0
+            return [r.token_ids for r in res], eng.stats().grouped_decode_steps, replays
 
-    grouped, steps = await run("always")  # the Triton shared-prefix kernel inside the engine
-    plain, none = await run("never")
-    assert steps > 0 and none == 0
-    assert grouped == plain
+    grouped, steps, replays = await run("always")  # the Triton shared-prefix kernel inside graphs
+    assert steps > 0 and replays == steps
+    eager, eager_steps, _ = await run("always", graphs=False)  # ... and in eager steps
+    plain, none, _ = await run("never")
+    assert eager_steps > 0 and none == 0
+    assert grouped == eager == plain
 
 
 async def test_temperature_sampling_on_the_device(gqa_model: Path) -> None:

@@ -64,26 +64,83 @@ async def test_replayed_decode_equals_eager(gqa_model: Path) -> None:
         runner = graphed._runner
         assert runner.graphs is not None and runner.graphs.replays > 0
         assert graphed.stats().blocks_used == 0  # padding never took a block
-    assert backend.captured == len(cuda_graphs.graph_batch_sizes(6))
+    sizes = cuda_graphs.graph_batch_sizes(6)
+    assert backend.captured == len(sizes) + len([s for s in sizes if s >= 2])  # plain, and grouped from 2
     with _engine(gqa_model, None) as eager:
         assert eager._runner.graphs is None
         expected = await asyncio.gather(*(run_prompt(eager, p) for p in batch))
     assert ours == expected and single == expected[0]
 
 
-async def test_grouped_steps_run_eagerly_and_agree(gqa_model: Path) -> None:
-    prefix = prompts(1, seed=32, low=40, high=41)[0]
-    suffixes = prompts(4, seed=33, low=1, high=9)
+async def _forks(
+    engine: LLMEngine, prefixes: list[list[int]], suffixes: list[list[int]], lone: list[int] | None = None
+) -> list[list[int]]:
+    """Each suffix forks one of ``prefixes`` (round robin); ``lone`` shares nothing. Greedy tokens of all."""
+    for i, p in enumerate(prefixes):
+        await engine.fill(100 + i, p)
+    fills = [engine.fill(i + 1, s, parent_context_id=100 + i % len(prefixes)) for i, s in enumerate(suffixes)]
+    ids = list(range(1, len(suffixes) + 1))
+    if lone is not None:
+        fills.append(engine.fill(50, lone))
+        ids.append(50)
+    await asyncio.gather(*fills)
+    return list(await asyncio.gather(*(run_generate(engine, i) for i in ids)))
 
-    async def run(backend: object | None) -> list[list[int]]:
-        with _engine(gqa_model, backend, shared_prefix_decode="always") as eng:
-            await eng.fill(0, prefix)
-            await asyncio.gather(*(eng.fill(i + 1, s, parent_context_id=0) for i, s in enumerate(suffixes)))
-            out = await asyncio.gather(*(run_generate(eng, i + 1) for i in range(len(suffixes))))
-            assert eng.stats().grouped_decode_steps > 0
-            return out
 
-    assert await run(ReplayingBackend()) == await run(None)
+@pytest.mark.parametrize("groups,members", [(1, 3), (2, 5)])  # 3 rows: bucket 4, one padding row
+async def test_grouped_steps_replay_their_own_graphs_and_agree(
+    gqa_model: Path, groups: int, members: int
+) -> None:
+    prefixes = prompts(groups, seed=32, low=40, high=41)
+    suffixes = prompts(members, seed=33, low=1, high=9)
+    lone = prompts(1, seed=34, low=30, high=31)[0]  # a row outside every group
+
+    async def run(backend: object | None, mode: str) -> tuple[list[list[int]], int, int]:
+        with _engine(gqa_model, backend, shared_prefix_decode=mode) as eng:
+            out = await _forks(eng, prefixes, suffixes, lone)
+            graphs = eng._runner.graphs
+            return out, eng.stats().grouped_decode_steps, graphs.grouped_replays if graphs else 0
+
+    graphed, grouped_steps, grouped_replays = await run(ReplayingBackend(), "always")
+    assert grouped_steps > 0 and grouped_replays == grouped_steps  # every grouped step replayed a graph
+    eager, eager_grouped, _ = await run(None, "always")
+    plain, none, _ = await run(ReplayingBackend(), "never")
+    assert eager_grouped > 0 and none == 0
+    assert graphed == eager == plain
+
+
+async def test_more_groups_than_a_graph_holds_run_eagerly(
+    gqa_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cuda_graphs, "MAX_GRAPH_GROUPS", 1)
+    prefixes = prompts(2, seed=35, low=40, high=41)
+    suffixes = prompts(4, seed=36, low=1, high=9)
+    with _engine(gqa_model, ReplayingBackend(), shared_prefix_decode="always") as eng:
+        out = await _forks(eng, prefixes, suffixes)
+        graphs = eng._runner.graphs
+        assert graphs is not None and graphs.max_groups == 1
+        assert eng.stats().grouped_decode_steps > 0 and graphs.grouped_replays == 0
+    with _engine(gqa_model, None, shared_prefix_decode="never") as eager:
+        assert out == await _forks(eager, prefixes, suffixes)
+
+
+def test_failed_grouped_capture_keeps_the_plain_graphs(
+    gqa_model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    plain = len(cuda_graphs.graph_batch_sizes(6))
+
+    class FailsGrouped(ReplayingBackend):
+        def capture(self, step: Callable[[], None]) -> Callable[[], None]:
+            if self.captured >= plain:
+                raise RuntimeError("capture not supported")
+            return super().capture(step)
+
+    with _engine(gqa_model, FailsGrouped()) as engine:
+        graphs = engine._runner.graphs
+        assert graphs is not None and not graphs.has_grouped
+    assert "grouped steps failed" in caplog.text
+    with _engine(gqa_model, FailsGrouped(), shared_prefix_decode="never") as engine:  # none asked
+        assert engine._runner.graphs is not None and not engine._runner.graphs.has_grouped
 
 
 async def run_generate(engine: LLMEngine, cid: int) -> list[int]:
