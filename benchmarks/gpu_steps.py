@@ -91,13 +91,21 @@ def engine_config(cfg: StepsConfig, device: str, dtype: str) -> EngineConfig:
 def _report(steps: list[dict[str, Any]], groups: list[dict[str, Any]]) -> None:
     for s in steps:
         print(f"\n## batch {s['batch']} ({s['ops']}): engine thread, Python by own time\n{s['python']}")
+        print(f"## batch {s['batch']} ({s['ops']}): the fill, engine thread's Python\n{s['fill_python']}")
         if "kernels" in s:
             print(f"## batch {s['batch']} ({s['ops']}): kernels\n{s['kernels']}")
     rows = [
-        [str(s["batch"]), s["ops"], f"{s['step_ms']:.2f}", f"{s.get('device_ms', float('nan')):.2f}"]
+        [
+            str(s["batch"]),
+            s["ops"],
+            f"{s['fill_ms']:.1f}",
+            f"{s['step_ms']:.2f}",
+            f"{s.get('device_ms', float('nan')):.2f}",
+        ]
         for s in steps
     ]
-    print(markdown_table(["batch", "layer ops", "step ms", "device ms"], rows, [True, False, True, True]))
+    headers = ["batch", "layer ops", "fill ms", "step ms", "device ms"]
+    print(markdown_table(headers, rows, [True, False, True, True, True]))
     rows = [
         [
             str(g["batch"]),
@@ -117,6 +125,7 @@ def _metrics(steps: list[dict[str, Any]], groups: list[dict[str, Any]]) -> dict[
     for s in steps:
         tag = "" if s["ops"] == "fused" else "_torch_ops"
         found[f"b{s['batch']}_step_ms{tag}"] = s["step_ms"]
+        found[f"b{s['batch']}_fill_ms{tag}"] = s["fill_ms"]
         if "device_ms" in s:
             found[f"b{s['batch']}_device_ms{tag}"] = s["device_ms"]
     for g in groups:

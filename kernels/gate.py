@@ -15,10 +15,11 @@ Thresholds:
   former gate (8 members, 256 tokens) grouped steps the kernel made slower.
 * CUDA, when the step would otherwise replay a CUDA graph and a grouped one cannot (``graphed``: the engine
   has no grouped graphs, `server.engine.cuda_graphs`): at least 3 GiB saved per layer, since grouping then
-  also pays for running the whole step eagerly. Measured end to end on the H100 (`benchmarks.gpu_steps`: a Llama-2-7B shape, no GQA, 16 KiB
-  per token; forks of one prefix, each with 128 tokens of its own, mean decode step grouped-eager against
-  graphed): 32 x 3,840 tokens, 1.9 GiB saved: 0.78-0.83x; 64 x 3,840, 3.7 GiB: 1.26-1.31x; everything
-  smaller 0.40-0.60x (an eager 7B step costs ~25 ms against 10-22 ms graphed at these sizes).
+  also pays for running the whole step eagerly. Measured end to end on the H100 (`benchmarks.gpu_steps`: a
+  Llama-2-7B shape, no GQA, 16 KiB per token; forks of one prefix, each with 128 tokens of its own, mean
+  decode step grouped-eager against graphed): 32 x 3,840 tokens, 1.9 GiB saved: 0.78-0.83x; 64 x 3,840,
+  3.7 GiB: 1.26-1.31x; everything smaller 0.40-0.60x (an eager 7B step cost ~25 ms against 10-22 ms
+  graphed at these sizes).
 * CPU, plain decode on the torch path: at least 2 members and at least 6 MiB of KV reads saved per layer,
   ``(members - 1) * prefix_len * kv_bytes_per_token``. Measured on 2 cores: the grouped pass costs a fixed
   ~0.2 ms per layer (prefix pass, merge), which plain decode spends reading about that much KV. With the

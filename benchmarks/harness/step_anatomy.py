@@ -9,7 +9,9 @@ import cProfile
 import io
 import pstats
 import statistics
-from typing import Any, Protocol
+import time
+from collections.abc import Coroutine
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -18,6 +20,7 @@ from benchmarks.harness.output import log
 from server.engine import SamplingParams
 
 MODES = ("never", "always", "auto")
+T = TypeVar("T")
 
 
 class StepSizes(Protocol):
@@ -57,10 +60,12 @@ def anatomy(ours: OurEngine, cfg: StepSizes, batch: int, vocab: int, cuda: bool)
     ours.call(_decode(ours, ours.call(_fill(ours, prompts)), new))  # warm-up
     trace = ours.engine.step_trace
     assert trace is not None
+    started = time.perf_counter()
     ids = ours.call(_fill(ours, prompts))
+    fill_ms = 1000 * (time.perf_counter() - started)
     since = len(trace)
     ours.call(_decode(ours, ids, new))
-    out: dict[str, Any] = {"batch": batch, "step_ms": 1000 * _decode_step_s(ours, since)}
+    out: dict[str, Any] = {"batch": batch, "step_ms": 1000 * _decode_step_s(ours, since), "fill_ms": fill_ms}
     if cuda:
         ids = ours.call(_fill(ours, prompts))
         acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -70,17 +75,25 @@ def anatomy(ours: OurEngine, cfg: StepSizes, batch: int, vocab: int, cuda: bool)
         total_us = sum(e.self_device_time_total for e in prof.key_averages())
         out["device_ms"] = total_us / 1000 / max(1, new - 1)
         out["kernels"] = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=20)
-    ids = ours.call(_fill(ours, prompts))
+    ids, out["fill_python"] = _profiled(ours, _fill(ours, prompts))
+    _, out["python"] = _profiled(ours, _decode(ours, ids, new))
+    device_ms = out.get("device_ms", float("nan"))
+    log(f"batch {batch}: fill {fill_ms:.1f} ms, step {out['step_ms']:.2f} ms, device {device_ms:.2f} ms")
+    return out
+
+
+def _profiled(ours: OurEngine, work: Coroutine[Any, Any, T]) -> tuple[T, str]:
+    """``work``'s result, and the engine thread's Python functions meanwhile by own time (top 25)."""
     profiler = cProfile.Profile()
     # The engine runs its steps on its own thread; cProfile sees only the thread that enabled it.
     ours.call(ours.engine._run_on_thread(profiler.enable))
-    ours.call(_decode(ours, ids, new))
-    ours.call(ours.engine._run_on_thread(profiler.disable))
+    try:
+        result = ours.call(work)
+    finally:
+        ours.call(ours.engine._run_on_thread(profiler.disable))
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
-    out["python"] = text.getvalue()
-    log(f"batch {batch}: step {out['step_ms']:.2f} ms, device {out.get('device_ms', float('nan')):.2f} ms")
-    return out
+    return result, text.getvalue()
 
 
 def grouping(ours: OurEngine, cfg: StepSizes, batch: int, prefix_len: int, vocab: int) -> dict[str, Any]:
