@@ -61,7 +61,14 @@ def section(record: Mapping[str, Any]) -> list[str]:
             f"Tests on the GPU: {tests['tests']} run, {tests['failures']} failed, {tests['errors']} errors, "
             f"{tests['skipped']} skipped{partial}.",
         ]
-    lines += ["", *_kernels(record), "", *_engine(record)]
+    lines += [
+        "",
+        *_kernels(record),
+        "",
+        *_engine(record),
+        "",
+        *_steps(record.get("after_layer_kernels") or {}),
+    ]
     profile = record.get("profile")
     if profile:
         coefficients = ", ".join(
@@ -128,9 +135,55 @@ def _engine(record: Mapping[str, Any]) -> list[str]:
         "same tok",
     ]
     return [
-        "Engine decode (CUDA graphs on; *eager*: the same engine with them off, same weights) against HF "
+        "Engine decode in the full run, before the layer kernels (CUDA graphs on; *eager*: the same engine "
+        "with them off, same weights) against HF "
         "`generate`, bf16, prompts 128-256 tokens, 32 new tokens. Random weights leave near-ties, so bf16 "
         "greedy tokens agree with HF's only in part; graphs and eager agree on every token.",
         "",
         markdown_table(headers, rows, [False] + [True] * (len(headers) - 1)),
+    ]
+
+
+def _steps(after: Mapping[str, Any]) -> list[str]:
+    """The re-measurement after the Triton layer kernels and grouped graphs (`benchmarks.gpu_steps`)."""
+    steps = (after.get("payloads") or {}).get("steps") or {}
+    if not steps.get("anatomy"):
+        return []
+    anatomy = [
+        [
+            str(a["batch"]),
+            a["ops"],
+            f"{a['fill_ms']:.1f}",
+            f"{a['step_ms']:.2f}",
+            f"{a.get('device_ms', 0):.2f}",
+        ]
+        for a in steps["anatomy"]
+    ]
+    modes = ("never", "always", "auto")
+    grouping = [
+        [
+            str(g["batch"]),
+            str(g["prefix"]),
+            *(f"{g['step_ms'][m]:.2f}" for m in modes),
+            f"{g['grouped_vs_graphed']:.2f}x",
+        ]
+        for g in steps.get("grouping", [])
+    ]
+    return [
+        f"After the Triton layer kernels and grouped graphs (commit `{after.get('commit', '?')}`, "
+        f"{steps.get('shape')}): a decode step's wall time (the engine's step trace) and its kernels' device "
+        "time (torch.profiler), with the fused layer kernels and with torch's ops over the same weights; the "
+        "fill of the batch's 256-token prompts.",
+        "",
+        markdown_table(
+            ["batch", "layer ops", "fill ms", "step ms", "device ms"], anatomy, [True, False] + [True] * 3
+        ),
+        "",
+        "Forks of one prefix (each with 128 tokens of its own), mean graphed decode step: plain paged "
+        "decode (`never`), grouped by shared prefix (`always`), the engine's gate (`auto`: 128 MiB of KV "
+        "reads saved per layer then; set from this table to 512 MiB for graphed steps since).",
+        "",
+        markdown_table(
+            ["batch", "prefix", "never ms", "always ms", "auto ms", "never/always"], grouping, [True] * 6
+        ),
     ]

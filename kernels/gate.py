@@ -13,8 +13,15 @@ Thresholds:
   grouped pass was slower below that (8 sequences sharing 1k tokens, 29 MiB saved: 0.60x) and faster from
   about there on (8 x 4k, 117 MiB: 1.06x; 32 x 1k, 124 MiB: 1.18x; 64 x 1k: 1.34x; 64 x 4k: 2.48x). The
   former gate (8 members, 256 tokens) grouped steps the kernel made slower.
-* CUDA, when the step would otherwise replay a CUDA graph and a grouped one cannot (``graphed``: the engine
-  has no grouped graphs, `server.engine.cuda_graphs`): at least 3 GiB saved per layer, since grouping then
+* CUDA, when the step replays a CUDA graph grouped or not (``graphed``; `server.engine.cuda_graphs` captures
+  grouped steps too): at least 512 MiB saved per layer. Measured end to end on the H100
+  (`benchmarks.gpu_steps`, Llama-2-7B shape, 16 KiB per token, forks of one prefix each with 128 tokens of
+  its own, mean graphed decode step grouped against plain): 16 x 1k (240 MiB saved) 0.95x; 16 x 3,840
+  (900 MiB) 1.32x; 64 x 1k (1,008 MiB) 1.28x; 64 x 3,840 (3.7 GiB) 2.49x. A graphed plain step reads the
+  KV faster than the eager calls the 128 MiB crossover was timed on, so grouping pays later.
+* CUDA, when the step would otherwise replay a CUDA graph and a grouped one cannot (``graphed`` without
+  ``grouped_graphs`` (``graphed``: the engine
+  has no grouped graphs: their capture failed): at least 3 GiB saved per layer, since grouping then
   also pays for running the whole step eagerly. Measured end to end on the H100 (`benchmarks.gpu_steps`: a
   Llama-2-7B shape, no GQA, 16 KiB per token; forks of one prefix, each with 128 tokens of its own, mean
   decode step grouped-eager against graphed): 32 x 3,840 tokens, 1.9 GiB saved: 0.78-0.83x; 64 x 3,840,
@@ -45,13 +52,15 @@ __all__ = [
     "CPU_KERNEL_MIN_MEMBERS",
     "CPU_KERNEL_MIN_MEMBER_TOKENS",
     "CPU_MIN_SAVED_BYTES",
+    "CUDA_EAGER_GROUP_MIN_SAVED_BYTES",
     "CUDA_GRAPHED_MIN_SAVED_BYTES",
     "CUDA_MIN_SAVED_BYTES",
     "should_share_prefix",
 ]
 
 CUDA_MIN_SAVED_BYTES = 128 << 20
-CUDA_GRAPHED_MIN_SAVED_BYTES = 3 << 30
+CUDA_GRAPHED_MIN_SAVED_BYTES = 512 << 20
+CUDA_EAGER_GROUP_MIN_SAVED_BYTES = 3 << 30
 CPU_MIN_SAVED_BYTES = 6 << 20
 CPU_KERNEL_MIN_MEMBERS = 8
 CPU_KERNEL_MIN_MEMBER_TOKENS = 64 << 10
@@ -65,6 +74,7 @@ def should_share_prefix(
     *,
     kv_bytes_per_token: int | None = None,
     graphed: bool = False,
+    grouped_graphs: bool = True,
     cpu_kernel: bool = False,
 ) -> bool:
     """Whether ``num_members`` decoding sequences sharing ``prefix_len`` tokens should be grouped.
@@ -75,14 +85,17 @@ def should_share_prefix(
         device: where attention runs (``torch.device`` or a string such as ``"cuda:0"`` / ``"cpu"``).
         kv_bytes_per_token: K plus V bytes of one token in one layer
             (``2 * num_kv_heads * head_dim * element_size``); default 8 KiB.
-        graphed: on CUDA, the step would otherwise replay a CUDA graph (grouped steps run eagerly).
+        graphed: on CUDA, the step would otherwise replay a CUDA graph.
+        grouped_graphs: with ``graphed``, a grouped step replays a graph too (else it runs eagerly).
         cpu_kernel: on CPU, plain decode runs our C++ kernel (else the torch path).
     """
     if num_members < 2 or prefix_len <= 0:
         return False
     saved = (num_members - 1) * prefix_len * (kv_bytes_per_token or _DEFAULT_KV_BYTES_PER_TOKEN)
     if torch.device(device).type == "cuda":
-        return saved >= (CUDA_GRAPHED_MIN_SAVED_BYTES if graphed else CUDA_MIN_SAVED_BYTES)
+        if not graphed:
+            return saved >= CUDA_MIN_SAVED_BYTES
+        return saved >= (CUDA_GRAPHED_MIN_SAVED_BYTES if grouped_graphs else CUDA_EAGER_GROUP_MIN_SAVED_BYTES)
     if cpu_kernel:
         return (
             num_members >= CPU_KERNEL_MIN_MEMBERS and num_members * prefix_len >= CPU_KERNEL_MIN_MEMBER_TOKENS

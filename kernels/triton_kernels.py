@@ -39,8 +39,11 @@ LOG2E = 1.4426950408889634  # host side: the softmax scale is folded into base 2
 _LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 # Split-KV policy: aim for this many programs per streaming multiprocessor, but never give a split fewer
-# than MIN_SPLIT_TOKENS keys (a split's fixed cost must stay small against its loop).
-PROGRAMS_PER_SM = 4
+# than MIN_SPLIT_TOKENS keys (a split's fixed cost must stay small against its loop). Tuned on the H100
+# (`benchmarks.kernel_tuning`, device time): 2 beat 4 and 8 for plain and shared-prefix decode at every
+# headline shape (plain b64 p4k 0.217 vs 0.224 ms, shared 0.079 vs 0.090 ms); the other settings' shipped
+# values were the sweep's best.
+PROGRAMS_PER_SM = 2
 MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 64
 BLOCK_N = 64  # keys per loop iteration

@@ -253,11 +253,8 @@ class ModelRunner:
             block_tables=pad_tables(tables, self.device), context_lens=_int32(lens, self.device), groups=None
         )
         if self.shared_prefix_decode != "never" and len(ctxs) > 1:
-            # Grouping costs a graph replay only where grouped steps have no graphs of their own.
             graphs = self.graphs
-            graphed = (
-                graphable and graphs is not None and len(ctxs) <= graphs.max_batch and not graphs.has_grouped
-            )
+            graphed = graphable and graphs is not None and len(ctxs) <= graphs.max_batch
             batch.groups = self._group(ctxs, tables, lens, graphed)
             self.grouped_decode_steps += batch.groups is not None
         return batch
@@ -271,6 +268,7 @@ class ModelRunner:
             self.device,
             kv_bytes_per_token=self._kv_bytes_per_token,
             graphed=graphed,
+            grouped_graphs=self.graphs is not None and self.graphs.has_grouped,
             cpu_kernel=self._cpu_decode_kernel,
         )
 

@@ -71,7 +71,10 @@ def test_rope_write_kv_equals_rotate_and_index_copy(dtype: torch.dtype, heads: i
     v_ref_cache.view(-1, kv_heads, d).index_copy_(0, slots, v)
 
     q, k = _ops().rope_write_kv(qkv, cos, sin, k_cache, v_cache, slots, heads, kv_heads)
-    tol = TOL[dtype] if dtype == torch.float32 else {"rtol": 0, "atol": 0}  # same roundings, op for op
+    # The interpreter gives the torch ops' very bits (same roundings, op for op); compiled for the H100,
+    # 13-17% of half-precision elements came out one unit in the last place off.
+    exact = dtype != torch.float32 and DEVICE == "cpu"
+    tol = {"rtol": 0, "atol": 0} if exact else TOL[dtype]
     torch.testing.assert_close(q, q_ref, **tol)
     torch.testing.assert_close(k, k_ref, **tol)
     torch.testing.assert_close(k_cache, k_ref_cache, **tol)
