@@ -73,6 +73,8 @@ class Placement:
         self._running: Counter[int] = Counter()  # engine -> tokens placed there and not released
         self._latency: Counter[int] = Counter()  # engine -> latency-bound steps running there
         self._steps: Counter[int] = Counter()  # engine -> requests placed there and not released
+        # engine -> shared-prefix key -> requests of that prefix placed there and not released
+        self._prefixes: dict[int, Counter[str]] = {}
         self._seq = itertools.count()
         self._pass_pending = False
         self.placed: Counter[tuple[int, Reason]] = Counter()  # (engine, branch) -> steps, for metrics
@@ -110,6 +112,12 @@ class Placement:
         request = self._placed.pop(request.key, request)
         self._running[engine_id] -= request.tokens
         self._steps[engine_id] -= 1
+        if request.shared_prefix is not None:
+            keys = self._prefixes.get(engine_id)
+            if keys is not None:
+                keys[request.shared_prefix] -= 1
+                if keys[request.shared_prefix] <= 0:
+                    del keys[request.shared_prefix]
         if request.latency_bound:
             self._latency[engine_id] -= 1
         self._request_pass()
@@ -138,7 +146,12 @@ class Placement:
         if not waiting:
             return
         engines = [
-            replace(e, running=self._running[e.engine_id], latency_running=self._latency[e.engine_id] > 0)
+            replace(
+                e,
+                running=self._running[e.engine_id],
+                latency_running=self._latency[e.engine_id] > 0,
+                prefixes=frozenset(self._prefixes.get(e.engine_id, ())),
+            )
             for e in self._engines()
         ]
         placeable = []
@@ -159,6 +172,8 @@ class Placement:
                 engine_id = decision.assignments[key]
                 self._running[engine_id] += w.request.tokens
                 self._steps[engine_id] += 1
+                if w.request.shared_prefix is not None:
+                    self._prefixes.setdefault(engine_id, Counter())[w.request.shared_prefix] += 1
                 if w.request.latency_bound:
                     self._latency[engine_id] += 1
                 self.placed[engine_id, decision.reasons[key]] += 1

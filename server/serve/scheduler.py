@@ -14,7 +14,10 @@ branch that applies places it:
 3. **queue_prefix** — queued requests whose prompts start with the same constant prefix go to one engine
    together, so the prefix is prefilled once and decoded with the shared-prefix kernel.
 4. **context** — an engine already holding a context whose tokens prefix the request's: the one holding the
-   most tokens, if its cap allows.
+   most tokens, if its cap allows; failing that, an engine running a request with the same shared prefix
+   (its fill is under way there: the prefix store, or an OpenAI backend's own prefix cache, will hold it),
+   so requests of one prefix that arrive a moment apart still meet on one engine. Prefix batches (3.) take
+   the same preference.
 5. **find_engine** — otherwise the engine that meets the request's objective with the least impact: for
    latency work the least loaded engine (fastest iterations); for throughput work the least loaded engine
    that runs no latency-bound work (latency engines left alone; concurrent jobs spread over the rest
@@ -87,6 +90,9 @@ class EngineState:
     running: int = 0
     latency_running: bool = False
     model: str = ""
+    # Shared-prefix keys of requests placed here and not finished: the engine has that prefix (or will
+    # have it first), in our engine's prefix store or an OpenAI backend's own prefix cache.
+    prefixes: frozenset[str] = frozenset()
 
     def cap_for(self, criteria: Criteria | None) -> int:
         """The running-token cap a request with ``criteria`` must respect here."""
@@ -144,10 +150,12 @@ def schedule(
             decision.reasons[member.key] = reason
             placed.add(member.key)
         current = state[engine]
+        keys = {r.shared_prefix for r in batch if r.shared_prefix is not None}
         state[engine] = replace(
             current,
             running=current.running + sum(r.tokens for r in batch),
             latency_running=current.latency_running or bound,
+            prefixes=current.prefixes | keys if keys else current.prefixes,
         )
     return decision
 
@@ -188,8 +196,13 @@ def _place(
     # Groups and prefix batches prefer an engine holding their prefix too; then find_engine's rule.
     cached = {e.engine_id: max((r.cached.get(e.engine_id, 0) for r in batch), default=0) for e in fitting}
     best = max(cached.values())
+    key = batch[0].shared_prefix if all(r.task_group is None for r in batch) else None
+    running_it = [e for e in fitting if key is not None and key in e.prefixes]
     if best > 0 and reason != "find_engine":
         fitting = [e for e in fitting if cached[e.engine_id] == best]
+    elif running_it:  # no context holds it yet, but an engine runs a request of that prefix
+        fitting = running_it
+        reason = "context" if reason == "find_engine" else reason
     elif reason == "context":
         reason = "find_engine"
     return _find_engine(fitting, criteria), reason

@@ -77,3 +77,29 @@ def test_requests_no_engine_in_service_can_take_fail_at_once_and_new_engines_tak
         assert await waiting == 2 and placement.running_tokens(2) == 50
 
     asyncio.run(run())
+
+
+def test_requests_of_one_prefix_arriving_apart_meet_on_one_engine() -> None:
+    """The first request of a prefix goes by load; one arriving in a later pass, while it runs, follows it
+    to its busier engine (an OpenAI backend's prefix cache, or our prefix store, will hold the prefix
+    there); once both are released the next goes by load again."""
+
+    async def run() -> None:
+        engines = [EngineState(i, capacity=1000, latency_cap=300) for i in range(2)]
+        placement = Placement(lambda: engines)
+
+        def request(key: str, prefix: str | None = "sys") -> QueuedRequest:
+            return QueuedRequest(key, "app", placement.next_seq(), tokens=100, shared_prefix=prefix)
+
+        first, second = request("first"), request("second")
+        assert await placement.acquire(first) == 0  # ties go to the lower id
+        assert await placement.acquire(request("a", None)) == 1
+        assert await placement.acquire(request("b", None)) == 0  # engine 0 now runs 200 tokens, 1 runs 100
+        assert await placement.acquire(second) == 0  # follows "first", not the load
+        placement.release(0, first)
+        placement.release(0, second)
+        assert not placement._prefixes[0]
+        assert await placement.acquire(request("c", None)) == 0  # 100 and 100: a tie; then 200 on 0
+        assert await placement.acquire(request("third")) == 1  # by load again
+
+    asyncio.run(run())

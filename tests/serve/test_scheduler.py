@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -47,6 +49,27 @@ def test_task_group_beats_queue_prefix_beats_context_beats_find_engine() -> None
     # find_engine for throughput work takes the least loaded engine: 1 and 2 both run 150 tokens by now
     # (engine 0 runs 500), and the tie goes to the lower id.
     assert d.assignments["f"] == 1
+
+
+def test_requests_follow_the_engine_running_their_prefix() -> None:
+    """No context holds the prefix yet, but engine 0 runs a request of it (its fill under way): later
+    requests of that prefix go there, busier or not, while they fit; others, and task groups, by load."""
+    states = [
+        EngineState(0, capacity=1000, latency_cap=300, running=400, prefixes=frozenset({"sys"})),
+        EngineState(1, capacity=1000, latency_cap=300),
+    ]
+    d = schedule([req("a", 0, shared_prefix="sys")], states)
+    assert d.assignments == {"a": 0} and d.reasons == {"a": "context"}
+    d = schedule([req("b1", 0, shared_prefix="sys"), req("b2", 1, shared_prefix="sys")], states)
+    assert d.assignments == {"b1": 0, "b2": 0} and d.reasons["b1"] == "queue_prefix"
+    assert schedule([req("o", 0, shared_prefix="other")], states).assignments == {"o": 1}
+    group = [req(f"g{i}", i, task_group="map", shared_prefix="sys") for i in range(2)]
+    assert set(schedule(group, states).assignments.values()) == {1}
+    assert schedule([req("big", 0, tokens=700, shared_prefix="sys")], states).assignments == {"big": 1}
+    # Within one round too: the first request of a prefix marks its engine for the next.
+    first, second = req("x", 0, shared_prefix="new"), req("y", 1, shared_prefix="new", model="m")
+    d = schedule([first, second], [replace(e, model="m") for e in states])
+    assert d.assignments["x"] == d.assignments["y"] == 1
 
 
 def test_find_engine_spreads_latency_work_and_keeps_throughput_off_latency_engines() -> None:
