@@ -18,7 +18,9 @@ from tests.processes import free_port, wait_healthy
 slow = P.SemanticFunction.from_template(
     "Tell a long story: {{output:story}}",
     name="slow",
-    sampling=P.SamplingConfig(max_tokens=400, ignore_eos=True),
+    # Long enough to outlast the refusals checked while it runs: 400 tokens once finished first on a fast
+    # machine, and the drained server was gone before the OpenAI request could be refused.
+    sampling=P.SamplingConfig(max_tokens=2000, ignore_eos=True),
 )
 
 
