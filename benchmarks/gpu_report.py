@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness.output import markdown_table
+from benchmarks.harness.step_tables import anatomy_table, grouping_table
 
 RECORD = "gpu.json"
 # The GPU issue's goals: metric, comparison, bound, what it means.
@@ -149,41 +150,17 @@ def _steps(after: Mapping[str, Any]) -> list[str]:
     steps = (after.get("payloads") or {}).get("steps") or {}
     if not steps.get("anatomy"):
         return []
-    anatomy = [
-        [
-            str(a["batch"]),
-            a["ops"],
-            f"{a['fill_ms']:.1f}",
-            f"{a['step_ms']:.2f}",
-            f"{a.get('device_ms', 0):.2f}",
-        ]
-        for a in steps["anatomy"]
-    ]
-    modes = ("never", "always", "auto")
-    grouping = [
-        [
-            str(g["batch"]),
-            str(g["prefix"]),
-            *(f"{g['step_ms'][m]:.2f}" for m in modes),
-            f"{g['grouped_vs_graphed']:.2f}x",
-        ]
-        for g in steps.get("grouping", [])
-    ]
     return [
         f"After the Triton layer kernels and grouped graphs (commit `{after.get('commit', '?')}`, "
         f"{steps.get('shape')}): a decode step's wall time (the engine's step trace) and its kernels' device "
         "time (torch.profiler), with the fused layer kernels and with torch's ops over the same weights; the "
         "fill of the batch's 256-token prompts.",
         "",
-        markdown_table(
-            ["batch", "layer ops", "fill ms", "step ms", "device ms"], anatomy, [True, False] + [True] * 3
-        ),
+        anatomy_table(steps["anatomy"]),
         "",
         "Forks of one prefix (each with 128 tokens of its own), mean graphed decode step: plain paged "
         "decode (`never`), grouped by shared prefix (`always`), the engine's gate (`auto`: 128 MiB of KV "
         "reads saved per layer then; set from this table to 512 MiB for graphed steps since).",
         "",
-        markdown_table(
-            ["batch", "prefix", "never ms", "always ms", "auto ms", "never/always"], grouping, [True] * 6
-        ),
+        grouping_table(steps.get("grouping", [])),
     ]

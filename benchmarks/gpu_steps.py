@@ -34,8 +34,9 @@ from benchmarks.harness.engine_models import engine_model
 from benchmarks.harness.flags import bench_dtype
 from benchmarks.harness.generators import OurEngine
 from benchmarks.harness.kv_fork import blocks
-from benchmarks.harness.output import log, markdown_table, result_line, write_json
-from benchmarks.harness.step_anatomy import MODES, anatomy, grouping
+from benchmarks.harness.output import log, result_line, write_json
+from benchmarks.harness.step_anatomy import anatomy, grouping
+from benchmarks.harness.step_tables import anatomy_table, grouping_table
 from kernels import cpu_kernels, layer_ops
 from server.engine import EngineConfig, LLMEngine
 
@@ -94,30 +95,8 @@ def _report(steps: list[dict[str, Any]], groups: list[dict[str, Any]]) -> None:
         print(f"## batch {s['batch']} ({s['ops']}): the fill, engine thread's Python\n{s['fill_python']}")
         if "kernels" in s:
             print(f"## batch {s['batch']} ({s['ops']}): kernels\n{s['kernels']}")
-    rows = [
-        [
-            str(s["batch"]),
-            s["ops"],
-            f"{s['fill_ms']:.1f}",
-            f"{s['step_ms']:.2f}",
-            f"{s.get('device_ms', float('nan')):.2f}",
-        ]
-        for s in steps
-    ]
-    headers = ["batch", "layer ops", "fill ms", "step ms", "device ms"]
-    print(markdown_table(headers, rows, [True, False, True, True, True]))
-    rows = [
-        [
-            str(g["batch"]),
-            str(g["prefix"]),
-            *(f"{g['step_ms'][m]:.2f}" for m in MODES),
-            f"{g['grouped_vs_graphed']:.2f}x",
-            str(g["grouped_steps"]["auto"]),
-        ]
-        for g in groups
-    ]
-    headers = ["batch", "prefix", *(f"{m} ms" for m in MODES), "never/always", "auto grouped steps"]
-    print(markdown_table(headers, rows, [True] * 7))
+    print(anatomy_table(steps))
+    print(grouping_table(groups))
 
 
 def _metrics(steps: list[dict[str, Any]], groups: list[dict[str, Any]]) -> dict[str, float]:

@@ -17,9 +17,9 @@ import torch
 
 from benchmarks.harness.generators import OurEngine
 from benchmarks.harness.output import log
+from benchmarks.harness.step_tables import MODES
 from server.engine import SamplingParams
 
-MODES = ("never", "always", "auto")
 T = TypeVar("T")
 
 

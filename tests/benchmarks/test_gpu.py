@@ -52,6 +52,32 @@ def test_two_steps_run_end_to_end_on_cpu(tmp_path: Path) -> None:
     assert "kernels_bf16" in done.stdout  # the summary table, printed last
 
 
+def test_the_steps_step_runs_end_to_end_on_cpu(tmp_path: Path) -> None:
+    """`benchmarks.gpu_steps` at tiny sizes, with the torch-ops comparison: its payload and metrics land in
+    the record, and the page renders its tables from a record's re-measurement section."""
+    out = tmp_path / "gpu"
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu", "--out", str(out), "--tiny", "--only", "steps"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    record = json.loads((out / "gpu.json").read_text())
+    steps = record["payloads"]["steps"]
+    assert [a["batch"] for a in steps["anatomy"]] == [1, 4]
+    assert all(
+        a["step_ms"] > 0 and a["fill_ms"] > 0 and "engine thread" not in a["python"] for a in steps["anatomy"]
+    )
+    (group,) = steps["grouping"]
+    assert group["grouped_steps"]["always"] > 0 and group["grouped_steps"]["never"] == 0
+    assert {"steps_b1_step_ms", "steps_grouped_vs_graphed_b4_p64"} <= set(record["metrics"])
+    section = "\n".join(gpu_report.section({"after_layer_kernels": {"payloads": {"steps": steps}}}))
+    assert "| batch | layer ops | fill ms | step ms | device ms |" in section
+    assert "auto grouped steps" in section
+
+
 def test_a_step_over_its_time_is_stopped_and_recorded(tmp_path: Path) -> None:
     step = gpu.Step("sleepy", [sys.executable, "-c", "import time; time.sleep(30)"], limit_s=1)
     status = gpu.run_step(step, tmp_path, deadline=float("inf"))
