@@ -79,10 +79,10 @@ def test_requests_no_engine_in_service_can_take_fail_at_once_and_new_engines_tak
     asyncio.run(run())
 
 
-def test_requests_of_one_prefix_arriving_apart_meet_on_one_engine() -> None:
-    """The first request of a prefix goes by load; one arriving in a later pass, while it runs, follows it
-    to its busier engine (an OpenAI backend's prefix cache, or our prefix store, will hold the prefix
-    there); once both are released the next goes by load again."""
+def test_a_prefix_batch_queued_while_its_first_member_runs_meets_it() -> None:
+    """The first request of a prefix goes by load; a batch of that prefix placed in a later pass, while it
+    runs, follows it to its busier engine (an OpenAI backend's prefix cache, or our prefix store, will hold
+    the prefix there); once it is released, placement goes by load again."""
 
     async def run() -> None:
         engines = [EngineState(i, capacity=1000, latency_cap=300) for i in range(2)]
@@ -91,15 +91,17 @@ def test_requests_of_one_prefix_arriving_apart_meet_on_one_engine() -> None:
         def request(key: str, prefix: str | None = "sys") -> QueuedRequest:
             return QueuedRequest(key, "app", placement.next_seq(), tokens=100, shared_prefix=prefix)
 
-        first, second = request("first"), request("second")
+        first = request("first")
         assert await placement.acquire(first) == 0  # ties go to the lower id
         assert await placement.acquire(request("a", None)) == 1
         assert await placement.acquire(request("b", None)) == 0  # engine 0 now runs 200 tokens, 1 runs 100
-        assert await placement.acquire(second) == 0  # follows "first", not the load
-        placement.release(0, first)
-        placement.release(0, second)
+        batch = [request("s1"), request("s2")]
+        assert await asyncio.gather(*(placement.acquire(r) for r in batch)) == [0, 0]  # not by load
+        for r in (first, *batch):
+            placement.release(0, r)
         assert not placement._prefixes[0]
         assert await placement.acquire(request("c", None)) == 0  # 100 and 100: a tie; then 200 on 0
-        assert await placement.acquire(request("third")) == 1  # by load again
+        later = [request("t1"), request("t2")]
+        assert await asyncio.gather(*(placement.acquire(r) for r in later)) == [1, 1]  # by load again
 
     asyncio.run(run())

@@ -51,25 +51,28 @@ def test_task_group_beats_queue_prefix_beats_context_beats_find_engine() -> None
     assert d.assignments["f"] == 1
 
 
-def test_requests_follow_the_engine_running_their_prefix() -> None:
-    """No context holds the prefix yet, but engine 0 runs a request of it (its fill under way): later
-    requests of that prefix go there, busier or not, while they fit; others, and task groups, by load."""
+def test_prefix_batches_follow_the_engine_running_their_prefix() -> None:
+    """No context holds the prefix yet, but engine 0 runs a request of it (its fill under way): a batch of
+    that prefix goes there, busier or not, while it fits; a lone request, other prefixes and task groups go
+    by load."""
     states = [
         EngineState(0, capacity=1000, latency_cap=300, running=400, prefixes=frozenset({"sys"})),
         EngineState(1, capacity=1000, latency_cap=300),
     ]
-    d = schedule([req("a", 0, shared_prefix="sys")], states)
-    assert d.assignments == {"a": 0} and d.reasons == {"a": "context"}
     d = schedule([req("b1", 0, shared_prefix="sys"), req("b2", 1, shared_prefix="sys")], states)
     assert d.assignments == {"b1": 0, "b2": 0} and d.reasons["b1"] == "queue_prefix"
-    assert schedule([req("o", 0, shared_prefix="other")], states).assignments == {"o": 1}
+    assert schedule([req("a", 0, shared_prefix="sys")], states).assignments == {"a": 1}
+    pair = [req("o1", 0, shared_prefix="other"), req("o2", 1, shared_prefix="other")]
+    assert set(schedule(pair, states).assignments.values()) == {1}
     group = [req(f"g{i}", i, task_group="map", shared_prefix="sys") for i in range(2)]
     assert set(schedule(group, states).assignments.values()) == {1}
-    assert schedule([req("big", 0, tokens=700, shared_prefix="sys")], states).assignments == {"big": 1}
-    # Within one round too: the first request of a prefix marks its engine for the next.
-    first, second = req("x", 0, shared_prefix="new"), req("y", 1, shared_prefix="new", model="m")
-    d = schedule([first, second], [replace(e, model="m") for e in states])
-    assert d.assignments["x"] == d.assignments["y"] == 1
+    big = [req(f"big{i}", i, tokens=350, shared_prefix="sys") for i in range(2)]
+    assert set(schedule(big, states).assignments.values()) == {1}  # 700 more would not fit engine 0
+    # Within one round too: a batch placed first marks its engine for a later batch of its prefix.
+    first = [req("x1", 0, shared_prefix="new"), req("x2", 1, shared_prefix="new")]
+    later = [req("y1", 2, shared_prefix="new", model="m"), req("y2", 3, shared_prefix="new", model="m")]
+    d = schedule(first + later, [replace(e, model="m") for e in states])
+    assert {d.assignments[k] for k in ("x1", "x2", "y1", "y2")} == {1}
 
 
 def test_find_engine_spreads_latency_work_and_keeps_throughput_off_latency_engines() -> None:
