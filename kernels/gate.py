@@ -20,13 +20,11 @@ Thresholds:
   (900 MiB) 1.32x; 64 x 1k (1,008 MiB) 1.28x; 64 x 3,840 (3.7 GiB) 2.49x. A graphed plain step reads the
   KV faster than the eager calls the 128 MiB crossover was timed on, so grouping pays later.
 * CUDA, when the step would otherwise replay a CUDA graph and a grouped one cannot (``graphed`` without
-  ``grouped_graphs`` (``graphed``: the engine
-  has no grouped graphs: their capture failed): at least 3 GiB saved per layer, since grouping then
-  also pays for running the whole step eagerly. Measured end to end on the H100 (`benchmarks.gpu_steps`: a
-  Llama-2-7B shape, no GQA, 16 KiB per token; forks of one prefix, each with 128 tokens of its own, mean
-  decode step grouped-eager against graphed): 32 x 3,840 tokens, 1.9 GiB saved: 0.78-0.83x; 64 x 3,840,
-  3.7 GiB: 1.26-1.31x; everything smaller 0.40-0.60x (an eager 7B step cost ~25 ms against 10-22 ms
-  graphed at these sizes).
+  ``grouped_graphs``: the engine has no grouped graphs, their capture failed): at least 3 GiB saved per
+  layer, since grouping then also pays for running the whole step eagerly. Measured end to end on the H100
+  before grouped graphs existed (`benchmarks.gpu_steps`, same shape and workload, grouped-eager against
+  graphed): 32 x 3,840 tokens, 1.9 GiB saved: 0.78-0.83x; 64 x 3,840, 3.7 GiB: 1.26-1.31x; everything
+  smaller 0.40-0.60x (an eager 7B step cost ~25 ms against 10-22 ms graphed at these sizes).
 * CPU, plain decode on the torch path: at least 2 members and at least 6 MiB of KV reads saved per layer,
   ``(members - 1) * prefix_len * kv_bytes_per_token``. Measured on 2 cores: the grouped pass costs a fixed
   ~0.2 ms per layer (prefix pass, merge), which plain decode spends reading about that much KV. With the

@@ -18,7 +18,7 @@ import torch
 from kernels import cpu_kernels
 from kernels.cpu_kernels import AddRMSNorm, RopeWriteKV, SiluMul
 
-__all__ = ["DISABLE_ENV", "add_rms_norm_op", "rope_write_kv_op", "silu_mul_op"]
+__all__ = ["DISABLE_ENV", "add_rms_norm_op", "clear_cache", "rope_write_kv_op", "silu_mul_op"]
 
 DISABLE_ENV = "PARROT_LAYER_KERNELS"
 _HALF = (torch.bfloat16, torch.float16)

@@ -253,8 +253,7 @@ class ModelRunner:
             block_tables=pad_tables(tables, self.device), context_lens=_int32(lens, self.device), groups=None
         )
         if self.shared_prefix_decode != "never" and len(ctxs) > 1:
-            graphs = self.graphs
-            graphed = graphable and graphs is not None and len(ctxs) <= graphs.max_batch
+            graphed = graphable and self.graphs is not None and len(ctxs) <= self.graphs.max_batch
             batch.groups = self._group(ctxs, tables, lens, graphed)
             self.grouped_decode_steps += batch.groups is not None
         return batch
