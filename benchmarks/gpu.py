@@ -55,6 +55,7 @@ class Step:
 # The gpu tests, the Triton kernels' tests (on CUDA there) and engine tests whose engines run on CUDA there.
 TESTS = (
     "tests/kernels/test_attention.py",
+    "tests/kernels/test_layer_ops.py",
     "tests/engine/test_cuda_engine.py",
     "tests/engine/test_cuda_graphs.py",
     "tests/engine/test_hf_parity.py",

@@ -141,5 +141,6 @@ def test_the_tests_step_runs_the_gpu_suites_without_the_moot_checks(tmp_path: Pa
     command = by_name["tests"].command
     assert command[command.index("-k") + 1] == "not compile_for_cuda and not import_does_not_load"
     assert "tests/engine/test_cuda_engine.py" in command and "tests/engine/test_cuda_graphs.py" in command
+    assert "tests/kernels/test_layer_ops.py" in command
     assert by_name["tests"].env == {"PARROT_CPU_KERNELS": "0"}
     assert "--profile-shape" in by_name["engine"].command
