@@ -98,8 +98,7 @@ def _profiled(ours: OurEngine, work: Coroutine[Any, Any, T]) -> tuple[T, str]:
 
 def grouping(ours: OurEngine, cfg: StepSizes, batch: int, prefix_len: int, vocab: int) -> dict[str, Any]:
     """Mean decode step of ``batch`` forks of one prefix, per ``shared_prefix_decode`` mode (interleaved)."""
-    runner = ours.engine._runner  # the mode is read per step: switched between runs, same weights and KV
-    shipped = runner.shared_prefix_decode
+    engine = ours.engine  # the mode is switched between runs: same weights and KV
     prefix = [(5 * j + 11) % (vocab - 3) + 3 for j in range(prefix_len)]
     suffixes = [[(3 * i + 7 * j) % (vocab - 3) + 3 for j in range(cfg.suffix)] for i in range(batch)]
     sampling = SamplingParams(max_tokens=cfg.group_new, ignore_eos=True)
@@ -113,19 +112,20 @@ def grouping(ours: OurEngine, cfg: StepSizes, batch: int, prefix_len: int, vocab
         await asyncio.gather(*(ours.engine.generate(c, sampling) for c in ids))
         await asyncio.gather(*(ours.engine.free_context(c) for c in [root, *ids]))
 
+    shipped = ours.call(engine.set_shared_prefix_decode(MODES[0]))
     try:
         for repeat in range(cfg.repeats + 1):  # the first round warms up (Triton compiles)
             for mode in MODES:
-                runner.shared_prefix_decode = mode
-                trace = ours.engine.step_trace
+                ours.call(engine.set_shared_prefix_decode(mode))
+                trace = engine.step_trace
                 assert trace is not None
-                since, before = len(trace), runner.grouped_decode_steps
+                since, before = len(trace), engine.stats().grouped_decode_steps
                 ours.call(once())
                 if repeat:
                     times[mode].append(_decode_step_s(ours, since))
-                grouped[mode] = runner.grouped_decode_steps - before
+                grouped[mode] = engine.stats().grouped_decode_steps - before
     finally:
-        runner.shared_prefix_decode = shipped
+        ours.call(engine.set_shared_prefix_decode(shipped))
     ms = {m: 1000 * statistics.median(t) for m, t in times.items()}
     row = {"batch": batch, "prefix": prefix_len, "step_ms": ms, "grouped_steps": grouped}
     row["grouped_vs_graphed"] = ms["never"] / ms["always"]

@@ -459,6 +459,21 @@ class LLMEngine(KVExchange, GeneratesBySubmit):
 
         await self._run_on_thread(apply)
 
+    async def set_shared_prefix_decode(self, mode: str) -> str:
+        """Switch `EngineConfig.shared_prefix_decode` (``"auto"``, ``"always"`` or ``"never"``) from the next
+        step on; returns the mode it replaces. Results are the same in every mode, only speed differs (a
+        benchmark compares them over the same weights and KV). An engine started with ``"never"`` captured
+        no grouped CUDA graphs: its grouped steps then run eagerly."""
+        if mode not in ("auto", "always", "never"):
+            raise InvalidRequestError(f"set_shared_prefix_decode: 'auto', 'always' or 'never', not {mode!r}")
+
+        def apply() -> str:
+            previous = self._runner.shared_prefix_decode
+            self._runner.shared_prefix_decode = mode  # type: ignore[assignment]
+            return previous
+
+        return await self._run_on_thread(apply)
+
     def reset_peak_blocks(self) -> None:
         """Restart `EngineStats.blocks_peak` from the blocks in use now (a benchmark measuring one phase)."""
         self._allocator.reset_peak()

@@ -184,3 +184,23 @@ def test_gpu_kv_budget_is_this_engines_share(monkeypatch: pytest.MonkeyPatch) ->
     assert config.kv_cache_bytes(model_bytes=14 * gib) == 10 * gib - 80 * gib // 50
     with pytest.raises(ValueError, match="no GPU memory left for the KV cache"):
         EngineConfig(device="cuda", gpu_memory_utilization=0.1).kv_cache_bytes(model_bytes=14 * gib)
+
+
+async def test_the_mode_switches_while_the_engine_serves(gqa_model: Path) -> None:
+    """`set_shared_prefix_decode` takes effect from the next step; an engine started with "never" captured
+    no grouped graphs, so its grouped steps then run eagerly, with the same tokens."""
+    from server.engine.errors import InvalidRequestError
+
+    prefixes, suffixes = prompts(1, seed=37, low=40, high=41), prompts(3, seed=38, low=1, high=9)
+    with _engine(gqa_model, ReplayingBackend(), shared_prefix_decode="never") as eng:
+        plain = await _forks(eng, prefixes, suffixes)
+        assert eng.stats().grouped_decode_steps == 0
+        for cid in (100, 1, 2, 3):  # the same contexts again, from scratch
+            await eng.free_context(cid)
+        assert await eng.set_shared_prefix_decode("always") == "never"
+        grouped = await _forks(eng, prefixes, suffixes)
+        graphs = eng._runner.graphs
+        assert eng.stats().grouped_decode_steps > 0 and graphs is not None and graphs.grouped_replays == 0
+        with pytest.raises(InvalidRequestError, match="'auto', 'always' or 'never'"):
+            await eng.set_shared_prefix_decode("sometimes")
+    assert grouped == plain
