@@ -153,8 +153,9 @@ def _steps(after: Mapping[str, Any]) -> list[str]:
     return [
         f"After the Triton layer kernels and grouped graphs (commit `{after.get('commit', '?')}`, "
         f"{steps.get('shape')}): a decode step's wall time (the engine's step trace) and its kernels' device "
-        "time (torch.profiler), with the fused layer kernels and with torch's ops over the same weights; the "
-        "fill of the batch's 256-token prompts.",
+        "time (torch.profiler), with the fused layer kernels and with torch's ops over the same weights. "
+        "*fill ms* of that run is the host's time to queue the fill of the batch's 256-token prompts, not "
+        "the prefill itself (a fill reads nothing back; the benchmark now waits for the device).",
         "",
         anatomy_table(steps["anatomy"]),
         "",

@@ -62,6 +62,8 @@ def anatomy(ours: OurEngine, cfg: StepSizes, batch: int, vocab: int, cuda: bool)
     assert trace is not None
     started = time.perf_counter()
     ids = ours.call(_fill(ours, prompts))
+    if cuda:  # a fill answers once its kernels are queued (nothing is read back): wait for them
+        torch.cuda.synchronize()
     fill_ms = 1000 * (time.perf_counter() - started)
     since = len(trace)
     ours.call(_decode(ours, ids, new))
