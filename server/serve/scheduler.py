@@ -15,6 +15,10 @@ branch that applies places it:
    together, so the prefix is prefilled once and decoded with the shared-prefix kernel.
 4. **context** — an engine already holding a context whose tokens prefix the request's: the one holding the
    most tokens, if its cap allows.
+5. **find_engine** — otherwise the engine that meets the request's objective with the least impact: for
+   latency work the least loaded engine (fastest iterations); for throughput work the least loaded engine
+   that runs no latency-bound work (latency engines left alone; concurrent jobs spread over the rest
+   rather than piling onto one engine, where their prefills would run one after another).
 
 A prefix batch (3.) that no context serves yet prefers an engine running a request of its prefix (its fill
 is under way there: our prefix store, or an OpenAI backend's own prefix cache, will hold it), so a batch
@@ -22,10 +26,6 @@ that queued while its first member was being placed still meets it. Lone request
 placement: following the running prefix for them too kept each of four GPTs apps on one engine, whose
 prompts of 1k-7k tokens then loaded the engines unevenly (`gpts_cluster`: 0.71x the rate of load-only
 placement at 4 apps, though 1.41x better at 16 apps).
-5. **find_engine** — otherwise the engine that meets the request's objective with the least impact: for
-   latency work the least loaded engine (fastest iterations); for throughput work the least loaded engine
-   that runs no latency-bound work (latency engines left alone; concurrent jobs spread over the rest
-   rather than piling onto one engine, where their prefills would run one after another).
 
 Caps: an engine runs at most ``capacity`` tokens (prompt + new tokens of what it runs); while it runs
 latency-bound work, at most ``latency_cap``. A request never goes where its cap would be exceeded: a
