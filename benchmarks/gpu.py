@@ -102,7 +102,19 @@ def steps(out: Path, tiny: bool, tests_k: str | None = None, shapes: list[str] |
             + ([] if tiny else ["--profile-shape", "llama-2-7b"]),
             270,
         ),
-        Step("steps", [*py, "-m", "benchmarks.gpu_steps", *size, "--json", str(out / "steps.json")], 120),
+        Step(
+            "steps",
+            [
+                *py,
+                "-m",
+                "benchmarks.gpu_steps",
+                *size,
+                "--compare-layer-ops",
+                "--json",
+                str(out / "steps.json"),
+            ],
+            150,
+        ),
         kernels["fp16"],
         Step(
             "kernel_tuning",

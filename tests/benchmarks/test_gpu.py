@@ -20,27 +20,15 @@ from benchmarks.report import render_page
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _run_gpu(out: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m benchmarks.gpu --out OUT --tiny ARGS`` on this machine."""
+    command = [sys.executable, "-m", "benchmarks.gpu", "--out", str(out), "--tiny", *args]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
 def test_two_steps_run_end_to_end_on_cpu(tmp_path: Path) -> None:
     out, archive = tmp_path / "gpu", tmp_path / "gpu.tgz"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.gpu",
-            "--out",
-            str(out),
-            "--tiny",
-            "--only",
-            "env",
-            "kernels_bf16",
-            "--archive",
-            str(archive),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = _run_gpu(out, "--only", "env", "kernels_bf16", "--archive", str(archive))
     assert done.returncode == 0, done.stderr[-2000:]
     record = json.loads((out / "gpu.json").read_text())
     assert set(record["steps"]) == {"env", "kernels_bf16"}
@@ -56,17 +44,16 @@ def test_the_steps_step_runs_end_to_end_on_cpu(tmp_path: Path) -> None:
     """`benchmarks.gpu_steps` at tiny sizes, with the torch-ops comparison: its payload and metrics land in
     the record, and the page renders its tables from a record's re-measurement section."""
     out = tmp_path / "gpu"
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu", "--out", str(out), "--tiny", "--only", "steps"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = _run_gpu(out, "--only", "steps")
     assert done.returncode == 0, done.stderr[-2000:]
     record = json.loads((out / "gpu.json").read_text())
     steps = record["payloads"]["steps"]
-    assert [a["batch"] for a in steps["anatomy"]] == [1, 4]
+    assert [(a["batch"], a["ops"]) for a in steps["anatomy"]] == [
+        (1, "fused"),
+        (4, "fused"),
+        (1, "torch"),
+        (4, "torch"),
+    ]
     for a in steps["anatomy"]:
         assert a["step_ms"] > 0 and a["fill_ms"] > 0
         assert "server/engine/model.py" in a["python"]  # the engine thread's forward passes, profiled
