@@ -76,7 +76,9 @@ def engine_config(cfg: StepsConfig, device: str, dtype: str) -> EngineConfig:
     grouped = (
         blocks(max(cfg.group_prefixes), EngineConfig.block_size) + max(cfg.group_batches, default=0) * per_seq
     )
-    anatomy = max(cfg.anatomy_batches) * (blocks(cfg.anatomy_prompt + cfg.anatomy_new, 16) + 1)
+    anatomy = max(cfg.anatomy_batches) * (
+        blocks(cfg.anatomy_prompt + cfg.anatomy_new, EngineConfig.block_size) + 1
+    )
     batch = max(*cfg.group_batches, *cfg.anatomy_batches)
     return EngineConfig(
         num_kv_blocks=max(grouped, anatomy) + 64,
