@@ -34,7 +34,6 @@ __all__ = [
     "Traced",
     "as_dict",
     "compare",
-    "drop_cached_contexts",
     "expected_peaks",
     "figure_ratio",
     "from_empty_cache",
@@ -129,19 +128,12 @@ async def idle(served: Served, *, empty: bool = False, timeout: float = 10.0) ->
         await asyncio.sleep(0.005)
 
 
-async def drop_cached_contexts(served: Served) -> int:
-    """Free every context the manager keeps for reuse (shared prefixes, finished steps): the next run
-    starts from an empty KV cache. Between runs only. Returns how many were dropped."""
-    if served.server is None:
-        raise ValueError(f"{served.system.name}: only an in-process server's manager can be reached")
-    server = served.server
-    return await asyncio.to_thread(server.run, server.manager.drop_cache())
-
-
 async def from_empty_cache(served: Served, job: Job) -> Traced:
     """`measure.timed` of ``job`` from an empty KV cache, with its step trace and KV peak; the cached
     contexts it leaves are dropped afterwards too."""
-    await drop_cached_contexts(served)
+    if served.server is None:
+        raise ValueError(f"{served.system.name}: only an in-process server's manager can be reached")
+    await served.drop_kept_contexts()
     await idle(served, empty=True)
     engines = list(served.engines)
     for e in engines:
@@ -153,7 +145,7 @@ async def from_empty_cache(served: Served, job: Job) -> Traced:
     await idle(served)
     trace = tuple(r for e in engines for r in e.step_trace)
     grouped = sum(e.stats().grouped_decode_steps for e in engines) - grouped
-    await drop_cached_contexts(served)
+    await served.drop_kept_contexts()
     return Traced(
         **{f.name: getattr(run, f.name) for f in fields(Run)},
         trace=trace,

@@ -1,10 +1,11 @@
 """Measurement: one timed run with the engine's exact counters, interleaved repeats, checked outputs.
 
 Every application experiment times the same thing: a client's job on its system, from the first request
-to the answer in the client's hands, with the work the engines did meanwhile (steps, prefill and decode
-tokens — exact counts) and the HTTP requests it took. Repeats alternate which system goes first, so a
-slow moment of a shared machine hits both; the output of every run must equal the first one's (greedy
-decoding is deterministic), and the systems must agree with each other, or the run stops.
+to the answer in the client's hands, starting from no KV an earlier run kept, with the work the engines
+did meanwhile (steps, prefill and decode tokens — exact counts) and the HTTP requests it took. Repeats
+alternate which system goes first, so a slow moment of a shared machine hits both; the output of every run
+must equal the first one's (greedy decoding is deterministic), and the systems must agree with each other,
+or the run stops.
 """
 
 from __future__ import annotations
@@ -38,9 +39,15 @@ class Run:
     engine: dict[str, int]
 
 
-async def timed(served: Served, job: Job, clock: Callable[[], float] = time.perf_counter) -> Run:
+async def timed(
+    served: Served, job: Job, clock: Callable[[], float] = time.perf_counter, *, cold: bool = True
+) -> Run:
     """Run ``job`` on ``served`` once. ``clock``: the simulator's virtual clock where it runs there.
-    Requests count every method but ``DELETE`` up to the answer (`done`, else the job's return)."""
+    Requests count every method but ``DELETE`` up to the answer (`done`, else the job's return). ``cold``:
+    the contexts the server keeps from earlier runs are dropped first (`Served.drop_kept_contexts`), so
+    repeats of one job each compute what a first run does; sharing inside the run is the system's own."""
+    if cold:
+        await served.drop_kept_contexts()
     requests_before = served.requests()
     engine_before = served.counters()
     done: list[tuple[float, Counter[tuple[str, str]]]] = []

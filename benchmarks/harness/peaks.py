@@ -2,8 +2,9 @@
 measured").
 
 Each engine counts the most blocks it has had in use (`EngineStats.blocks_peak`), not a sample; `peaked`
-restarts that count before a job, so the peak is the job's (plus whatever was already held when it began:
-on a fresh server, nothing). Real engines and simulated ones keep the same count.
+restarts that count before a job, after dropping what earlier runs kept (`measure.timed`'s cold start),
+so the peak is the job's (plus whatever was still running when it began). Real engines and simulated ones
+keep the same count.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ __all__ = ["peaked"]
 async def peaked(served: Served, job: Job, clock: Callable[[], float] = time.perf_counter) -> tuple[Run, int]:
     """``job`` timed on ``served`` (`measure.timed`) and the most KV blocks in use meanwhile, summed over the
     system's engines (each engine's own peak: with several engines, an upper bound on their joint peak)."""
+    await served.drop_kept_contexts()  # before the count restarts: what the job finds kept is not its peak
     for engine in served.engines:
         engine.reset_peak_blocks()
-    run = await timed(served, job, clock)
+    run = await timed(served, job, clock, cold=False)
     return run, sum(int(engine.stats().blocks_peak) for engine in served.engines)

@@ -10,6 +10,7 @@ counters and the delay switch, so one client function drives either.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections import Counter
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
@@ -125,6 +126,17 @@ class Served:
     def requests(self) -> Counter[tuple[str, str]]:
         """A copy of the requests answered so far by ``(method, route)``."""
         return Counter(self.request_counts)
+
+    async def drop_kept_contexts(self) -> int:
+        """Free every context the manager keeps for reuse (cached prefixes, finished steps), so the next run
+        computes its prompts as a new application's would: a repeat of the same job must not find its own
+        earlier run's KV (that would time a cache hit, which the baseline has no way to get). Contexts a
+        running request forks from stay. On the simulator or a server out of process there is nothing to
+        reach: 0 (each simulated run starts on a fresh cluster). Returns how many were dropped."""
+        if self.server is None:
+            return 0
+        server = self.server
+        return await asyncio.to_thread(server.run, server.manager.drop_cache())
 
     def set_delay(self, enabled: bool) -> None:
         if self.delay is None:

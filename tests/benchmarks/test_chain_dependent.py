@@ -74,3 +74,8 @@ def test_tiny_run_checks_outputs_and_ends_with_the_result_line(
         # long the chain.
         assert clients[cd.BASELINE]["requests"] == 3
         assert clients[cd.PARROT]["requests"] == clients[cd.PARROT_SUBMIT]["requests"] == 1
+        # Each timed chain starts from no KV an earlier one kept: Parrot prefills at least the first step's
+        # whole prompt (a cache hit from the warm-up would leave a token or two per step).
+        for name in (cd.PARROT, cd.PARROT_SUBMIT):
+            for run in clients[name]["engine"]:
+                assert run["prefill_tokens_computed"] >= payload["prompt_tokens_per_step"][0], name

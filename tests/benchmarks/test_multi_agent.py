@@ -110,6 +110,11 @@ def test_tiny_run_checks_outputs_ends_with_the_result_line_and_plots(
     assert (
         cold["parrot, no sharing"]["prefill_tokens_computed"] == cold["baseline"]["prefill_tokens_computed"]
     )
+    # Every timed run starts cold too: a repeat must not find the KV its earlier run kept (it would time a
+    # cache hit the baseline cannot get).
+    for name in multi_agent.CLIENTS:
+        for run in clients[name]["engine"]:
+            assert run["prefill_tokens_computed"] == cold[name]["prefill_tokens_computed"], name
     png = tmp_path / "multi_agent.png"
     multi_agent.plot(payload, png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
