@@ -40,8 +40,7 @@ class Experiment:
     conditions: str  # what a reader needs to judge the figure: model, engine, delay, sizes
     tiny_args: tuple[str, ...] = ("--tiny",)  # a harness check in seconds (figures meaningless)
     takes_model: bool = False  # accepts ``--model PATH`` (real-engine runs)
-    # The model its quick and full runs use unless the runner is given one. SmolLM2 where the experiment's
-    # sizes were set for it; the rest still run the tiny model (moving them needs smaller quick sizes).
+    # The model its quick and full runs use unless the runner is given one (`--tiny` runs use "tiny").
     default_model: str = "tiny"
     profile: str | None = None  # the simulator's GPU latency profile
 
@@ -52,6 +51,9 @@ class Experiment:
 
 SIM_PROFILE = "a100-llama7b"
 DELAY = "simulated client network delay U(0.2, 0.3) s per request"
+# The real-engine experiments' engine unless the runner names another model (`benchmarks.harness.systems`:
+# float32 on CPU, so greedy answers compare exactly between the systems).
+REAL_MODEL = "the model below in float32 on CPU"
 
 EXPERIMENTS: tuple[Experiment, ...] = (
     Experiment(
@@ -68,11 +70,11 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         backend="engine",
         engines=1,
         conditions=(
-            f"embedded tiny LLaMA on CPU, 1 engine (FIFO, running-token cap), {DELAY}; "
-            "greedy outputs checked identical"
+            f"{REAL_MODEL}, 1 engine (FIFO, running-token cap), {DELAY}; greedy outputs checked identical"
         ),
         tiny_args=("--steps", "2", "--repeats", "1", "--tiny"),
         takes_model=True,
+        default_model="smollm2",
     ),
     Experiment(
         name="chain_dependent",
@@ -85,9 +87,10 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         ),
         backend="engine",
         engines=1,
-        conditions=f"embedded tiny LLaMA on CPU, 1 engine, 10 steps; with and without {DELAY}",
+        conditions=f"{REAL_MODEL}, 1 engine, 10 steps; with and without {DELAY}",
         tiny_args=("--steps", "2", "--chunk-tokens", "8", "--max-tokens", "2", "--repeats", "1"),
         takes_model=True,
+        default_model="smollm2",
     ),
     Experiment(
         name="langchain_apps",
@@ -100,7 +103,9 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         ),
         backend="engine",
         engines=1,
-        conditions=f"LCEL recipes on ChatParrot, embedded tiny LLaMA on CPU, 1 engine, {DELAY}",
+        conditions=f"LCEL recipes on ChatParrot, {REAL_MODEL}, 1 engine, {DELAY}",
+        takes_model=True,
+        default_model="smollm2",
     ),
     Experiment(
         name="llamaindex_synth",
@@ -113,7 +118,9 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         ),
         backend="engine",
         engines=1,
-        conditions=f"LlamaIndex synthesizers on ParrotLLM, embedded tiny LLaMA on CPU, 1 engine, {DELAY}",
+        conditions=f"LlamaIndex synthesizers on ParrotLLM, {REAL_MODEL}, 1 engine, {DELAY}",
+        takes_model=True,
+        default_model="smollm2",
     ),
     Experiment(
         name="map_reduce",
@@ -128,10 +135,11 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         backend="engine",
         engines=1,
         conditions=(
-            f"embedded tiny LLaMA on CPU, 1 engine, {DELAY}; plus the simulator ({SIM_PROFILE} profile, "
+            f"{REAL_MODEL}, 1 engine, {DELAY}; plus the simulator ({SIM_PROFILE} profile, "
             "32 x 1k-token chunks) against a latency-capped FIFO baseline"
         ),
         takes_model=True,
+        default_model="smollm2",
         profile=SIM_PROFILE,
     ),
     Experiment(
@@ -148,10 +156,11 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         backend="engine",
         engines=1,
         conditions=(
-            "embedded tiny LLaMA on CPU (torch shared-prefix path), one engine per system (sharing + "
-            "kernel; sharing, no kernel; no sharing over /v1/completions), all requests at once"
+            f"{REAL_MODEL}, one engine per system (sharing + kernel, grouped where the CPU gate "
+            "says it pays; sharing, no kernel; no sharing over /v1/completions), all requests at once"
         ),
         takes_model=True,
+        default_model="smollm2",
     ),
     Experiment(
         name="kernels",
@@ -202,11 +211,12 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         backend="engine",
         engines=1,
         conditions=(
-            f"embedded tiny LLaMA on CPU, one engine per system, {DELAY}; architect, then coders -> "
+            f"{REAL_MODEL}, one engine per system, {DELAY}; architect, then coders -> "
             f"reviewers -> revisers rounds; outputs checked identical; plus the simulator ({SIM_PROFILE} "
             "profile, 16 files, 3 rounds, latency cap 8192) against a latency-capped FIFO baseline"
         ),
         takes_model=True,
+        default_model="smollm2",
         profile=SIM_PROFILE,
     ),
     Experiment(

@@ -20,7 +20,7 @@ final summary in the client's hands; medians over ``--repeats`` interleaved runs
 the range, without and with the client network delay U(0.2, 0.3) s per request. Paper anchors (Fig. 11,
 14): chain summary 1.38x-1.88x, map-reduce up to 2.37x.
 
-    python -m benchmarks.langchain_apps [--quick] [--json PATH] [--repeats N]
+    python -m benchmarks.langchain_apps [--quick] [--json PATH] [--model NAME] [--repeats N]
 
 Last line: ``RESULT langchain_apps map_reduce_speedup=... chain_summary_speedup=... *_speedup_nodelay=...
 map_reduce_parrot_s=... map_reduce_langchain_s=... chain_summary_parrot_s=... chain_summary_langchain_s=...
@@ -37,17 +37,15 @@ import parrot as P
 from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import ChatPromptTemplate
 from langchain_core.runnables import Runnable, RunnableLambda
-from langchain_parrot import TINY_MODEL_DIR, ChatFormat, ChatParrot, CompiledChain, compile_chain
+from langchain_parrot import ChatParrot, CompiledChain, compile_chain
 
 from benchmarks.harness import frameworks, record
-from benchmarks.harness.flags import add_engine_flags
 from benchmarks.harness.frameworks import Apps
 from benchmarks.harness.output import log
 from server.engine import EngineConfig
 from workload_text import stdlib_text
 
 NAME = "langchain_apps"
-MODEL = "tiny"  # the clients render chats with its format (`TINY_MODEL_DIR`)
 PARROT = "parrot (compile_chain)"
 LANGCHAIN = "langchain (ChatParrot)"
 CLIENTS = (PARROT, LANGCHAIN)
@@ -144,8 +142,7 @@ def make_apps(url: str, cfg: BenchConfig) -> Apps:
         base_url=url,
         temperature=0,
         ignore_eos=True,
-        chat_format=ChatFormat.from_pretrained(TINY_MODEL_DIR),
-        timeout=300,
+        timeout=300,  # no chat_format: the clients render chats with the template the server publishes
     )
     map_chunks = make_chunks(cfg.map_chunks, cfg.map_words)
     map_reduce = map_reduce_chain(
@@ -182,18 +179,16 @@ def main(argv: list[str] | None = None) -> None:
         __doc__,
         "fewer, shorter chunks and outputs (~1 min)",
         BenchConfig,
-        engine=False,  # the model is fixed: the LangChain clients render its chat format
         repeats="timed runs per client, app and setting (median)",
     )
-    add_engine_flags(p, model=False)
     args = p.parse_args(argv)
     cfg = record.configured(args, FULL, QUICK, TINY)
     rec = record.Recorder(NAME, args)
-    log(f"starting the server ({MODEL}) ...")
-    with frameworks.one_server(MODEL, EngineConfig(num_kv_blocks=cfg.num_kv_blocks), cfg.seed) as served:
+    log(f"starting the server ({args.model}) ...")
+    with frameworks.one_server(args.model, EngineConfig(num_kv_blocks=cfg.num_kv_blocks), cfg.seed) as served:
         settings = frameworks.compare(served, make_apps(served.url, cfg), cfg.repeats, PARROT)
 
-    print(rec.header(f"{MODEL}, 1 engine"))
+    print(rec.header(f"{args.model}, 1 engine"))
     for app, description in describe(cfg).items():
         print(f"- {app}: {description}")
     print(
@@ -218,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
             },
         },
         config=cfg,
-        model=MODEL,
+        model=args.model,
         systems={frameworks.SERVER: served.system.describe()},
         apps=describe(cfg),
         outputs_identical=True,

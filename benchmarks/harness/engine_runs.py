@@ -19,7 +19,6 @@ import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import measure, systems
@@ -48,20 +47,27 @@ __all__ = [
 
 
 def model_facts(model: str) -> tuple[Any, int]:
-    """``model``'s tokenizer and context window without loading its weights (``"tiny"`` or a local Hugging
-    Face folder): what sizing a KV cache for a workload needs before the engine starts."""
-    from transformers import AutoTokenizer
-
+    """``model``'s tokenizer and context window without loading its weights (any name the engine takes:
+    ``"tiny"``, ``"smollm2"``, a GGUF file, a Hugging Face folder): what sizing a KV cache for a workload
+    needs before the engine starts."""
     from server.engine.config import ModelConfig
+    from server.engine.loader import load_tokenizer
+    from server.engine.model_names import resolve_model
 
-    if model == "tiny":
-        from server.engine.tiny import TOKENIZER_DIR
+    source = resolve_model(model)
+    if source.kind == "tiny":
         from server.engine.tiny.model import TINY_CONFIG
 
-        folder, config = Path(TOKENIZER_DIR), ModelConfig.from_hf_dict(TINY_CONFIG)
+        config = ModelConfig.from_hf_dict(TINY_CONFIG)
+    elif source.kind == "gguf":
+        from server.engine import gguf_loader
+
+        assert source.path is not None
+        config = gguf_loader.gguf_model_config(gguf_loader.read_gguf(source.path))
     else:
-        folder, config = Path(model), ModelConfig.from_pretrained(Path(model))
-    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True), config.max_position_embeddings
+        assert source.path is not None
+        config = ModelConfig.from_pretrained(source.path)
+    return load_tokenizer(model), config.max_position_embeddings
 
 
 def tpot(trace: Sequence[StepRecord], pure: bool = False) -> float:

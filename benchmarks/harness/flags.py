@@ -29,7 +29,11 @@ def add_engine_flags(parser: argparse.ArgumentParser, model: bool = True) -> Non
     """The flags of scripts that run the real engine: ``--model`` (with ``model``) and ``--threads``
     (applied by `set_threads`)."""
     if model:
-        parser.add_argument("--model", default="tiny", help='"tiny" (default) or a local Hugging Face folder')
+        parser.add_argument(
+            "--model",
+            default="tiny",
+            help='"tiny" (default), "smollm2", a .gguf file or a local Hugging Face folder',
+        )
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
 
 

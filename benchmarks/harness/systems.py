@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 
+from benchmarks.harness.flags import bench_dtype
 from server.engine import EngineConfig
 from server.launcher import LaunchedServer, launch
 from server.netdelay import NetworkDelayMiddleware
@@ -57,6 +58,13 @@ class System:
     engine: EngineConfig = field(default_factory=EngineConfig)
     manager: ManagerConfig = field(default_factory=ManagerConfig)
     engines: int = 1
+
+    def __post_init__(self) -> None:
+        # The benchmarks' dtype unless the config names one: float32 on CPU (`flags.bench_dtype`), so greedy
+        # answers compare exactly between systems — in bfloat16 a shared prefix's KV, computed once in a
+        # batch of another shape, rounds differently and greedy answers drift apart on a real model.
+        if self.engine.dtype is None:
+            object.__setattr__(self, "engine", replace(self.engine, dtype=bench_dtype(self.engine.device)))
 
     def describe(self) -> dict[str, Any]:
         """The configuration as strings, for the JSON payload."""

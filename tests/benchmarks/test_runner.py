@@ -48,19 +48,21 @@ def test_selection_keeps_the_paper_order_and_rejects_unknown_names() -> None:
 def test_command_lines_per_size_and_model(tmp_path: Path) -> None:
     mr, kernels = by_name("map_reduce"), by_name("kernels")
     out = tmp_path / "x.json"
+    # A real-engine experiment runs on its own default model (SmolLM2) unless the runner names one.
     assert command(mr, RunOptions(size="quick"), out)[1:] == [
         "-m",
         "benchmarks.map_reduce",
         "--quick",
+        "--model",
+        "smollm2",
         "--json",
         str(out),
     ]
     assert command(mr, RunOptions(size="full", model="/m"), out)[3:5] == ["--model", "/m"]
+    assert "--model" not in command(mr, RunOptions(size="quick", model="tiny"), out)
+    assert "--model" not in command(mr, RunOptions(size="tiny"), out)  # harness checks stay tiny
     assert command(kernels, RunOptions(size="tiny", model="/m"), out)[3:] == ["--tiny", "--json", str(out)]
-    turns = by_name("multi_turn")  # an experiment whose own default is SmolLM2
-    assert command(turns, RunOptions(size="quick"), out)[3:6] == ["--quick", "--model", "smollm2"]
-    assert "--model" not in command(turns, RunOptions(size="quick", model="tiny"), out)
-    assert "--model" not in command(turns, RunOptions(size="tiny"), out)  # harness checks stay tiny
+    assert "--model" not in command(kernels, RunOptions(size="quick", model="/m"), out)  # takes none
 
 
 def test_only_a_tiny_run_may_run_experiments_side_by_side() -> None:
