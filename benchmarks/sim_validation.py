@@ -4,7 +4,8 @@ The simulator (`server.sim`) is only as good as its latency model, so this bench
 issue 4 asks: fit the model to our real engine, then run application-shaped workloads both on the real
 engine (wall clock) and on a `SimEngine` with the fitted model (virtual clock), and compare.
 
-1. **Calibrate**: the embedded tiny model on the real engine with step tracing runs a sweep of batch
+1. **Calibrate**: the model (``--model``: SmolLM2 in the runner's runs, in the engine's own dtype) on the real
+   engine with step tracing runs a sweep of batch
    shapes (`server.sim.calibrate.calibrate`: batch 1-16 x prompts 32-384 tokens, prefill then decode);
    `fit_latency_model` fits per-step time to the step features (non-negative least squares).
 2. **Validate** on workloads the fit never saw (`validation_workload`: a shared prefix context forked by
@@ -13,7 +14,7 @@ engine (wall clock) and on a `SimEngine` with the fitted model (virtual clock), 
    simulation is deterministic). The work done must be identical (prefill and decode token counts: the
    same engine bookkeeping runs in both); the time may differ by at most ``TOLERANCE``.
 
-    python -m benchmarks.sim_validation [--quick] [--repeats N] [--json PATH]
+    python -m benchmarks.sim_validation [--quick] [--model NAME] [--repeats N] [--json PATH]
 
 Last line: ``RESULT sim_validation max_error=... tolerance=... within=1|0 ...`` (error = |sim - real| /
 real per shape; ``fit_error``: the same over the calibration steps' summed time).
@@ -31,7 +32,7 @@ from pathlib import Path
 if not __package__:
     sys.path[0] = str(Path(__file__).resolve().parents[1])  # benchmarks/kernels.py would shadow `kernels`
 
-from benchmarks.harness.flags import add_size_flags
+from benchmarks.harness.flags import add_engine_flags, add_size_flags, set_threads
 from benchmarks.harness.machine import load_average, machine_info
 from benchmarks.harness.output import fmt_num, log, markdown_table, result_line, write_json
 from benchmarks.harness.stats import Spread, safe_ratio
@@ -51,6 +52,7 @@ TINY_SHAPES = [(32, 2, 16, 4)]
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_size_flags(p, "two shapes, 3 repeats")
+    add_engine_flags(p)
     p.add_argument(
         "--repeats", type=int, default=None, help="real-engine runs per shape (default 5; 3 quick)"
     )
@@ -82,6 +84,7 @@ async def measure_sim(engine: SimEngine, shapes: list[tuple[int, int, int, int]]
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    set_threads(args)
     repeats = args.repeats or (1 if args.tiny else 3 if args.quick else 5)
     shapes = TINY_SHAPES if args.tiny else QUICK_SHAPES if args.quick else SHAPES
     # The tiny harness check fits to a few short steps: enough to run the fit, not to trust it.
@@ -89,16 +92,17 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     machine = machine_info()
     config = EngineConfig(trace_steps=100_000)
-    log("calibrating the real engine (tiny model) ...")
-    with LLMEngine.from_pretrained("tiny", config) as engine:
+    log(f"calibrating the real engine ({args.model}) ...")
+    with LLMEngine.from_pretrained(args.model, config) as engine:
         records = asyncio.run(calibrate(engine, **sweep))
         stats = engine.stats()
         model = fit_latency_model(
             records,
-            "cpu-tiny-fitted",
+            f"cpu-{engine.model_name}-fitted",
             kv_tokens=stats.blocks_total * stats.block_size,
             max_model_len=engine.max_model_len,
-            source=f"fitted in this run to {len(records)} traced steps of the real engine (tiny model, CPU)",
+            source=f"fitted in this run to {len(records)} traced steps of the real engine "
+            f"({engine.model_name}, CPU)",
         )
         log(f"fitted: {model}")
         log(f"validating on {len(shapes)} workload shapes x {repeats} real runs ...")
@@ -134,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
             ]
         )
     total_s = time.perf_counter() - started
-    print(f"# {NAME}: simulated vs real engine time (tiny model; load average {load_average()})")
+    print(f"# {NAME}: simulated vs real engine time ({args.model}; load average {load_average()})")
     print(f"machine: {machine['cpu_model']} ({machine['usable_cores']} cores), fitted: {asdict(model)}")
     print(
         markdown_table(
