@@ -288,7 +288,7 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         backend="engine",
         engines=1,
         conditions=(
-            "SmolLM2-135M-Instruct (GGUF) on CPU, one engine per system (prefix_sharing on / off), "
+            "SmolLM2-135M-Instruct (GGUF) float32 on CPU, one engine per system (prefix_sharing on / off), "
             "concurrent conversations, streamed greedy answers, no network delay; ratios over turns >= 2; "
             "answers compared"
         ),

@@ -3,7 +3,7 @@
 The workload (`benchmarks.workloads.copilot`): one long system prompt (``--system-tokens``, 6000 as in the
 paper, clipped to the model's window — the length used is printed and written to the JSON) and ``B``
 distinct user queries (20-60 tokens, seeded), all sent at once; greedy, EOS ignored, ``--max-tokens``
-answer tokens each. Three systems on the real engine (the embedded tiny model by default, CPU):
+answer tokens each. Three systems on the real engine (``--model``; SmolLM2 in float32 in the runner's runs):
 
 * **parrot** — the app as a semantic function (system prompt, ``{{input:query}}``, ``{{output:answer}}``),
   one `parrot` session per user. The manager fills the constant prefix once and forks every request from
