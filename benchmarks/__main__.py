@@ -16,6 +16,7 @@ from typing import Any
 from benchmarks import gpu_report
 from benchmarks.experiments import EXPERIMENTS, Experiment
 from benchmarks.harness.machine import output_root
+from benchmarks.harness.machine_lock import MachineBusyError
 from benchmarks.report import write_report
 from benchmarks.runner import RunOptions, load_records, run_all, select
 
@@ -86,7 +87,11 @@ def _run(args: argparse.Namespace) -> int:
                 failed.append(experiment.name)
             bar.update()
 
-        run_all(experiments, options, progress)
+        try:
+            run_all(experiments, options, progress)
+        except MachineBusyError as exc:
+            print(f"python -m benchmarks run: {exc}", file=sys.stderr)
+            return 2
     page = write_report(load_records(args.results), args.docs, gpu_report.load(args.results))
     print(f"results in {args.results}, page {page}")
     if failed:

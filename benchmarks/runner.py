@@ -10,6 +10,7 @@ experiment is recorded as failed with the tail of its log, never skipped silentl
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import subprocess
@@ -23,6 +24,7 @@ from typing import Any, Literal
 
 from benchmarks.experiments import EXPERIMENTS, Experiment, by_name
 from benchmarks.harness.machine import REPO_ROOT, machine_info, output_root
+from benchmarks.harness.machine_lock import LOCK_PATH, exclusive_machine
 from benchmarks.harness.output import write_json
 
 Size = Literal["full", "quick", "tiny"]
@@ -41,6 +43,7 @@ class RunOptions:
     timeout_s: float = 3600.0
     # Experiments side by side: only a tiny run, whose figures mean nothing, may share the machine.
     jobs: int = 1
+    lock_path: Path = LOCK_PATH  # the machine's benchmark lock (`machine_lock`), held by measured sizes
 
     def __post_init__(self) -> None:
         if self.jobs < 1:
@@ -190,7 +193,17 @@ def run_all(
 ) -> list[dict[str, Any]]:
     """Run ``experiments`` one after the other, each owning the machine while it runs (``options.jobs`` at
     a time for a tiny run); ``on_progress`` is called before each (record None) and after it (its record).
-    The records come back in the order of ``experiments``."""
+    The records come back in the order of ``experiments``. A measured size holds the machine
+    (`machine_lock.exclusive_machine`: `MachineBusyError` when another measured run does)."""
+    with contextlib.nullcontext() if options.size == "tiny" else exclusive_machine(options.lock_path):
+        return _run_all(experiments, options, on_progress)
+
+
+def _run_all(
+    experiments: Sequence[Experiment],
+    options: RunOptions,
+    on_progress: Callable[[Experiment, dict[str, Any] | None], None] | None,
+) -> list[dict[str, Any]]:
     machine = machine_info()
 
     def run(experiment: Experiment) -> dict[str, Any]:

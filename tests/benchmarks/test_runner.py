@@ -7,6 +7,7 @@ records it, the report and the plots render), not speed: tiny figures mean nothi
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ import pytest
 from benchmarks.__main__ import main
 from benchmarks.experiments import EXPERIMENTS, Experiment, Metric, by_name
 from benchmarks.harness.machine import REPO_ROOT
+from benchmarks.harness.machine_lock import MachineBusyError, exclusive_machine
 from benchmarks.report import headline, paper_range, write_report
 from benchmarks.runner import (
     RunOptions,
@@ -162,3 +164,18 @@ def test_the_page_states_each_experiment_and_its_plots(
         assert drawn, f"no plot for {e.name}"
         assert all(f"](img/{name})" in text for name in drawn)
     assert "**failed**" not in text
+
+
+def test_a_measured_run_refuses_while_another_holds_the_machine(tmp_path: Path) -> None:
+    lock = tmp_path / "bench.lock"
+    seen: list[str] = []
+    quick = RunOptions(size="quick", results_dir=tmp_path / "r", lock_path=lock)
+    with exclusive_machine(lock):
+        with pytest.raises(MachineBusyError, match=rf"pid {os.getpid()}\) holds .*bench.lock"):
+            run_all([by_name("mixed")], quick, lambda e, r: seen.append(e.name))
+        assert seen == [] and not (tmp_path / "r").exists()  # refused before running anything
+        # A tiny harness check does not take the lock (its figures mean nothing).
+        assert run_all([], RunOptions(size="tiny", lock_path=lock)) == []
+    assert run_all([], quick) == []  # free again once the holder is done
+    with exclusive_machine(lock):  # and a run that ended (or crashed) left it free
+        pass
