@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels import cpu_linear
+from kernels.device_tensors import device_tensor
 
 __all__ = [
     "DecodePlan",
@@ -197,10 +198,10 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, k_cache:
         length = max(lens[b] for b in idx)
         nblk = -(-length // block_size)
         everything = idx == list(range(batch))
-        rows = None if everything else torch.tensor(idx, dtype=torch.long, device=device)
+        rows = None if everything else device_tensor(idx, torch.long, device)
         table = (tables if rows is None else tables.index_select(0, rows))[:, :nblk].reshape(-1)
         uneven = any(lens[b] != length for b in idx)
-        pad_lens = torch.tensor([[lens[b]] for b in idx], device=device) if uneven else None
+        pad_lens = device_tensor([[lens[b]] for b in idx], torch.long, device) if uneven else None
         first = None
         if len(idx) == 1:
             blocks = table.tolist()
@@ -443,7 +444,7 @@ def shared_prefix_decode_attention(
     qs = _scaled_queries(q, scale)
 
     for g, mem in members.items():
-        idx = torch.tensor(mem, dtype=torch.long, device=q.device)
+        idx = device_tensor(mem, torch.long, q.device)
         n = len(mem)
         # Rows of the GEMM: (member, query head of this KV head), member-major, one row block per KV head.
         q_rows = _ws.get("qr", (num_kv_heads, n, group, head_dim), torch.float32, q.device)

@@ -17,6 +17,7 @@ import torch
 
 import kernels
 from kernels import cpu_kernels, torch_path
+from kernels.device_tensors import device_tensor
 from server.engine.fresh_prefill import FreshGroup, attend_causal, attend_group, fresh_groups
 from server.engine.prefill_rows import PrefillRows, prefill_rows
 
@@ -249,4 +250,4 @@ def pad_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
     """Block tables as one ``[len(tables), widest]`` int32 tensor, padded with block 0 (never read: every
     reader is bounded by a length)."""
     width = max(1, max(len(t) for t in tables))
-    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
+    return device_tensor([t + [0] * (width - len(t)) for t in tables], torch.int32, device)

@@ -17,6 +17,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from kernels.device_tensors import device_tensor
+
 
 class Chunk(Protocol):
     """A run of a step's rows (`server.engine.attention.PrefillChunk` is one)."""
@@ -75,8 +77,8 @@ def fresh_groups(
             FreshGroup(
                 len(members),
                 longest,
-                torch.tensor(rows, dtype=torch.int64, device=device),
-                torch.tensor(valid, dtype=torch.int64, device=device),
+                device_tensor(rows, torch.int64, device),
+                device_tensor(valid, torch.int64, device),
                 members[0].token_start,
             )
         )

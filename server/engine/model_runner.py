@@ -10,6 +10,7 @@ import torch
 
 import kernels
 from kernels import cpu_kernels
+from kernels.device_tensors import device_tensor
 from server.engine.attention import (
     AttentionBackend,
     AttentionMetadata,
@@ -162,7 +163,7 @@ class ModelRunner:
         self.remote_rows = None
         if ids:
             meta = AttentionMetadata(
-                slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
+                slot_mapping=device_tensor(slots, torch.int64, self.device),
                 decode=self._decode_batch(decodes, graphable=len(decodes) == len(batch)) if decodes else None,
                 prefills=[],
             )
@@ -180,20 +181,20 @@ class ModelRunner:
             for c in prefills:
                 ctx = c.request.context
                 n_blocks = blocks_for(ctx.num_cached + c.num_tokens, bs)
-                table = torch.tensor(ctx.block_table[:n_blocks], dtype=torch.int64, device=self.device)
+                table = device_tensor(ctx.block_table[:n_blocks], torch.int64, self.device)
                 meta.prefills.append(PrefillChunk(row, c.num_tokens, ctx.num_cached, table))
                 row += c.num_tokens
                 last_row[id(c)] = row - 1
             # Only the rows read out go through the final norm: one per chunk, in batch order.
             rows = [last_row[id(c)] for c in batch if c.num_tokens > 0]
             hidden = self.model(
-                torch.tensor(ids, dtype=torch.int64, device=self.device),
-                torch.tensor(positions, dtype=torch.int64, device=self.device),
+                device_tensor(ids, torch.int64, self.device),
+                device_tensor(positions, torch.int64, self.device),
                 self.kv.k,
                 self.kv.v,
                 meta,
                 self.backend,
-                None if rows == list(range(len(ids))) else torch.tensor(rows, device=self.device),
+                None if rows == list(range(len(ids))) else device_tensor(rows, torch.int64, self.device),
             )
         if all(c.num_tokens > 0 for c in batch):
             return hidden if hidden is not None else torch.empty(0)
@@ -216,8 +217,8 @@ class ModelRunner:
         decode = meta.decode
         assert decode is not None and self.graphs is not None
         return self.graphs.run(
-            torch.tensor(ids, dtype=torch.int64, device=self.device),
-            torch.tensor(positions, dtype=torch.int64, device=self.device),
+            device_tensor(ids, torch.int64, self.device),
+            device_tensor(positions, torch.int64, self.device),
             meta.slot_mapping,
             decode.block_tables,
             decode.context_lens,
@@ -319,4 +320,4 @@ def _last_rows(chunks: list[ScheduledChunk], first_row: int) -> dict[int, int]:
 
 
 def _int32(values: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int32, device=device)
+    return device_tensor(values, torch.int32, device)

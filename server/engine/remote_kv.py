@@ -28,6 +28,7 @@ import torch
 
 import kernels
 from kernels import torch_path
+from kernels.device_tensors import device_tensor
 from server.engine.attention import pad_tables
 from server.engine.errors import EngineError
 
@@ -187,15 +188,15 @@ def build_remote_rows(
         parts.append(
             SourceRows(
                 source=first.source,
-                index=torch.tensor(members, dtype=torch.int64, device=device),
+                index=device_tensor(members, torch.int64, device),
                 block_tables=pad_tables([list(rows[i][3].lease.blocks) for i in members], device),
-                lens=torch.tensor([rows[i][3].num_tokens for i in members], dtype=torch.int32, device=device),
+                lens=device_tensor([rows[i][3].num_tokens for i in members], torch.int32, device),
                 context_ids=sorted({rows[i][4] for i in members}),
             )
         )
     return RemoteRows(
-        rows=torch.tensor([r[0] for r in rows], dtype=torch.int64, device=device),
+        rows=device_tensor([r[0] for r in rows], torch.int64, device),
         local_tables=pad_tables([r[2] for r in rows], device),
-        local_lens=torch.tensor([r[1] for r in rows], dtype=torch.int32, device=device),
+        local_lens=device_tensor([r[1] for r in rows], torch.int32, device),
         by_source=parts,
     )

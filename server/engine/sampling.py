@@ -10,6 +10,7 @@ from typing import Literal, get_args
 import torch
 from parrot.protocol import sampling_problem
 
+from kernels.device_tensors import device_tensor
 from server.engine.errors import InvalidSamplingParamsError
 
 _TINY = torch.finfo(torch.float32).tiny
@@ -175,7 +176,7 @@ def sample(
 
 
 def _per_row(values: list[float], like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(1)
+    return device_tensor(values, like.dtype, like.device).unsqueeze(1)
 
 
 def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], uniforms: torch.Tensor) -> torch.Tensor:
