@@ -6,7 +6,9 @@ a context's KV stays there across turns. A generate samples its first token ther
 the prefill's), then the decode engine generates the rest over a lease of that KV (attention parallelism,
 `server.engine.remote_kv`), holding only the answer. When the answer is done its KV moves back once into
 the context on the prefill engine, so the context ends as it would on one engine — prompt and answer, the
-next turn's prefix — and the decode engine holds nothing between requests.
+next turn's prefix — and the decode engine holds nothing between requests. Under a TPOT objective the
+manager keeps the prefill engine's chunks small enough that the decode engine's steps, which wait on it for
+attention every layer, still meet it (`tune_prefill_chunk`, Mutel's coordination).
 
 In one process (`LocalKVSource`); across processes the engines would pair through
 `server.engine.remote_kv_dist` instead. A stop string that spans the first token and the next ones is cut
@@ -30,6 +32,8 @@ from server.engine.engine import GenerationStream
 from server.engine.generating import GeneratesBySubmit
 from server.engine.remote_kv import KVLease, RemotePrefix
 from server.engine.request import GenerateResult
+from server.serve.mutel import Slo
+from server.serve.slo_admission import prefill_chunk_tokens
 from server.serve.task_stream import Emit, TaskStream
 
 _SUMMED = (
@@ -56,6 +60,19 @@ class DisaggregatedEngine(GeneratesBySubmit):
         self.vocab_size = prefill.vocab_size
         self.eos_token_ids = prefill.eos_token_ids
         self._decode_ids = itertools.count(1)  # the decode engine's contexts are ours alone
+        self.max_prefill_chunk = prefill.config.max_num_batched_tokens  # what the prefill engine started with
+        self.prefill_chunk = self.max_prefill_chunk  # its token budget now (`tune_prefill_chunk`)
+
+    async def tune_prefill_chunk(self, slo: Slo) -> int:
+        """Set the prefill engine's chunk from both engines' measured speeds so that the decode engine's
+        steps meet ``slo.tpot_s`` (`slo_admission.prefill_chunk_tokens`); unchanged until both are measured.
+        The decode step measured includes its waits on the prefill engine, so the chunk settles where the
+        two balance. Returns the chunk now in force."""
+        chunk = prefill_chunk_tokens(self.prefill.stats(), self.decode.stats(), slo, self.max_prefill_chunk)
+        if chunk is not None and chunk != self.prefill_chunk:
+            await self.prefill.set_token_budget(chunk)
+            self.prefill_chunk = chunk
+        return self.prefill_chunk
 
     async def fill(
         self,

@@ -206,6 +206,7 @@ class ManagerConfig:
     # Mutel's early rejection (`server.serve.mutel.admit`): an OpenAI request whose engine's predicted time
     # to first token or time per output token misses these P90 objectives is refused at once with a 503
     # (`slo_rejected`, saying which and by how much) instead of queueing; None: every request is admitted.
+    # On prefill + decode pairs it also sizes the prefill engine's chunks to the TPOT objective.
     slo: Slo | None = None
 
     def __post_init__(self) -> None:
@@ -1259,9 +1260,12 @@ class Manager:
         priority: float | None = None,
     ) -> None:
         """An OpenAI request's prompt: forked from the longest cached token prefix, the rest filled; refused
-        first if the engine would miss the SLOs (`ManagerConfig.slo`)."""
+        first if the engine would miss the SLOs (`ManagerConfig.slo`), whose TPOT objective also resizes a
+        prefill + decode pair's prefill chunks (`DisaggregatedEngine.tune_prefill_chunk`)."""
         if self.config.slo is not None:
             self._admit(engine, token_ids, cache_salt)
+            if isinstance(engine, DisaggregatedEngine):
+                await engine.tune_prefill_chunk(self.config.slo)
         if not self.config.openai_prefix_cache:
             await engine.fill(context_id, token_ids, priority=priority)
             return
