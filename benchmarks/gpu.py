@@ -110,6 +110,7 @@ def steps(out: Path, tiny: bool, tests_k: str | None = None, shapes: list[str] |
                 "benchmarks.gpu_steps",
                 *size,
                 "--compare-layer-ops",
+                "--compare-paged-prefill",
                 "--json",
                 str(out / "steps.json"),
             ],

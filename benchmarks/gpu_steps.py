@@ -35,6 +35,7 @@ from benchmarks.harness.flags import bench_dtype
 from benchmarks.harness.generators import OurEngine
 from benchmarks.harness.kv_fork import blocks
 from benchmarks.harness.output import log, result_line, write_json
+from benchmarks.harness.prefill_ab import paged_prefill_ab
 from benchmarks.harness.step_anatomy import anatomy, grouping
 from benchmarks.harness.step_tables import anatomy_table, grouping_table
 from kernels import cpu_kernels, layer_ops
@@ -127,6 +128,11 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="also the anatomy of an engine over the same weights with torch's layer ops (no fused kernels)",
     )
+    p.add_argument(
+        "--compare-paged-prefill",
+        action="store_true",
+        help="also one layer's attention of a fill chunk after cached tokens: gathered + SDPA vs in place",
+    )
     args = p.parse_args(argv)
     cfg = TINY if args.tiny else QUICK
     overrides = {"group_batches": args.group_batches, "group_prefixes": args.group_prefixes}
@@ -159,11 +165,22 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             plain.close()
             plain.engine.shutdown()
+    prefill: list[dict[str, Any]] = []
+    if args.compare_paged_prefill:  # one layer's attention, both ways called directly (no switch involved)
+        sizes = ((64,), (32,)) if args.tiny else ((2048, 4096), (512, 2048))
+        prefill = paged_prefill_ab(pair.engine.model_config, getattr(torch, dtype), device, *sizes)
+        for row in prefill:
+            print("paged prefill: " + ", ".join(f"{k} {v:.3g}" for k, v in row.items()))
     _report(steps, groups)
     found = _metrics(steps, groups)
+    found |= {f"prefill_gathered_over_in_place_c{r['cached']}_n{r['chunk']}": r["gathered_over_in_place"]
+              for r in prefill}  # fmt: skip
     if args.json:
         payload = {"benchmark": NAME, "shape": cfg.shape, "device": str(device), "dtype": dtype}
-        write_json(args.json, payload | {"anatomy": steps, "grouping": groups, "metrics": found})
+        write_json(
+            args.json,
+            payload | {"anatomy": steps, "grouping": groups, "paged_prefill": prefill, "metrics": found},
+        )
     print(result_line(NAME, found))
 
 

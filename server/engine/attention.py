@@ -18,6 +18,7 @@ import torch
 import kernels
 from kernels import cpu_kernels, torch_path
 from kernels.device_tensors import device_tensor
+from server.engine import paged_prefill
 from server.engine.fresh_prefill import FreshGroup, attend_causal, attend_group, fresh_groups
 from server.engine.prefill_rows import PrefillRows, prefill_rows
 
@@ -238,6 +239,17 @@ def _decode_cpu(
 def _prefill(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, chunk: PrefillChunk, scale: float
 ) -> torch.Tensor:
+    if paged_prefill.enabled(q.device):
+        out = paged_prefill.attend(q, k_cache, v_cache, chunk.block_table, chunk.num_cached, scale)
+        if out is not None:
+            return out
+    return gathered_prefill(q, k_cache, v_cache, chunk, scale)
+
+
+def gathered_prefill(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, chunk: PrefillChunk, scale: float
+) -> torch.Tensor:
+    """A chunk after cached tokens: its context gathered out of the cache, then causal SDPA over the copy."""
     ctx = chunk.num_cached + chunk.num_tokens
     kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     # Only the written positions [0, ctx) are gathered: no unwritten slot is ever attended.

@@ -41,8 +41,8 @@ def test_two_steps_run_end_to_end_on_cpu(tmp_path: Path) -> None:
 
 
 def test_the_steps_step_runs_end_to_end_on_cpu(tmp_path: Path) -> None:
-    """`benchmarks.gpu_steps` at tiny sizes, with the torch-ops comparison: its payload and metrics land in
-    the record, and the page renders its tables from a record's re-measurement section."""
+    """`benchmarks.gpu_steps` at tiny sizes, with the torch-ops and paged-prefill comparisons: its payload and
+    metrics land in the record, and the page renders its tables from a record's re-measurement section."""
     out = tmp_path / "gpu"
     done = _run_gpu(out, "--only", "steps")
     assert done.returncode == 0, done.stderr[-2000:]
@@ -60,6 +60,11 @@ def test_the_steps_step_runs_end_to_end_on_cpu(tmp_path: Path) -> None:
     (group,) = steps["grouping"]
     assert group["grouped_steps"]["always"] > 0 and group["grouped_steps"]["never"] == 0
     assert {"steps_b1_step_ms", "steps_grouped_vs_graphed_b4_p64"} <= set(record["metrics"])
+    # A fill after cached tokens both ways: gathered + SDPA and read in place agree.
+    (prefill,) = steps["paged_prefill"]
+    assert (prefill["cached"], prefill["chunk"]) == (64, 32) and prefill["max_abs_error"] < 1e-4
+    assert prefill["gathered_ms"] > 0 and prefill["in_place_ms"] > 0
+    assert "steps_prefill_gathered_over_in_place_c64_n32" in record["metrics"]
     section = "\n".join(gpu_report.section({"after_layer_kernels": {"payloads": {"steps": steps}}}))
     assert "| batch | layer ops | fill ms | step ms | device ms |" in section
     assert "auto grouped steps" in section
