@@ -31,6 +31,8 @@ class PrefillChunk:
     num_tokens: int
     num_cached: int
     block_table: torch.Tensor  # [blocks] int64, covering num_cached + num_tokens positions
+    # Its in-place operands (`paged_prefill.tables`), built by the first layer that needs them; False: none.
+    in_place: paged_prefill.InPlaceTables | bool | None = None
 
 
 @dataclass
@@ -240,9 +242,11 @@ def _prefill(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, chunk: PrefillChunk, scale: float
 ) -> torch.Tensor:
     if paged_prefill.enabled(q.device):
-        out = paged_prefill.attend(q, k_cache, v_cache, chunk.block_table, chunk.num_cached, scale)
-        if out is not None:
-            return out
+        if chunk.in_place is None:
+            n, block_size = chunk.num_tokens, k_cache.shape[1]
+            chunk.in_place = paged_prefill.tables(chunk.block_table, chunk.num_cached, n, block_size) or False
+        if isinstance(chunk.in_place, paged_prefill.InPlaceTables):
+            return paged_prefill.attend(q, k_cache, v_cache, chunk.in_place, scale)
     return gathered_prefill(q, k_cache, v_cache, chunk, scale)
 
 

@@ -13,12 +13,13 @@ yet (issue 23: the next GPU run compares the two).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
 import kernels
 
-__all__ = ["ENABLE_ENV", "attend", "enabled"]
+__all__ = ["ENABLE_ENV", "InPlaceTables", "attend", "enabled", "tables"]
 
 ENABLE_ENV = "PARROT_PAGED_PREFILL"
 
@@ -28,37 +29,54 @@ def enabled(device: torch.device) -> bool:
     return device.type == "cuda" and os.environ.get(ENABLE_ENV) == "1"
 
 
-def attend(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    num_cached: int,
-    scale: float,
-    *,
-    backend: kernels.Backend = "auto",
-) -> torch.Tensor | None:
-    """Causal attention of the chunk ``q`` ``[n, H, D]`` at positions ``num_cached..`` over its context in
-    the cache (``block_table`` covers ``num_cached + n`` positions, the chunk's own K/V already written).
-    None when no whole block is cached: nothing to read once for all rows (the caller gathers)."""
-    n, block_size = q.shape[0], k_cache.shape[1]
+@dataclass(frozen=True)
+class InPlaceTables:
+    """One chunk's operands of `kernels.shared_prefix_decode_attention`, the same in every layer."""
+
+    prefix_block_tables: torch.Tensor  # [1, whole cached blocks] int32
+    prefix_lens: torch.Tensor  # [1] int32: those blocks' tokens
+    group_of: torch.Tensor  # [n] int32, all 0
+    suffix_block_tables: torch.Tensor  # [n, rest] int32: the blocks from the boundary on
+    suffix_lens: torch.Tensor  # [n] int32: row i sees the tail up to and including itself
+
+
+def tables(block_table: torch.Tensor, num_cached: int, n: int, block_size: int) -> InPlaceTables | None:
+    """The operands for a chunk of ``n`` tokens after ``num_cached`` (``block_table`` covers both); None
+    when no whole block is cached: nothing to read once for all rows (the caller gathers)."""
     whole = num_cached // block_size
     if whole == 0:
         return None
-    boundary = whole * block_size
-    table = block_table.to(torch.int32)
-    device = q.device
-    return kernels.shared_prefix_decode_attention(
-        q,
-        k_cache,
-        v_cache,
+    boundary, table, device = whole * block_size, block_table.to(torch.int32), block_table.device
+    tail = num_cached - boundary
+    return InPlaceTables(
         table[:whole].unsqueeze(0),
         torch.full((1,), boundary, dtype=torch.int32, device=device),
         torch.zeros(n, dtype=torch.int32, device=device),
         table[whole:].unsqueeze(0).expand(n, -1).contiguous(),
-        torch.arange(
-            num_cached - boundary + 1, num_cached - boundary + n + 1, dtype=torch.int32, device=device
-        ),
+        torch.arange(tail + 1, tail + n + 1, dtype=torch.int32, device=device),
+    )
+
+
+def attend(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    chunk: InPlaceTables,
+    scale: float,
+    *,
+    backend: kernels.Backend = "auto",
+) -> torch.Tensor:
+    """Causal attention of the chunk ``q`` ``[n, H, D]`` over its context in the cache (its own K/V already
+    written), through the operands `tables` built."""
+    return kernels.shared_prefix_decode_attention(
+        q,
+        k_cache,
+        v_cache,
+        chunk.prefix_block_tables,
+        chunk.prefix_lens,
+        chunk.group_of,
+        chunk.suffix_block_tables,
+        chunk.suffix_lens,
         scale,
         backend=backend,
     )
