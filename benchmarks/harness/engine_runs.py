@@ -50,24 +50,9 @@ def model_facts(model: str) -> tuple[Any, int]:
     """``model``'s tokenizer and context window without loading its weights (any name the engine takes:
     ``"tiny"``, ``"smollm2"``, a GGUF file, a Hugging Face folder): what sizing a KV cache for a workload
     needs before the engine starts."""
-    from server.engine.config import ModelConfig
-    from server.engine.loader import load_tokenizer
-    from server.engine.model_names import resolve_model
+    from server.engine.loader import load_model_config, load_tokenizer
 
-    source = resolve_model(model)
-    if source.kind == "tiny":
-        from server.engine.tiny.model import TINY_CONFIG
-
-        config = ModelConfig.from_hf_dict(TINY_CONFIG)
-    elif source.kind == "gguf":
-        from server.engine import gguf_loader
-
-        assert source.path is not None
-        config = gguf_loader.gguf_model_config(gguf_loader.read_gguf(source.path))
-    else:
-        assert source.path is not None
-        config = ModelConfig.from_pretrained(source.path)
-    return load_tokenizer(model), config.max_position_embeddings
+    return load_tokenizer(model), load_model_config(model).max_position_embeddings
 
 
 def tpot(trace: Sequence[StepRecord], pure: bool = False) -> float:

@@ -90,6 +90,22 @@ def load_tokenizer(name_or_path: str | Path) -> Any:
     return _folder_tokenizer(source.path)
 
 
+def load_model_config(name_or_path: str | Path) -> ModelConfig:
+    """The configuration of the model ``name_or_path`` names, without reading its weights (sizing a KV cache
+    before an engine starts). Raises as `load_checkpoint` does."""
+    source = resolve_model(name_or_path)
+    if source.kind == "tiny":
+        from server.engine.tiny.model import TINY_CONFIG
+
+        return ModelConfig.from_hf_dict(TINY_CONFIG)
+    assert source.path is not None
+    if source.kind == "gguf":
+        from server.engine import gguf_loader
+
+        return gguf_loader.gguf_model_config(gguf_loader.read_gguf(source.path))
+    return ModelConfig.from_pretrained(source.path)
+
+
 def _load_tiny(seed: int) -> Checkpoint:
     from server.engine.tiny import TOKENIZER_DIR
     from server.engine.tiny.model import TINY_CONFIG, tiny_state_dict

@@ -20,6 +20,7 @@ import torch
 
 from server.engine import EngineConfig, LLMEngine, SamplingParams, gguf_loader, model_names
 from server.engine.gguf_loader import GGUFFormatError, UnsupportedGGUFError, read_gguf
+from server.engine.loader import load_model_config
 from server.engine.model_names import ModelNotFoundError, ModelPackageMissingError, resolve_model
 from server.engine.tiny import TOKENIZER_DIR
 from tests.engine.conftest import BASE_CONFIG, prompts
@@ -569,6 +570,8 @@ def test_smollm2_config_and_template(smollm2: LLMEngine) -> None:
     assert smollm2.model_name == "smollm2"
     assert "<|im_start|>" in smollm2.tokenizer.chat_template
     assert 2 in smollm2.eos_token_ids
+    # Without reading the weights, the same configuration (what sizes a KV cache before an engine starts).
+    assert load_model_config("smollm2") == cfg
 
 
 @pytest.mark.real_model
