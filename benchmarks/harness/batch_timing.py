@@ -83,6 +83,12 @@ class Timed:
     repeats: int
 
 
+def _settle_s(system: Generator) -> float:
+    """How long ``system`` keeps the cores busy after it answers (``settle_s``, e.g. vLLM's polling readers;
+    0 for systems that go quiet at once)."""
+    return float(getattr(system, "settle_s", 0.0))
+
+
 def time_batch(
     systems: Sequence[Generator],
     prompts: Sequence[list[int]],
@@ -99,6 +105,7 @@ def time_batch(
     outputs: dict[str, Outputs] = {}
     for system in systems:  # warm-up: one-time allocations, workspaces, lazy imports, compiled shapes
         system.run(prompts, new_tokens)
+        time.sleep(_settle_s(system))
     started, rep = time.perf_counter(), 0
     while rep < repeats or (rep < 3 * repeats and time.perf_counter() - started < min_time_s):
         # In order, then reversed: a slow drift of the machine hits every system alike, and each pair of
@@ -113,6 +120,9 @@ def time_batch(
             tn, outputs[system.name] = system.run(prompts, new_tokens)
             times[system.name][0].append(t1)
             times[system.name][1].append(tn)
+            # A system that keeps the cores busy a while after it answers (vLLM's polling readers) would
+            # slow whichever system is timed next: wait until it is quiet.
+            time.sleep(_settle_s(system))
         rep += 1
         line = " | ".join(f"{n} T(1)={t[0][-1]:.3f}s T(N)={t[1][-1]:.3f}s" for n, t in times.items())
         log(f"  b{len(prompts)} repeat {rep}: {line}")

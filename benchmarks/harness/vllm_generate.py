@@ -41,6 +41,11 @@ class VLLMWorker:
     """
 
     name = "vllm"
+    # After its last message vLLM's shared-memory readers (engine core and worker) poll with `sched_yield` for
+    # 1 s (`SpinCondition.busy_loop_s`) before they sleep: on 2 cores a system timed in that second ran at
+    # about half speed (our fill of 64 prompts: 1.58 s right after a vLLM run, 0.89 s two seconds later).
+    # `batch_timing.time_batch` waits this long after a vLLM run before it times the next system.
+    settle_s = 1.2
 
     def __init__(
         self,

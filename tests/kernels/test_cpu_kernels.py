@@ -200,3 +200,20 @@ def test_add_rms_norm_refuses_mismatched_shapes() -> None:
         add_rms_norm(h, torch.zeros(3, 16), torch.ones(16), 1e-6)
     with pytest.raises(RuntimeError, match="weight must be"):
         add_rms_norm(h, None, torch.ones(8), 1e-6)
+
+
+@pytest.mark.skipif(
+    "ATen parallel backend: OpenMP" not in torch.__config__.parallel_info(),
+    reason="torch's thread pool is not OpenMP",
+)
+def test_the_kernels_run_on_torch_s_thread_pool() -> None:
+    """`at::parallel_for` is an `omp parallel` pragma in a header: built without -fopenmp the kernels ran
+    every call on one thread. The binary torch loaded must open OpenMP parallel regions (GOMP_parallel) and
+    share torch's OpenMP runtime (one libgomp in the process)."""
+    with open("/proc/self/maps") as f:
+        maps = [line.split()[-1] for line in f if len(line.split()) >= 6]
+    binary = next(p for p in maps if "parrot_cpu_kernels_" in p and p.endswith(".so"))
+    with open(binary, "rb") as f:
+        opens_regions = b"GOMP_parallel" in f.read()
+    assert opens_regions, f"{binary} was built without OpenMP: every kernel call runs on one thread"
+    assert len({p for p in maps if "libgomp" in p or "libiomp" in p}) == 1
