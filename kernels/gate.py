@@ -30,16 +30,19 @@ Thresholds:
   ~0.2 ms per layer (prefix pass, merge), which plain decode spends reading about that much KV. With the
   default 8 KiB per token (8 KV heads x 128 dims x K and V x fp32) that is 768 saved tokens, e.g. 2
   members sharing 768 tokens or 4 sharing 256.
-* CPU, plain decode in our C++ kernel (``cpu_kernel``; `kernels.cpu_kernels`): at least 8 members and
-  64k member-tokens of prefix (``members * prefix_len``). That kernel re-reads a prefix of a few MiB from
-  the caches at the speed of its arithmetic, so grouping saves little traffic; what it gains is the prefix
-  pass's GEMMs against the kernel's dot products, and it pays a gather and a merge. Measured on 2 cores
-  (attention of 4-30 layers, KV in DRAM, the prefix gathered per layer as the engine does), grouped over
-  plain for SmolLM2 (bf16, 3 KV heads) / the tiny model (fp32, 2 KV heads): 64 x 256 tokens 0.97 / 0.85,
-  4 x 4k 0.84 / 1.29, 4 x 8k 0.49, 8 x 1k 0.98 / 0.89, 16 x 1k 0.79-1.35 / 1.12-1.33, 32 x 1k 0.94 / 1.34,
-  16 x 2k 1.59 / 1.81, 64 x 1k 1.42 / 1.73, 32 x 2k 1.26 / 1.92, 16 x 4k 1.85 / 2.29, 64 x 4k 2.13 / 2.36.
-  Byte counts do not separate these (64 x 256 and 16 x 1k save the same bytes); the product does, with
-  the noisy 16-32 x 1k left ungrouped: never slower matters more than the last 1.3x.
+* CPU, plain decode in our C++ kernel (``cpu_kernel``; `kernels.cpu_kernels`): at least 8 members and at
+  least 256 MiB of prefix KV re-read per layer by plain decode (``(members - 1) * prefix_len *
+  kv_bytes_per_token``). The kernel re-reads a prefix of a few MiB from the CPU's caches on both cores, so
+  grouping saves little traffic; it pays a gather and a merge for GEMMs in place of dot products. Measured on
+  2 cores, whole decode steps of an engine with "always" against one with "never" (forks of one prefix, 4
+  private tokens each), grouped over plain: SmolLM2 bf16 (768 B per token and layer) 4 x 4k 0.60, 8 x 1k
+  0.59, 16 x 1k 0.72, 32 x 1k 0.64, 64 x 256 0.69, 64 x 1k 0.79, 16 x 2k 0.75, 32 x 2k 0.74, 16 x 4k 0.77,
+  64 x 4k (189 MiB) 0.95, 64 x 7,680 (354 MiB) 1.16, 128 x 4k (381 MiB) 1.16; SmolLM2 fp32 (1.5 KiB): 16 x
+  1k 0.80, 64 x 1k (95 MiB) 0.84, 64 x 4k (378 MiB) 1.11, 128 x 2k 1.10; the tiny model (fp32, 1 KiB): 32
+  x 2k (62 MiB) 0.78, 64 x 1k 0.83, 64 x 4k (246 MiB) 1.29, 128 x 2k (254 MiB) 1.24, 128 x 4k (496 MiB)
+  1.45. No one threshold separates all three models; 256 MiB is never slower, at the cost of the tiny
+  model's 1.24-1.29x just below it. (Until the kernels were built with OpenMP they ran on one core, and
+  grouping paid from 64k member-tokens, 1.3-2.3x: measured against a kernel at half its speed.)
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ import torch
 
 __all__ = [
     "CPU_KERNEL_MIN_MEMBERS",
-    "CPU_KERNEL_MIN_MEMBER_TOKENS",
+    "CPU_KERNEL_MIN_SAVED_BYTES",
     "CPU_MIN_SAVED_BYTES",
     "CUDA_EAGER_GROUP_MIN_SAVED_BYTES",
     "CUDA_GRAPHED_MIN_SAVED_BYTES",
@@ -61,7 +64,7 @@ CUDA_GRAPHED_MIN_SAVED_BYTES = 512 << 20
 CUDA_EAGER_GROUP_MIN_SAVED_BYTES = 3 << 30
 CPU_MIN_SAVED_BYTES = 6 << 20
 CPU_KERNEL_MIN_MEMBERS = 8
-CPU_KERNEL_MIN_MEMBER_TOKENS = 64 << 10
+CPU_KERNEL_MIN_SAVED_BYTES = 256 << 20
 _DEFAULT_KV_BYTES_PER_TOKEN = 2 * 8 * 128 * 4
 
 
@@ -95,7 +98,5 @@ def should_share_prefix(
             return saved >= CUDA_MIN_SAVED_BYTES
         return saved >= (CUDA_GRAPHED_MIN_SAVED_BYTES if grouped_graphs else CUDA_EAGER_GROUP_MIN_SAVED_BYTES)
     if cpu_kernel:
-        return (
-            num_members >= CPU_KERNEL_MIN_MEMBERS and num_members * prefix_len >= CPU_KERNEL_MIN_MEMBER_TOKENS
-        )
+        return num_members >= CPU_KERNEL_MIN_MEMBERS and saved >= CPU_KERNEL_MIN_SAVED_BYTES
     return saved >= CPU_MIN_SAVED_BYTES

@@ -37,10 +37,11 @@ class FillChunk(Protocol):
 
 
 # A chunk goes through the kernel while its context is at most this long: a row's keys are read one by one,
-# so the work grows with the square of the chunk, where torch's fused attention runs GEMM tiles. SmolLM2
-# bf16, 2 cores, time to the first token: 16 prompts of 32-64 tokens 1.11x, 64 of them 1.04x, 4 of 200-500
-# 0.92x (so those stay with torch).
-MAX_CONTEXT = 160
+# so the work grows with the square of the chunk, where torch's fused attention runs GEMM tiles. SmolLM2,
+# 2 cores, time to the first token, kernel for every chunk over torch above 160 tokens: bf16 64 prompts of
+# 32-64 tokens 1.00x, 16 of 100-300 1.22x, 4 of 200-500 1.24x, 8 of 300-400 1.22x, 2 of 900-1,000 1.07x,
+# 4 of 1,000-1,500 1.00x, one of ~2k 0.72x; fp32 1.05x at 100-500, 0.98x at 900-1,000, 0.69x at ~2k.
+MAX_CONTEXT = 512
 
 
 @dataclass(frozen=True)

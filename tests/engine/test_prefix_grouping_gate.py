@@ -1,6 +1,6 @@
 """The engine's "auto" shared-prefix grouping on CPU follows the gate of the decode it would replace: with
-our C++ decode kernel, a step groups a prefix only at 8+ members and 64k member-tokens
-(`kernels.gate.CPU_KERNEL_MIN_MEMBER_TOKENS`), not at the byte count the torch path's gate uses."""
+our C++ decode kernel, a step groups a prefix only at 8+ members and 256 MiB of prefix KV re-read per layer
+(`kernels.gate.CPU_KERNEL_MIN_SAVED_BYTES`), not at the 6 MiB the torch path's gate uses."""
 
 from __future__ import annotations
 
@@ -31,9 +31,10 @@ async def _grouped_steps(members: int, prefix_len: int) -> int:
 
 async def test_many_members_of_a_short_prefix_stay_ungrouped() -> None:
     # 63 x 256 tokens x 1 KiB saves 15.8 MiB per layer (the torch path's gate would group) but the
-    # kernel reads such a prefix faster than the grouped pass (measured 0.85x grouped).
+    # kernel reads such a prefix faster than the grouped pass.
     assert await _grouped_steps(64, 256) == 0
+    assert await _grouped_steps(32, 2048) == 0  # 62 MiB: measured 0.78x grouped
 
 
 async def test_enough_members_of_a_long_prefix_are_grouped() -> None:
-    assert await _grouped_steps(32, 2048) > 0  # 64k member-tokens: measured 1.26-1.92x grouped
+    assert await _grouped_steps(128, 4000) > 0  # 496 MiB: measured 1.45x grouped

@@ -295,12 +295,17 @@ def test_gate() -> None:
     # Smaller KV per token (e.g. 2 KV heads x 64 dims, fp32 = 1 KiB) needs more sharing to pay off.
     assert not kernels.should_share_prefix(4, 1024, "cpu", kv_bytes_per_token=1024)
     assert kernels.should_share_prefix(8, 1024, "cpu", kv_bytes_per_token=1024)
-    # Plain decode in our C++ kernel: 8 members and 64k member-tokens at least, whatever the bytes.
-    assert not kernels.should_share_prefix(64, 256, "cpu", cpu_kernel=True)  # measured 0.85-0.97x
-    assert not kernels.should_share_prefix(4, 8192, "cpu", cpu_kernel=True)  # 0.49x
-    assert not kernels.should_share_prefix(32, 1024, "cpu", cpu_kernel=True)  # 0.94-1.34x: left out
-    assert kernels.should_share_prefix(64, 1024, "cpu", cpu_kernel=True)  # 1.42-1.73x
-    assert kernels.should_share_prefix(16, 4096, "cpu", cpu_kernel=True)  # 1.85-2.29x
+    # Plain decode in our C++ kernel: 8 members and 256 MiB of prefix KV re-read per layer at least.
+    bf16, fp32 = 2 * 3 * 64 * 2, 2 * 3 * 64 * 4  # SmolLM2's K and V per token and layer
+    assert not kernels.should_share_prefix(64, 256, "cpu", kv_bytes_per_token=bf16, cpu_kernel=True)  # 0.69x
+    assert not kernels.should_share_prefix(4, 8192, "cpu", cpu_kernel=True)  # 4 x 4k: 0.60x
+    assert not kernels.should_share_prefix(64, 4096, "cpu", kv_bytes_per_token=bf16, cpu_kernel=True)  # 0.95x
+    assert kernels.should_share_prefix(64, 7680, "cpu", kv_bytes_per_token=bf16, cpu_kernel=True)  # 1.16x
+    assert not kernels.should_share_prefix(64, 1024, "cpu", kv_bytes_per_token=fp32, cpu_kernel=True)  # 0.84x
+    assert kernels.should_share_prefix(128, 2048, "cpu", kv_bytes_per_token=fp32, cpu_kernel=True)  # 1.10x
+    assert not kernels.should_share_prefix(32, 2048, "cpu", kv_bytes_per_token=1024, cpu_kernel=True)  # 0.78x
+    assert not kernels.should_share_prefix(128, 2048, "cpu", kv_bytes_per_token=1024, cpu_kernel=True)  # 1.2x
+    assert kernels.should_share_prefix(128, 4000, "cpu", kv_bytes_per_token=1024, cpu_kernel=True)  # 1.45x
     assert kernels.should_share_prefix(16, 4096, "cuda", kv_bytes_per_token=mha_7b, cpu_kernel=True)  # CUDA's
 
 
