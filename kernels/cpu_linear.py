@@ -13,6 +13,11 @@ decoder's shapes at 1-16 rows and 2.9x on SmolLM2's tied LM head at one row (mea
 2 cores), with bit-identical results. For float32 a packed weight gains nothing measurable, so only bf16 is
 packed. A packed weight is a copy: the plain parameters stay (state dicts, the embedding a tied LM head
 shares, other devices), which costs the linears' bytes once more.
+
+At one or two rows (decode at batch 1-2) a bf16 linear is a read of the weight, and oneDNN's GEMM reads it
+at ~32 GB/s on 2 cores; our AVX512-BF16 loop (`kernels.cpu_kernels.bf16_gemv_kernel`) reads the plain
+weight at 40-50 (SmolLM2's 30 layers of linears, 212 MB: 1.4x at one row, 1.2x at two, 1.08x at three,
+0.97x at four), so it takes those rows where it is built.
 """
 
 from __future__ import annotations
@@ -22,11 +27,15 @@ import functools
 import torch
 import torch.nn.functional as F
 
-__all__ = ["linear", "onednn_linear", "pack_weight", "use_onednn"]
+from kernels.cpu_kernels import bf16_gemv_kernel
+
+__all__ = ["GEMV_MAX_ROWS", "linear", "onednn_linear", "pack_weight", "use_onednn"]
 
 # Rows the packed layout is chosen for: decode steps (1-64 rows) dominate; prefill's hundreds of rows run
 # as fast with it as with any other hint (measured 1.0-1.1x of F.linear either way).
 _PACK_ROWS_HINT = 1
+# Most rows a bf16 linear takes through `bf16_gemv_kernel` rather than oneDNN (measured above).
+GEMV_MAX_ROWS = 2
 
 
 def onednn_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -87,8 +96,13 @@ def linear(
     packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)``: through ``packed`` (from `pack_weight(weight)`) where given and ``x`` is
-    of its dtype on CPU, through oneDNN for contiguous float32 operands on CPU, else through torch."""
+    of its dtype on CPU (through our GEMV instead at up to `GEMV_MAX_ROWS` rows where it is built), through
+    oneDNN for contiguous float32 operands on CPU, else through torch."""
     if packed is not None and x.dtype == packed.dtype and x.device.type == "cpu":
+        if x.dim() == 2 and 1 <= x.shape[0] <= GEMV_MAX_ROWS and weight.is_contiguous():
+            gemv = bf16_gemv_kernel()
+            if gemv is not None:
+                return gemv(x, weight, bias)
         return onednn_linear(x.contiguous(), packed, bias)
     if use_onednn(x) and x.is_contiguous() and weight.is_contiguous():
         return onednn_linear(x, weight, bias)

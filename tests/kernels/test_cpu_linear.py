@@ -1,14 +1,17 @@
-"""`kernels.cpu_linear`: packed bf16 weights against plain torch, and the engine's model using them."""
+"""`kernels.cpu_linear`: packed bf16 weights and the bf16 GEMV against plain torch, and the engine's model
+using them."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from benchmarks.harness.engine_models import engine_model
-from kernels import cpu_linear
-from server.engine import EngineConfig, LLMEngine
+from kernels import cpu_kernels, cpu_linear
+from server.engine import EngineConfig, LLMEngine, SamplingParams
 
 BF16_NATIVE = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 needs_packing = pytest.mark.skipif(not BF16_NATIVE, reason="this CPU has no native bf16: nothing is packed")
@@ -76,3 +79,71 @@ def test_a_float32_engine_packs_nothing() -> None:
         model = engine_model(engine)
         assert model.lm_head_packed is None
         assert all(layer.mlp.down_packed is None for layer in model.model.layers)
+
+
+gemv = cpu_kernels.bf16_gemv_kernel()
+needs_gemv = pytest.mark.skipif(
+    gemv is None, reason="no AVX512-BF16 GEMV built here (no such CPU, or no compiler)"
+)
+
+
+@needs_gemv
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize(("out", "inner"), [(96, 64), (13, 40), (200, 70), (8, 32), (3, 5)])
+def test_the_gemv_equals_a_float32_product_rounded_once(rows: int, out: int, inner: int) -> None:
+    """Every row count the kernel takes, widths with a tail of columns (out % 8) and of lanes (inner % 32),
+    with and without a bias: the float32 product rounded to bf16, within one bf16 step of accumulation
+    order."""
+    assert gemv is not None
+    g = torch.Generator().manual_seed(rows * out + inner)
+    x, w = torch.randn(rows, inner, generator=g), torch.randn(out, inner, generator=g)
+    b = torch.randn(out, generator=g)
+    x, w, b = x.bfloat16(), w.bfloat16(), b.bfloat16()
+    for bias in (None, b):
+        want = x.float() @ w.float().T + (0 if bias is None else bias.float())
+        got = gemv(x, w, bias)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, out)
+        torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
+
+
+@needs_gemv
+def test_the_gemv_refuses_what_it_does_not_run() -> None:
+    assert gemv is not None
+    w = torch.randn(16, 32, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="1 to 4 rows"):
+        gemv(torch.randn(5, 32, dtype=torch.bfloat16), w, None)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        gemv(torch.randn(1, 32), w.float(), None)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        gemv(torch.randn(1, 16, dtype=torch.bfloat16), w[:, :16], None)
+    with pytest.raises(RuntimeError, match=r"x \[M, K\]"):
+        gemv(torch.randn(1, 31, dtype=torch.bfloat16), w, None)
+
+
+@needs_gemv
+def test_decode_at_batch_one_runs_its_linears_through_the_gemv(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bf16 engine's single-sequence decode step takes every projection and the LM head through the GEMV
+    (four per layer and the head), a prefill none; the tokens are those with the GEMV off."""
+    calls: list[int] = []
+
+    def counted(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        calls.append(x.shape[0])
+        assert gemv is not None
+        return gemv(x, w, b)
+
+    def tokens(kernel: object) -> tuple[list[int], int]:
+        monkeypatch.setattr(cpu_linear, "bf16_gemv_kernel", lambda: kernel)
+
+        async def answer(engine: LLMEngine) -> list[int]:
+            await engine.fill(1, list(range(5, 40)))
+            return (await engine.generate(1, SamplingParams(max_tokens=6, ignore_eos=True))).token_ids
+
+        with LLMEngine.from_pretrained("tiny", EngineConfig(num_kv_blocks=64, dtype="bfloat16")) as engine:
+            layers = len(engine_model(engine).model.layers)
+            return asyncio.run(answer(engine)), layers
+
+    with_gemv, layers = tokens(counted)
+    # the fill's last token is sampled from its logits (one row through the head); each of the 5 decode
+    # steps runs 4 projections per layer and the head at one row
+    assert calls == [1] + [1] * (5 * (4 * layers + 1))
+    assert tokens(None)[0] == with_gemv
