@@ -18,9 +18,9 @@ the small elementwise parts of a layer (RoPE with the KV write, SwiGLU's activat
   step's k and v written into their cache slots, one pass per token (was ~7 ops per layer); and
   **silu(gate) * up** (``silu_mul_cpu.cpp``, was 2 ops and a temporary). Both with the reference's roundings,
   for bf16 and fp16 only, like the norm.
-* **bf16 linears of 1-2 rows** (``bf16_gemv_cpu.cpp``): decode at batch 1 reads every weight once per token;
-  AVX512-BF16 dot products over the plain weight read it at 45-70 GB/s on 2 cores where oneDNN's packed GEMM
-  reads ~35 (`kernels.cpu_linear`).
+* **Linears of few rows** (``gemv_cpu.cpp``, float32 and bf16): a decode step reads every weight once; FMA
+  or AVX512-BF16 dot products over the plain weight read it faster than oneDNN's GEMM at few rows
+  (`kernels.cpu_linear` has the figures and the row counts each dtype takes).
 
 They are built with torch's extension builder (ninja and a C++ compiler) into torch's extension cache the
 first time a process asks, for this machine's CPU (``-march=native``; the build's name carries the CPU's
@@ -50,9 +50,9 @@ __all__ = [
     "RopeWriteKV",
     "SiluMul",
     "add_rms_norm_kernel",
-    "bf16_gemv_kernel",
     "clear_cache",
     "decode_kernel_covers",
+    "gemv_kernel",
     "paged_decode_kernel",
     "rope_write_kv_kernel",
     "silu_mul_kernel",
@@ -82,7 +82,7 @@ RopeWriteKV = Callable[
 ]
 # (gate_up [T, 2n]) -> silu(gate) * up [T, n]
 SiluMul = Callable[[torch.Tensor], torch.Tensor]
-# (x [M <= 4, K] bf16, weight [N, K] bf16 contiguous, bias [N] or None) -> x @ weight.T + bias, bf16
+# (x [M, K], weight [N, K] contiguous, of one dtype; bias [N] or None) -> x @ weight.T + bias
 Gemv = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 _build_lock = threading.Lock()  # two engines of one process may start together: one build, one load
@@ -183,13 +183,16 @@ def silu_mul_kernel() -> SiluMul | None:
     return None if ops is None else ops.silu_mul
 
 
-def bf16_gemv_kernel() -> Gemv | None:
-    """The bf16 linear of a few rows, built on the first call; None where the kernels are off or cannot be
-    built, or where the build has no AVX512-BF16 dot product (its plain loops would lose to oneDNN)."""
+@functools.cache  # asked at every linear: one lookup per dtype
+def gemv_kernel(dtype: torch.dtype) -> Gemv | None:
+    """The linear of few rows for ``dtype``, built on the first call; None where the kernels are off or
+    cannot be built, or where this build has no vector path for ``dtype`` (float32 needs AVX-512, bf16
+    AVX512-BF16 too; other dtypes never)."""
     ops = _ops()
-    return ops.bf16_gemv if ops is not None and ops.bf16_gemv_native() else None
+    return ops.gemv if ops is not None and ops.gemv_supports(dtype) else None
 
 
 def clear_cache() -> None:
     """Forget whether the kernels were loaded (tests that turn them off by the environment)."""
     _ops.cache_clear()
+    gemv_kernel.cache_clear()

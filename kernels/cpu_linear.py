@@ -14,10 +14,13 @@ decoder's shapes at 1-16 rows and 2.9x on SmolLM2's tied LM head at one row (mea
 packed. A packed weight is a copy: the plain parameters stay (state dicts, the embedding a tied LM head
 shares, other devices), which costs the linears' bytes once more.
 
-At one or two rows (decode at batch 1-2) a bf16 linear is a read of the weight, and oneDNN's GEMM reads it
-at ~32 GB/s on 2 cores; our AVX512-BF16 loop (`kernels.cpu_kernels.bf16_gemv_kernel`) reads the plain
-weight at 40-50 (SmolLM2's 30 layers of linears, 212 MB: 1.4x at one row, 1.2x at two, 1.08x at three,
-0.97x at four), so it takes those rows where it is built.
+At few rows (decode steps) a linear is a read of its weight, and oneDNN reads it slowly here: our kernel
+(`kernels.cpu_kernels.gemv_kernel`: FMA for float32, AVX512-BF16 dot products for bf16, over the plain
+weight) takes those rows where it is built. Measured on SmolLM2's 30 layers of linears (2 cores, bf16-native
+EPYC, median of 8 sweeps): float32 1.9x oneDNN at 1 row, 2.1x at 2, 1.9x at 4, 1.45x at 8; bf16 (against
+the packed weight) 1.4x at 1 row, 1.2x at 2, 1.08x at 3, 0.97x at 4. In the engine (SmolLM2 decode steps,
+everything else included) float32 gained 1.27x at batch 1, 1.21x at 4, 1.25x at 8, nothing at 16 and lost
+at 32 (0.79x; the sweeps alone still showed 1.1x there): float32 stops at 8 rows.
 """
 
 from __future__ import annotations
@@ -27,15 +30,15 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_kernels import bf16_gemv_kernel
+from kernels.cpu_kernels import gemv_kernel
 
 __all__ = ["GEMV_MAX_ROWS", "linear", "onednn_linear", "pack_weight", "use_onednn"]
 
 # Rows the packed layout is chosen for: decode steps (1-64 rows) dominate; prefill's hundreds of rows run
 # as fast with it as with any other hint (measured 1.0-1.1x of F.linear either way).
 _PACK_ROWS_HINT = 1
-# Most rows a bf16 linear takes through `bf16_gemv_kernel` rather than oneDNN (measured above).
-GEMV_MAX_ROWS = 2
+# Most rows a linear takes through `gemv_kernel` rather than oneDNN, per dtype (measured above).
+GEMV_MAX_ROWS: dict[torch.dtype, int] = {torch.float32: 8, torch.bfloat16: 2}
 
 
 def onednn_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -95,14 +98,18 @@ def linear(
     bias: torch.Tensor | None = None,
     packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``: through ``packed`` (from `pack_weight(weight)`) where given and ``x`` is
-    of its dtype on CPU (through our GEMV instead at up to `GEMV_MAX_ROWS` rows where it is built), through
-    oneDNN for contiguous float32 operands on CPU, else through torch."""
-    if packed is not None and x.dtype == packed.dtype and x.device.type == "cpu":
-        if x.dim() == 2 and 1 <= x.shape[0] <= GEMV_MAX_ROWS and weight.is_contiguous():
-            gemv = bf16_gemv_kernel()
-            if gemv is not None:
-                return gemv(x, weight, bias)
+    """``F.linear(x, weight, bias)``: on CPU through our kernel at up to `GEMV_MAX_ROWS` rows of ``x`` where
+    it is built for their dtype, else through ``packed`` (from `pack_weight(weight)`) where given and ``x``
+    is of its dtype, through oneDNN for contiguous float32 operands, else (and wherever a gradient is
+    recorded) through torch."""
+    if x.device.type != "cpu" or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        return F.linear(x, weight, bias)  # our kernel and oneDNN's op have no backward
+    if x.dim() == 2 and 1 <= x.shape[0] <= GEMV_MAX_ROWS.get(x.dtype, 0):
+        plain = x.dtype == weight.dtype and weight.is_contiguous()
+        gemv = gemv_kernel(x.dtype) if plain else None
+        if gemv is not None:
+            return gemv(x, weight, bias)
+    if packed is not None and x.dtype == packed.dtype:
         return onednn_linear(x.contiguous(), packed, bias)
     if use_onednn(x) and x.is_contiguous() and weight.is_contiguous():
         return onednn_linear(x, weight, bias)

@@ -81,69 +81,104 @@ def test_a_float32_engine_packs_nothing() -> None:
         assert all(layer.mlp.down_packed is None for layer in model.model.layers)
 
 
-gemv = cpu_kernels.bf16_gemv_kernel()
-needs_gemv = pytest.mark.skipif(
-    gemv is None, reason="no AVX512-BF16 GEMV built here (no such CPU, or no compiler)"
-)
+GEMV_DTYPES = [torch.float32, torch.bfloat16]
 
 
-@needs_gemv
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def _gemv_or_skip(dtype: torch.dtype) -> cpu_kernels.Gemv:
+    gemv = cpu_kernels.gemv_kernel(dtype)
+    if gemv is None:
+        pytest.skip(f"no {dtype} GEMV built here (no AVX-512 / AVX512-BF16, or no compiler)")
+    return gemv
+
+
+@pytest.mark.parametrize("dtype", GEMV_DTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 32])
 @pytest.mark.parametrize(("out", "inner"), [(96, 64), (13, 40), (200, 70), (8, 32), (3, 5)])
-def test_the_gemv_equals_a_float32_product_rounded_once(rows: int, out: int, inner: int) -> None:
-    """Every row count the kernel takes, widths with a tail of columns (out % 8) and of lanes (inner % 32),
-    with and without a bias: the float32 product rounded to bf16, within one bf16 step of accumulation
-    order."""
-    assert gemv is not None
+def test_the_gemv_equals_a_float32_product_rounded_once(
+    dtype: torch.dtype, rows: int, out: int, inner: int
+) -> None:
+    """Row counts over and under a group of four, widths with a tail of columns (out % 8) and of lanes
+    (inner % 16 or 32), with and without a bias: the float32 product (rounded once to bf16), up to the order
+    of accumulation."""
+    gemv = _gemv_or_skip(dtype)
     g = torch.Generator().manual_seed(rows * out + inner)
-    x, w = torch.randn(rows, inner, generator=g), torch.randn(out, inner, generator=g)
-    b = torch.randn(out, generator=g)
-    x, w, b = x.bfloat16(), w.bfloat16(), b.bfloat16()
+    x, w = torch.randn(rows, inner, generator=g).to(dtype), torch.randn(out, inner, generator=g).to(dtype)
+    b = torch.randn(out, generator=g).to(dtype)
+    tol = {"rtol": 1e-2, "atol": 1e-2} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-5}
     for bias in (None, b):
-        want = x.float() @ w.float().T + (0 if bias is None else bias.float())
+        want = x.double() @ w.double().T + (0 if bias is None else bias.double())
         got = gemv(x, w, bias)
-        assert got.dtype == torch.bfloat16 and got.shape == (rows, out)
-        torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
+        assert got.dtype == dtype and got.shape == (rows, out)
+        torch.testing.assert_close(got.double(), want.to(dtype).double(), **tol)
 
 
-@needs_gemv
 def test_the_gemv_refuses_what_it_does_not_run() -> None:
-    assert gemv is not None
-    w = torch.randn(16, 32, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="1 to 4 rows"):
-        gemv(torch.randn(5, 32, dtype=torch.bfloat16), w, None)
-    with pytest.raises(RuntimeError, match="bfloat16"):
-        gemv(torch.randn(1, 32), w.float(), None)
+    gemv = _gemv_or_skip(torch.float32)
+    w = torch.randn(16, 32)
+    with pytest.raises(RuntimeError, match="of one dtype"):
+        gemv(torch.randn(1, 32, dtype=torch.float16), w.half(), None)
+    with pytest.raises(RuntimeError, match="of one dtype"):
+        gemv(torch.randn(1, 32, dtype=torch.bfloat16), w, None)
     with pytest.raises(RuntimeError, match="contiguous"):
-        gemv(torch.randn(1, 16, dtype=torch.bfloat16), w[:, :16], None)
+        gemv(torch.randn(1, 16), w[:, :16], None)
     with pytest.raises(RuntimeError, match=r"x \[M, K\]"):
-        gemv(torch.randn(1, 31, dtype=torch.bfloat16), w, None)
+        gemv(torch.randn(1, 31), w, None)
+    with pytest.raises(RuntimeError, match="bias of 16"):
+        gemv(torch.randn(1, 32), w, torch.randn(15))
+    assert gemv(torch.randn(0, 32), w, None).shape == (0, 16)
 
 
-@needs_gemv
-def test_decode_at_batch_one_runs_its_linears_through_the_gemv(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A bf16 engine's single-sequence decode step takes every projection and the LM head through the GEMV
-    (four per layer and the head), a prefill none; the tokens are those with the GEMV off."""
+@pytest.mark.parametrize("dtype", GEMV_DTYPES)
+def test_linear_takes_the_gemv_up_to_its_row_count_and_never_under_autograd(dtype: torch.dtype) -> None:
+    _gemv_or_skip(dtype)
+    limit = cpu_linear.GEMV_MAX_ROWS[dtype]
+    w = torch.randn(24, 64).to(dtype)
+    calls: list[int] = []
+    real = cpu_kernels.gemv_kernel(dtype)
+
+    def counted(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        calls.append(x.shape[0])
+        assert real is not None
+        return real(x, weight, bias)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu_linear, "gemv_kernel", lambda _: counted)
+        for rows in (1, limit, limit + 1):
+            cpu_linear.linear(torch.randn(rows, 64).to(dtype), w)
+        cpu_linear.linear(torch.randn(1, 64).to(dtype), w.t().contiguous().t())  # a strided weight
+        leaf = torch.randn(1, 64).to(dtype).requires_grad_()
+        cpu_linear.linear(leaf, w).sum().backward()  # a gradient: torch's op
+        assert leaf.grad is not None
+    assert calls == [1, limit]
+
+
+@pytest.mark.parametrize("dtype", GEMV_DTYPES)
+def test_decode_at_batch_one_runs_its_linears_through_the_gemv(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A single-sequence decode step takes every projection and the LM head through the GEMV (four per layer
+    and the head); the tokens are those with the GEMV off."""
+    real = _gemv_or_skip(dtype)
     calls: list[int] = []
 
     def counted(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         calls.append(x.shape[0])
-        assert gemv is not None
-        return gemv(x, w, b)
+        return real(x, w, b)
 
     def tokens(kernel: object) -> tuple[list[int], int]:
-        monkeypatch.setattr(cpu_linear, "bf16_gemv_kernel", lambda: kernel)
+        monkeypatch.setattr(cpu_linear, "gemv_kernel", lambda _: kernel)
 
         async def answer(engine: LLMEngine) -> list[int]:
             await engine.fill(1, list(range(5, 40)))
             return (await engine.generate(1, SamplingParams(max_tokens=6, ignore_eos=True))).token_ids
 
-        with LLMEngine.from_pretrained("tiny", EngineConfig(num_kv_blocks=64, dtype="bfloat16")) as engine:
+        config = EngineConfig(num_kv_blocks=64, dtype="bfloat16" if dtype == torch.bfloat16 else "float32")
+        with LLMEngine.from_pretrained("tiny", config) as engine:
             layers = len(engine_model(engine).model.layers)
             return asyncio.run(answer(engine)), layers
 
     with_gemv, layers = tokens(counted)
-    # the fill's last token is sampled from its logits (one row through the head); each of the 5 decode
-    # steps runs 4 projections per layer and the head at one row
+    # the fill's last token is sampled from its logits (one row through the head; the fill's 35 rows take
+    # oneDNN), then each of the 5 decode steps runs 4 projections per layer and the head at one row
     assert calls == [1] + [1] * (5 * (4 * layers + 1))
     assert tokens(None)[0] == with_gemv
