@@ -45,7 +45,8 @@ inline void madd(__m512& acc, const T* x, const T* w, int64_t k, __mmask32 tail)
 // Output columns n..n+R for M rows of x. Whole chunks run unmasked (the loop the compiler unrolls); a
 // tail of K % lanes is read masked (zeros beyond).
 template <typename T, int M, int R, bool Bias, bool Tail>
-__attribute__((always_inline)) inline void tile(const T* x, const T* w, const float* bias, T* y, int64_t K, int64_t N, int64_t n) {
+__attribute__((always_inline)) inline void tile(const T* x, const T* w, const float* bias, T* y, int64_t K,
+                                                int64_t N, int64_t n) {
   constexpr int64_t L = kLanes<T>;
   __m512 acc[M][R];
   for (int m = 0; m < M; ++m)

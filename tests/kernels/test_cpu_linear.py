@@ -1,5 +1,5 @@
-"""`kernels.cpu_linear`: packed bf16 weights and the bf16 GEMV against plain torch, and the engine's model
-using them."""
+"""`kernels.cpu_linear`: packed bf16 weights and the float32/bf16 GEMV against plain torch, which rows and
+weights `linear` sends to each, and the engine's model using them."""
 
 from __future__ import annotations
 
