@@ -60,6 +60,7 @@ TESTS = (
     "tests/engine/test_cuda_graphs.py",
     "tests/engine/test_hf_parity.py",
     "tests/engine/test_partial_fork.py",
+    "tests/engine/test_fresh_prefill.py",
 )
 
 

@@ -189,7 +189,8 @@ class EngineConfig:
     shared_prefix_decode: Literal["auto", "always", "never"] = "auto"
     seed: int = 0  # seed of the embedded "tiny" model's weights
     # Keep the features and wall time of the last this-many steps (`LLMEngine.step_trace`; 0: off), the
-    # data the simulator's latency model is fitted to.
+    # data the simulator's latency model is fitted to. On a GPU a traced step waits for the device, so its
+    # time is the step's, not the host's queueing (the host then no longer runs ahead of the device).
     trace_steps: int = 0
     # The order of the waiting queue (`server.engine.ordering`): "fcfs" (arrival) or "sjf" (lowest
     # `generate(priority=)` first, within objective classes, never preempting). Under "sjf", a request

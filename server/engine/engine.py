@@ -822,6 +822,8 @@ class LLMEngine(KVExchange, GeneratesBySubmit):
                 for i in to_sample:
                     self._finish(batch[i].request, error=EngineError(f"sampling failed: {e!r}"))
         if features is not None and self.step_trace is not None:
+            # A fill reads nothing back: on a GPU its time would be the host's queueing, not the step's.
+            self._runner.wait_for_device()
             self.step_trace.append(StepRecord(features, time.perf_counter() - started))
         self._queued_prefill = self._scheduler.pending_prefill_tokens()
 

@@ -239,6 +239,11 @@ class ModelRunner:
                 row += 1
         return build_remote_rows(rows, self.device)
 
+    def wait_for_device(self) -> None:
+        """Block until the device has finished the work queued so far (a no-op on CPU)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)
 

@@ -52,3 +52,43 @@ def test_batched_groups_equal_one_call_per_chunk(dtype: torch.dtype, monkeypatch
         expected = attend_causal(q[rows], k[rows], v[rows], 0, dim**-0.5)
         tol = {} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
         torch.testing.assert_close(out[rows], expected, **tol)
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Bottom-right causal attention in float64, written out: q [B, H, n, D], k/v [B, KVH, ctx, D]."""
+    n, ctx, group = q.shape[2], k.shape[2], q.shape[1] // k.shape[1]
+    qd, kd, vd = q.double(), k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    scores = qd @ kd.transpose(-1, -2) * scale
+    allowed = torch.arange(ctx, device=q.device)[None] <= torch.arange(n, device=q.device)[:, None] + ctx - n
+    return (scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ vd).to(q.dtype)
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("n", "ctx"), [(19, 19), (7, 40), (1, 33)])
+@pytest.mark.parametrize("kv_heads", [2, 6])
+def test_causal_attention_is_bottom_right(
+    device: str, dtype: torch.dtype, n: int, ctx: int, kv_heads: int
+) -> None:
+    """Fresh chunks (n == ctx) and chunks after cached tokens, with and without GQA: on CUDA through
+    FlashAttention where it applies, elsewhere through SDPA; both against the written-out attention."""
+    gen = torch.Generator().manual_seed(n * 100 + ctx)
+    q = torch.randn(3, 6, n, 64, generator=gen).to(device, dtype)
+    k, v = (torch.randn(3, kv_heads, ctx, 64, generator=gen).to(device, dtype) for _ in range(2))
+    out = fresh_prefill.causal_attention(q, k, v, 0.125)
+    tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(out, _reference(q, k, v, 0.125), **tol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_flash_taken_only_on_cuda_half_types(device: str) -> None:
+    """The fill's causal calls reach FlashAttention on CUDA in half types (never SDPA's per-shape cuDNN
+    plans there); float32 and CPU keep SDPA."""
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        q = torch.zeros(2, 9, 5, 64, device=device, dtype=dtype)
+        kv = torch.zeros(2, 3, 8, 64, device=device, dtype=dtype)
+        expected = device == "cuda" and dtype != torch.float32
+        assert fresh_prefill._flash_applies(q, kv, kv, gqa=True) is expected
