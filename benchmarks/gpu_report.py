@@ -68,7 +68,8 @@ def section(record: Mapping[str, Any]) -> list[str]:
         "",
         *_engine(record),
         "",
-        *_steps(record.get("after_layer_kernels") or {}),
+        *_steps(record if _anatomy(record) else record.get("after_layer_kernels") or {}),
+        *_diagnostics(record.get("diagnostics") or {}),
     ]
     profile = record.get("profile")
     if profile:
@@ -76,7 +77,34 @@ def section(record: Mapping[str, Any]) -> list[str]:
             f"{k} {profile[k]:.3g} s"
             for k in ("base", "prefill_token", "prefill_pair", "decode_seq", "kv_token")
         )
-        lines += ["", f"Simulator profile `{profile['name']}` fitted on this run: {coefficients}.", ""]
+        fitted = record.get("profile_note") or "Fitted on this run."
+        lines += ["", f"Simulator profile `{profile['name']}`: {coefficients}. {fitted}", ""]
+    return lines
+
+
+def _anatomy(record: Mapping[str, Any]) -> bool:
+    return bool(((record.get("payloads") or {}).get("steps") or {}).get("anatomy"))
+
+
+def _diagnostics(diag: Mapping[str, Any]) -> list[str]:
+    """The follow-up measurements of a run (why a goal is missed, where time goes), with their notes."""
+    rows = [
+        [
+            str(r["batch"]),
+            f"{r['plain_shared_blocks_ms']:.3f}",
+            f"{r['plain_distinct_blocks_ms']:.3f}",
+            f"{r['plain_shared_TBps_equiv']:.2f}",
+            f"{r['plain_distinct_TBps']:.2f}",
+        ]
+        for r in diag.get("kernel_l2", [])
+    ]
+    lines: list[str] = []
+    if rows:
+        headers = ["batch", "paged ms, shared blocks", "paged ms, own copies", "TB/s shared", "TB/s own"]
+        table = markdown_table(headers, rows, [True] * len(headers))
+        lines += ["", table, "", diag.get("kernel_l2_note", "")]
+    if diag.get("fill_note"):
+        lines += ["", diag["fill_note"]]
     return lines
 
 
@@ -136,8 +164,7 @@ def _engine(record: Mapping[str, Any]) -> list[str]:
         "same tok",
     ]
     return [
-        "Engine decode in the full run, before the layer kernels (CUDA graphs on; *eager*: the same engine "
-        "with them off, same weights) against HF "
+        "Engine decode (CUDA graphs on; *eager*: the same engine with them off, same weights) against HF "
         "`generate`, bf16, prompts 128-256 tokens, 32 new tokens. Random weights leave near-ties, so bf16 "
         "greedy tokens agree with HF's only in part; graphs and eager agree on every token.",
         "",
@@ -150,18 +177,28 @@ def _steps(after: Mapping[str, Any]) -> list[str]:
     steps = (after.get("payloads") or {}).get("steps") or {}
     if not steps.get("anatomy"):
         return []
-    return [
-        f"After the Triton layer kernels and grouped graphs (commit `{after.get('commit', '?')}`, "
-        f"{steps.get('shape')}): a decode step's wall time (the engine's step trace) and its kernels' device "
-        "time (torch.profiler), with the fused layer kernels and with torch's ops over the same weights. "
-        "*fill ms* of that run is the host's time to queue the fill of the batch's 256-token prompts, not "
-        "the prefill itself (a fill reads nothing back; the benchmark now waits for the device).",
+    lines = [
+        f"Decode-step anatomy (commit `{after.get('commit', '?')}`, {steps.get('shape')}): a decode step's "
+        "wall time (the engine's step trace) and its kernels' device time (torch.profiler), with the fused "
+        "layer kernels and with torch's ops over the same weights; *fill ms*: the fill of the batch's "
+        "256-token prompts, the device waited for.",
         "",
         anatomy_table(steps["anatomy"]),
         "",
         "Forks of one prefix (each with 128 tokens of its own), mean graphed decode step: plain paged "
-        "decode (`never`), grouped by shared prefix (`always`), the engine's gate (`auto`: 128 MiB of KV "
-        "reads saved per layer then; set from this table to 512 MiB for graphed steps since).",
+        "decode (`never`), grouped by shared prefix (`always`), the engine's gate (`auto`).",
         "",
         grouping_table(steps.get("grouping", [])),
     ]
+    prefill = steps.get("paged_prefill") or []
+    if prefill:
+        cases = ", ".join(
+            f"{r['cached']} cached + {r['chunk']}: {r['gathered_ms']:.2f} vs {r['in_place_ms']:.2f} ms"
+            for r in prefill
+        )
+        lines += [
+            "",
+            "One layer's attention of a fill chunk after cached tokens, gathered + SDPA vs in place through "
+            f"the shared-prefix kernel ({cases}): the gather stays the default.",
+        ]
+    return lines
