@@ -21,6 +21,9 @@ the small elementwise parts of a layer (RoPE with the KV write, SwiGLU's activat
 * **Linears of few rows** (``gemv_cpu.cpp``, float32 and bf16): a decode step reads every weight once; FMA
   or AVX512-BF16 dot products over the plain weight read it faster than oneDNN's GEMM at few rows
   (`kernels.cpu_linear` has the figures and the row counts each dtype takes).
+* **bf16 linears over a packed weight** (``packed_gemm_cpu.cpp``): the weight packed once into panels of 16
+  output features whose k-pairs lie in the lanes AVX512-BF16's dot product takes, and a register-blocked
+  micro-kernel over it; faster than oneDNN's packed bf16 GEMM from 1 row to hundreds (`kernels.cpu_linear`).
 
 They are built with torch's extension builder (ninja and a C++ compiler) into torch's extension cache the
 first time a process asks, for this machine's CPU (``-march=native``; the build's name carries the CPU's
@@ -53,6 +56,7 @@ __all__ = [
     "clear_cache",
     "decode_kernel_covers",
     "gemv_kernel",
+    "packed_gemm_ops",
     "paged_decode_kernel",
     "rope_write_kv_kernel",
     "silu_mul_kernel",
@@ -192,7 +196,17 @@ def gemv_kernel(dtype: torch.dtype) -> Gemv | None:
     return ops.gemv if ops is not None and ops.gemv_supports(dtype) else None
 
 
+@functools.cache  # asked at every linear
+def packed_gemm_ops() -> Any | None:
+    """The ops of the packed bf16 GEMM (``pack_bf16(w)``, ``packed_linear(x, packed, out_features, bias)``),
+    built on the first call; None where the kernels are off or cannot be built, or where this build has no
+    AVX512-BF16 path."""
+    ops = _ops()
+    return ops if ops is not None and ops.packed_gemm_supported() else None
+
+
 def clear_cache() -> None:
     """Forget whether the kernels were loaded (tests that turn them off by the environment)."""
     _ops.cache_clear()
     gemv_kernel.cache_clear()
+    packed_gemm_ops.cache_clear()

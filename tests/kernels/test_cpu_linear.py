@@ -4,6 +4,7 @@ weights `linear` sends to each, and the engine's model using them."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 import torch
@@ -157,16 +158,27 @@ def test_decode_at_batch_one_runs_its_linears_through_the_gemv(
     dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A single-sequence decode step takes every projection and the LM head through the GEMV (four per layer
-    and the head); the tokens are those with the GEMV off."""
+    and the head) — in bf16 through the packed GEMM where that is built, fill and decode alike; the tokens
+    are those with both off."""
     real = _gemv_or_skip(dtype)
+    packed_ops = cpu_kernels.packed_gemm_ops() if dtype == torch.bfloat16 else None
     calls: list[int] = []
 
     def counted(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         calls.append(x.shape[0])
         return real(x, w, b)
 
-    def tokens(kernel: object) -> tuple[list[int], int]:
+    class CountedPacked:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(packed_ops, name)
+
+        def packed_linear(self, x: torch.Tensor, *rest: Any) -> torch.Tensor:
+            calls.append(x.shape[0])
+            return packed_ops.packed_linear(x, *rest)  # type: ignore[union-attr]
+
+    def tokens(kernel: object, packed: object) -> tuple[list[int], int]:
         monkeypatch.setattr(cpu_linear, "gemv_kernel", lambda _: kernel)
+        monkeypatch.setattr(cpu_linear, "packed_gemm_ops", lambda: packed)
 
         async def answer(engine: LLMEngine) -> list[int]:
             await engine.fill(1, list(range(5, 40)))
@@ -177,8 +189,87 @@ def test_decode_at_batch_one_runs_its_linears_through_the_gemv(
             layers = len(engine_model(engine).model.layers)
             return asyncio.run(answer(engine)), layers
 
-    with_gemv, layers = tokens(counted)
-    # the fill's last token is sampled from its logits (one row through the head; the fill's 35 rows take
-    # oneDNN), then each of the 5 decode steps runs 4 projections per layer and the head at one row
-    assert calls == [1] + [1] * (5 * (4 * layers + 1))
-    assert tokens(None)[0] == with_gemv
+    with_kernels, layers = tokens(counted, CountedPacked() if packed_ops is not None else None)
+    # the fill's last token is sampled from its logits (one row through the head; with the GEMV the fill's
+    # 35 rows take oneDNN, with the packed GEMM they take it too), then each of the 5 decode steps runs 4
+    # projections per layer and the head at one row
+    fill = [35] * (4 * layers) if packed_ops is not None else []
+    assert calls == fill + [1] + [1] * (5 * (4 * layers + 1))
+    assert tokens(None, None)[0] == with_kernels
+
+
+def _packed_ops() -> object:
+    ops = cpu_kernels.packed_gemm_ops()
+    if ops is None:
+        pytest.skip("the packed bf16 GEMM is not built here (no compiler, or no AVX512-BF16)")
+    return ops
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 17, 1030])  # micro-kernel tails and a second row chunk
+@pytest.mark.parametrize("out_features", [16, 40, 48, 100])  # whole panels, a short last panel, groups
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_packed_gemm_equals_a_float64_product(rows: int, out_features: int, with_bias: bool) -> None:
+    ops: Any = _packed_ops()
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features)
+    w = torch.randn(out_features, 70, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, 70, generator=gen).to(torch.bfloat16)
+    b = torch.randn(out_features, generator=gen).to(torch.bfloat16) if with_bias else None
+    got = ops.packed_linear(x, ops.pack_bf16(w), out_features, b)
+    expected = x.double() @ w.double().T + (b.double() if b is not None else 0)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+    # float32 accumulation, one rounding to bf16 at the end: within bf16's half unit of the exact value
+    torch.testing.assert_close(got.double(), expected, rtol=8e-3, atol=1e-2)
+
+
+def test_the_packed_gemm_refuses_what_it_cannot_run() -> None:
+    ops: Any = _packed_ops()
+    w = torch.randn(32, 8, dtype=torch.bfloat16)
+    packed = ops.pack_bf16(w)
+    with pytest.raises(RuntimeError, match="K even"):
+        ops.pack_bf16(torch.randn(32, 7, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="bfloat16 weight"):
+        ops.pack_bf16(torch.randn(32, 8))
+    with pytest.raises(RuntimeError, match="bfloat16 x"):
+        ops.packed_linear(torch.randn(2, 8), packed, 32, None)
+    with pytest.raises(RuntimeError, match="x has 10 features"):
+        ops.packed_linear(torch.randn(2, 10, dtype=torch.bfloat16), packed, 32, None)
+    with pytest.raises(RuntimeError, match="asked for 40"):
+        ops.packed_linear(torch.randn(2, 8, dtype=torch.bfloat16), packed, 40, None)
+    with pytest.raises(RuntimeError, match="bias of 32"):
+        ops.packed_linear(torch.randn(2, 8, dtype=torch.bfloat16), packed, 32, torch.zeros(3))
+    assert ops.packed_linear(torch.empty(0, 8, dtype=torch.bfloat16), packed, 32, None).shape == (0, 32)
+
+
+@needs_packing
+def test_pack_weight_prefers_our_layout_and_linear_routes_to_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the kernel built, a bf16 weight of even width is packed for it (4-D) and `linear` runs it at
+    any row count, 3-D inputs included; an odd width, or the kernels off, keeps oneDNN's packed weight."""
+    ops: Any = _packed_ops()
+    w = torch.randn(48, 64, dtype=torch.bfloat16)
+    packed = cpu_linear.pack_weight(w)
+    assert packed is not None and packed.dim() == 4
+    rows: list[int] = []
+
+    class Spy:
+        def packed_linear(self, x: torch.Tensor, *rest: Any) -> torch.Tensor:
+            rows.append(x.shape[0])
+            return ops.packed_linear(x, *rest)
+
+    with monkeypatch.context() as spying:
+        spying.setattr(cpu_linear, "packed_gemm_ops", lambda: Spy())
+        x = torch.randn(2, 5, 64, dtype=torch.bfloat16)
+        got = cpu_linear.linear(x, w, None, packed)
+    torch.testing.assert_close(got.float(), F.linear(x, w).float(), **BF16)
+    assert rows == [10] and got.shape == (2, 5, 48)
+    odd = cpu_linear.pack_weight(torch.randn(48, 63, dtype=torch.bfloat16))
+    assert odd is not None and odd.dim() != 4  # oneDNN's blocked weight
+    monkeypatch.setenv(cpu_kernels.DISABLE_ENV, "0")
+    cpu_kernels.clear_cache()
+    try:
+        off = cpu_linear.pack_weight(w)
+        assert off is not None and off.dim() != 4
+        y = torch.randn(3, 64, dtype=torch.bfloat16)
+        torch.testing.assert_close(cpu_linear.linear(y, w, None, off).float(), F.linear(y, w).float(), **BF16)
+    finally:
+        monkeypatch.delenv(cpu_kernels.DISABLE_ENV)
+        cpu_kernels.clear_cache()
