@@ -112,6 +112,7 @@ def _kernels(record: Mapping[str, Any]) -> list[str]:
     payload = (record.get("payloads") or {}).get("kernels_bf16") or {}
     if not payload.get("rows"):
         return []
+    private = any(_measured(r.get("speedup_vs_private")) for r in payload["rows"])
     rows = [
         [
             str(r["batch"]),
@@ -122,15 +123,21 @@ def _kernels(record: Mapping[str, Any]) -> list[str]:
             f"{r['ceiling']:.2f}x",
             f"{r.get('plain_wall_ms', float('nan')):.3f} / {r.get('shared_wall_ms', float('nan')):.3f}",
         ]
+        + ([f"{r['plain_private_ms']:.3f}", f"{r['speedup_vs_private']:.2f}x"] if private else [])
         for r in payload["rows"]
     ]
     headers = ["batch", "prefix", "paged ms", "shared ms", "speedup", "ceiling", "wall ms paged / shared"]
+    headers += ["paged ms, own prefix copies", "speedup vs own copies"] if private else []
     return [
         "Shared-prefix vs paged decode attention, one layer (GQA 32/8, head dim 128, bf16, suffix 256): "
         "device time with the L2 cache flushed before each call; the wall time of an eager call beside it.",
         "",
         markdown_table(headers, rows, [True] * len(headers)),
     ]
+
+
+def _measured(value: float | None) -> bool:
+    return value is not None and value == value  # NaN: not measured
 
 
 def _engine(record: Mapping[str, Any]) -> list[str]:

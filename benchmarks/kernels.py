@@ -46,6 +46,15 @@ def _key(row: Row) -> str:
     return f"b{row.batch}_p{row.prefix}"
 
 
+def _has_private(row: Row) -> bool:
+    """Whether plain decode over private prefix copies was timed (CUDA; NaN elsewhere)."""
+    return row.plain_private_ms == row.plain_private_ms
+
+
+def _private_text(row: Row) -> str:
+    return f" own prefix copies {row.plain_private_ms:.3f} ms: {row.speedup_vs_private:.2f}x"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -85,7 +94,8 @@ def main(argv: list[str] | None = None) -> None:
             print(
                 f"{row.batch:>5} {row.prefix:>6} {row.suffix:>6} {row.plain_ms:>9.2f} {row.shared_ms:>9.2f} "
                 f"{row.speedup:>7.2f}x {row.ceiling:>7.2f}x {row.frac_of_ceiling:>7.0%} "
-                f"{row.max_abs_diff:>9.2e} {row.plain_wall_ms:>10.3f}/{row.shared_wall_ms:<10.3f}",
+                f"{row.max_abs_diff:>9.2e} {row.plain_wall_ms:>10.3f}/{row.shared_wall_ms:<10.3f}"
+                + (_private_text(row) if _has_private(row) else ""),
                 flush=True,
             )
 
@@ -107,6 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     metrics = {f"speedup_{_key(r)}": r.speedup for r in rows} | {
         f"ceiling_{_key(r)}": r.ceiling for r in rows
     }
+    metrics |= {f"speedup_vs_private_{_key(r)}": r.speedup_vs_private for r in rows if _has_private(r)}
     print(result_line("kernels", metrics))
 
 

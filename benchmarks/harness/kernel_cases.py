@@ -42,6 +42,10 @@ class Row:
     # do); these are wall times of a call as an eager caller sees them, host launch overhead included.
     plain_wall_ms: float = math.nan
     shared_wall_ms: float = math.nan
+    # CUDA: plain paged decode over a private copy of the prefix per sequence, the DRAM traffic the ceiling
+    # assumes (over shared blocks a GPU serves the repeats from L2), and the speedup against it.
+    plain_private_ms: float = math.nan
+    speedup_vs_private: float = math.nan
 
 
 def ceiling(batch: int, prefix: int, suffix: int) -> float:
@@ -50,10 +54,17 @@ def ceiling(batch: int, prefix: int, suffix: int) -> float:
 
 
 def run_case(
-    batch: int, prefix: int, suffix: int, repeats: int, device: torch.device, dtype: torch.dtype
+    batch: int,
+    prefix: int,
+    suffix: int,
+    repeats: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    private: bool | None = None,
 ) -> Row:
     """One case on ``device`` in ``dtype`` (CUDA: the Triton kernels; CPU: the torch path): the two decodes'
-    outputs compared, then ``repeats`` interleaved timings of each (`kernel_timing.interleaved`)."""
+    outputs compared, then ``repeats`` interleaved timings of each (`kernel_timing.interleaved`); with
+    ``private`` (default: on CUDA) plain decode over a copy of the prefix per sequence too."""
     gen = torch.Generator().manual_seed(batch * 100_003 + prefix)
     n_prefix = -(-prefix // BLOCK)
     n_suffix = -(-suffix // BLOCK)
@@ -99,14 +110,32 @@ def run_case(
             backend=backend,
         )
 
+    fns = [plain, shared]
+    if device.type == "cuda" if private is None else private:  # each sequence's own copy of the prefix
+        copies = prefix_table.long().repeat(batch).to(device)
+        k_own, v_own = torch.cat([k_cache, k_cache[copies]]), torch.cat([v_cache, v_cache[copies]])
+        own = torch.arange(num_blocks, num_blocks + batch * n_prefix, dtype=torch.int32).view(batch, n_prefix)
+        own_tables = i32(torch.cat([own, suffix_tables], dim=1))
+
+        def plain_private() -> torch.Tensor:
+            return kernels.paged_decode_attention(
+                q, k_own, v_own, own_tables, plain_lens, scale, backend=backend
+            )
+
+        fns.append(plain_private)
     # The first calls also warm up (compilation, workspaces, caches).
-    diff = (plain().float() - shared().float()).abs().max().item()
-    # The two interleaved (`kernel_timing.interleaved`), and the speedup taken as the median of the
-    # back-to-back pairs' ratios: on a shared machine whose speed shifts between runs, a pair sees one
-    # state, while a ratio of two medians can mix states.
-    t = interleaved([plain, shared], repeats, device)
-    (plain_ms, shared_ms), (plain_wall, shared_wall) = t.ms, t.wall_ms
+    outputs = [fn().float() for fn in fns]
+    diff = max((outputs[0] - o).abs().max().item() for o in outputs[1:])
+    # Interleaved (`kernel_timing.interleaved`), and each speedup taken as the median of the back-to-back
+    # pairs' ratios: on a shared machine whose speed shifts between runs, a pair sees one state, while a
+    # ratio of two medians can mix states.
+    t = interleaved(fns, repeats, device)
+    (plain_ms, shared_ms), (plain_wall, shared_wall) = t.ms[:2], t.wall_ms[:2]
     speedup = statistics.median(p / s for p, s in zip(plain_ms, shared_ms, strict=True))
+    private_ms, vs_private = math.nan, math.nan
+    if len(t.ms) > 2:
+        private_ms = statistics.median(t.ms[2])
+        vs_private = statistics.median(p / s for p, s in zip(t.ms[2], shared_ms, strict=True))
     ceil = ceiling(batch, prefix, suffix)
     return Row(
         batch,
@@ -120,4 +149,6 @@ def run_case(
         diff,
         statistics.median(plain_wall),
         statistics.median(shared_wall),
+        private_ms,
+        vs_private,
     )

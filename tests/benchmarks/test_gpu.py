@@ -136,3 +136,16 @@ def test_the_tests_step_runs_the_gpu_suites_without_the_moot_checks(tmp_path: Pa
     assert "tests/kernels/test_layer_ops.py" in command
     assert by_name["tests"].env == {"PARROT_CPU_KERNELS": "0"}
     assert "--profile-shape" in by_name["engine"].command
+
+
+def test_a_kernel_case_times_plain_decode_over_private_prefix_copies_too() -> None:
+    """The baseline the traffic ceiling assumes (each sequence reading its own copy of the prefix) runs
+    beside the shared-block one and gives the same attention; on CPU only when asked."""
+    from benchmarks.harness.kernel_cases import run_case
+
+    cpu = torch.device("cpu")
+    row = run_case(3, 32, 16, 1, cpu, torch.float32, private=True)
+    assert row.plain_private_ms > 0 and row.speedup_vs_private > 0
+    assert row.max_abs_diff < 1e-4  # the copies hold the same keys and values
+    plain = run_case(3, 32, 16, 1, cpu, torch.float32)
+    assert plain.plain_private_ms != plain.plain_private_ms  # NaN: not measured on CPU by default
