@@ -9,12 +9,14 @@ chunk keeps its own call (`MIN_SHARE_BY_DEVICE`).
 On CUDA the causal calls go to FlashAttention directly (`causal_attention`), not through SDPA's dispatcher:
 on an H100 that picks cuDNN, which builds an execution plan for every new shape, and a serving engine's fill
 steps bring new shapes all the time. Measured there (fourth GPU run): grouping alone left the 256-prompt fill
-at 0.30x HF; the engine thread spent 46% of its samples inside those SDPA calls while the GPU was busy 64 of
-400 ms.
+at 0.30x HF; over a cold and a warm fill the engine thread spent 46% of its samples inside those SDPA calls,
+and in a warm one the GPU was busy 64 of 400 ms.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,6 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels.device_tensors import device_tensor
+
+log = logging.getLogger(__name__)
 
 
 class Chunk(Protocol):
@@ -113,6 +117,7 @@ def attend_causal(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int, scale: float
 ) -> torch.Tensor:
     """Causal attention of q [n, H, D] at positions num_cached.. over k, v [num_cached + n, KVH, D]."""
+    assert k.shape[0] == num_cached + q.shape[0], (k.shape, num_cached, q.shape)
     # 4-D inputs: with a batch dim torch picks its fused (flash) CPU kernel; 3-D falls back to the math path.
     qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
     return causal_attention(qt, kt, vt, scale)[0].transpose(0, 1)
@@ -136,8 +141,32 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 
 def _flash_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) -> bool:
-    """Whether FlashAttention takes these inputs as they are (CUDA, fp16/bf16, a head dim it supports)."""
+    """Whether FlashAttention takes these inputs as they are (CUDA, fp16/bf16, a head dim it supports) and
+    gave the bottom-right causal attention on this device when checked (`_flash_checked`)."""
     if q.device.type != "cuda" or q.shape[-1] % 8:
         return False
     params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, True, gqa)
-    return bool(torch.backends.cuda.can_use_flash_attention(params, False))
+    if not torch.backends.cuda.can_use_flash_attention(params, False):
+        return False
+    return _flash_checked(q.device, q.dtype, q.shape[1] // k.shape[1], q.shape[-1])
+
+
+@functools.cache
+def _flash_checked(device: torch.device, dtype: torch.dtype, group: int, head_dim: int) -> bool:
+    """One small case through FlashAttention against SDPA with an explicit mask, once per kind of input:
+    the call is torch-internal (the one its ``CausalBias`` makes), so check it rather than assume it."""
+    try:
+        gen = torch.Generator().manual_seed(0)
+        q = torch.randn(2, 2 * group, 5, head_dim, generator=gen).to(device, dtype)
+        k, v = (torch.randn(2, 2, 9, head_dim, generator=gen).to(device, dtype) for _ in range(2))
+        got = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, is_causal=True, return_debug_mask=False, scale=0.125
+        )[0]
+        mask = torch.arange(9, device=device)[None] <= torch.arange(5, device=device)[:, None] + 4
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.125, enable_gqa=group > 1)
+        if torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2):
+            return True
+        log.warning("FlashAttention's causal output differs from SDPA's here: fills use SDPA")
+    except RuntimeError as exc:
+        log.warning("FlashAttention unusable here (%s): fills use SDPA", exc)
+    return False
