@@ -23,9 +23,9 @@
 namespace {
 
 using BF16 = c10::BFloat16;
-constexpr int64_t kPanel = 16;     // output features per panel (float32 lanes of a vector)
-constexpr int kPanels = 3;         // panels per micro-kernel call
-constexpr int kRows = 8;           // rows of x per micro-kernel call
+constexpr int64_t kPanel = 16;        // output features per panel (float32 lanes of a vector)
+constexpr int kPanels = 3;            // panels per micro-kernel call
+constexpr int kRows = 8;              // rows of x per micro-kernel call
 constexpr int64_t kChunkRows = 1024;  // rows of x per pass over the weight
 
 bool packed_gemm_supported() {
