@@ -12,9 +12,9 @@ interleaved repeats after a warm-up, ± half the range of the per-repeat figures
 * **prefill tok/s** = real (unpadded) prompt tokens / ``T(1)``;
 * **decode tok/s** = ``B (N - 1) / (T(N) - T(1))``; **end-to-end tok/s** = ``B N / T(N)``.
 
-Batch-1 decode ceiling: memory read bandwidth (measured in the same run) / the weight bytes one decode
-step reads; ours is reported as a share of it. A model that is not a HF folder is exported from our engine,
-so HF and vLLM run exactly our weights.
+Batch-1 decode ceiling: memory read bandwidth (same run) / the weight bytes one decode step reads; prefill
+ceiling: the model's own linears at 2,048 rows / their FLOPs per token; ours is a share of each. A model
+that is not a HF folder is exported from our engine, so HF and vLLM run exactly our weights.
 
 KV memory: ``kv_requests`` requests sharing a ``kv_prefix``-token prefix, each with a distinct suffix,
 blocks counted exactly with every context alive, with fork (the prefix filled once) and without.
@@ -63,6 +63,7 @@ from benchmarks.harness.hf_generate import HFGenerate, load_baseline, pad_token_
 from benchmarks.harness.kv_fork import KVResult, blocks, kv_table, measure_kv
 from benchmarks.harness.machine import memory_bandwidth
 from benchmarks.harness.output import fmt_num, log
+from benchmarks.harness.prefill_ceiling import PrefillCeiling, describe, prefill_ceiling
 from benchmarks.harness.vllm_generate import start_vllm
 from benchmarks.harness.vllm_settings import add_vllm_flags
 from server.engine import EngineConfig, LLMEngine
@@ -111,6 +112,7 @@ class Run:
     results: list[BatchResult]
     kv: KVResult
     ceiling: Ceiling
+    prefill: PrefillCeiling  # at the largest batch
 
 
 def run_all(cfg: BenchConfig, ours: OurEngine, others: list[Generator]) -> Run:
@@ -118,9 +120,8 @@ def run_all(cfg: BenchConfig, ours: OurEngine, others: list[Generator]) -> Run:
     engine, limit = ours.engine, ours.engine.max_model_len
     if cfg.prompt_len + cfg.new_tokens > limit:
         raise SystemExit(f"prompt_len + new tokens exceed the model's context window ({limit})")
-    tokens = workload(
-        engine.tokenizer, 4 * max(cfg.kv_prefix + cfg.kv_requests * cfg.kv_suffix, cfg.prompt_len)
-    )
+    longest = max(cfg.kv_prefix + cfg.kv_requests * cfg.kv_suffix, cfg.prompt_len)
+    tokens = workload(engine.tokenizer, 4 * longest)
     log(f"memory bandwidth ({cfg.bandwidth_mib} MiB, {cfg.bandwidth_repeats} repeats) ...")
     bandwidth = on_own_thread(lambda: memory_bandwidth(cfg.bandwidth_mib, cfg.bandwidth_repeats), "bandwidth")
     results = []
@@ -134,8 +135,8 @@ def run_all(cfg: BenchConfig, ours: OurEngine, others: list[Generator]) -> Run:
     log(f"KV memory: {cfg.kv_requests} requests sharing a {p}-token prefix")
     kv = ours.call(measure_kv(ours, tokens[:p], suffixes, cfg.kv_new_tokens))
     b1 = next((r.systems["ours"].decode_tps.value for r in results if r.batch == 1), math.nan)
-    dtype = dtype_name(engine.config.torch_dtype())
-    return Run(results, kv, decode_ceiling(bandwidth, engine_model(engine), dtype, b1))
+    dtype, model, big = dtype_name(engine.config.torch_dtype()), engine_model(engine), results[-1].systems
+    return Run(results, kv, decode_ceiling(bandwidth, model, dtype, b1), prefill_ceiling(model, big["ours"]))
 
 
 # ----------------------------------------------------------------------------------------------- report
@@ -161,9 +162,9 @@ def print_report(cfg: BenchConfig, run: Run, dtypes: dict[str, str], vllm: dict[
         f"product / sum over {bw['tensor_bytes'] / (1 << 20):.0f} MiB, median of {bw['repeats']}, "
         f"{bw['threads']} threads) / {c.weight_bytes / 1e6:.0f} MB of weights read per step ({c.dtype}) = "
         f"{fmt_num(c.ceiling_tps, 1)} tok/s; ours at batch 1: {fmt_num(c.decode_b1_tps, 1)} tok/s = "
-        f"{c.share:.0%} of it.\n\nKV memory: {kv.requests} requests sharing a {kv.prefix_tokens}-token "
-        f"prefix, {kv.suffix_tokens}-token distinct suffix each, {kv.new_tokens} new tokens, block size "
-        f"{kv.block_size}; blocks counted with every context alive.\n"
+        f"{c.share:.0%} of it.\n\n{describe(run.prefill, run.results[-1])}\n\nKV memory: {kv.requests} "
+        f"requests sharing a {kv.prefix_tokens}-token prefix, {kv.suffix_tokens}-token distinct suffix each, "
+        f"{kv.new_tokens} new tokens, block size {kv.block_size}; blocks counted with every context alive.\n"
     )
     print(kv_table(kv) + "\n")
 
@@ -183,6 +184,8 @@ def metrics(run: Run) -> dict[str, float | int]:
         "mem_bw_gbs": run.ceiling.read_bytes_per_s / 1e9,
         "decode_b1_ceiling_tps": run.ceiling.ceiling_tps,
         "decode_b1_pct_ceiling": 100 * run.ceiling.share,
+        "linear_tflops": run.prefill.linear_flops_per_s / 1e12,
+        f"prefill_pct_ceiling_b{run.results[-1].batch}": 100 * run.prefill.share,
         **ratios("vllm"),
     }
 
@@ -238,6 +241,7 @@ def main(argv: list[str] | None = None) -> None:
         vllm=vllm.info if vllm else None,
         throughput=[asdict(r) for r in run.results],
         decode_ceiling=run.ceiling,
+        prefill_ceiling=run.prefill,
         kv_memory={**asdict(run.kv), "ratio": run.kv.ratio},
     )
 

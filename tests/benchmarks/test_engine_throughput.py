@@ -24,9 +24,11 @@ import torch
 from benchmarks import engine_throughput as et
 from benchmarks import vllm_worker as vw
 from benchmarks.harness import (
+    batch_timing,
     decode_ceiling,
     generators,
     hf_generate,
+    prefill_ceiling,
     process_groups,
     vllm_generate,
     vllm_settings,
@@ -362,6 +364,17 @@ def test_decode_weight_bytes_counts_a_tied_embedding_once(tiny_engine: LLMEngine
     )
 
 
+def test_the_prefill_ceiling_times_every_layers_projections(tiny_engine: LLMEngine) -> None:
+    model = engine_model(tiny_engine)
+    pairs = prefill_ceiling.layer_linears(model)
+    assert len(pairs) == 4 * len(model.model.layers)
+    ours = batch_timing.Rates.of([1.0], [2.0], prompt_tokens=1000, batch=1, new_tokens=2)
+    c = prefill_ceiling.prefill_ceiling(model, ours, rows=16, repeats=1)
+    assert c.flops_per_token == 2 * sum(w.numel() for w, _ in pairs)
+    assert c.ceiling_tps == pytest.approx(c.linear_flops_per_s / c.flops_per_token)
+    assert c.prefill_tps == 1000.0 and c.share == pytest.approx(1000.0 / c.ceiling_tps)
+
+
 # ----------------------------------------------------------------------------------------------- whole run
 def run_main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[str, dict[str, str]]:
     et.main(argv)
@@ -376,11 +389,13 @@ def test_tiny_run_without_vllm(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert "ours/vLLM" not in out and not any("vllm" in k for k in metrics)
     assert float(metrics["mem_bw_gbs"]) > 0 and float(metrics["decode_b1_ceiling_tps"]) > 0
     assert "decode_ratio_b1" in metrics and "decode_b1_pct_ceiling" in metrics
+    assert float(metrics["linear_tflops"]) > 0 and float(metrics["prefill_pct_ceiling_b4"]) > 0
+    assert "Prefill ceiling: the model's linears run at" in out and "HF " in out
     payload = json.loads((tmp_path / "r.json").read_text())
     assert payload["vllm"] is None and payload["dtypes"] == {"ours": "float32", "hf": "float32"}
     assert set(payload["throughput"][0]["systems"]) == {"ours", "hf"}
     assert payload["throughput"][0]["same_tokens"].keys() == {"hf"}
-    assert payload["decode_ceiling"]["weight_bytes"] > 0
+    assert payload["decode_ceiling"]["weight_bytes"] > 0 and payload["prefill_ceiling"]["rows"] == 2048
     assert payload["model"]["name"] == "tiny" and payload["model"]["parameters"] > 0
     kv = payload["kv_memory"]
     assert kv["fork"]["blocks_used"] == kv["fork"]["blocks_expected"] == int(metrics["kv_blocks_fork"])
