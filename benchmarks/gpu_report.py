@@ -112,7 +112,7 @@ def _kernels(record: Mapping[str, Any]) -> list[str]:
     payload = (record.get("payloads") or {}).get("kernels_bf16") or {}
     if not payload.get("rows"):
         return []
-    private = any(_measured(r.get("speedup_vs_private")) for r in payload["rows"])
+    private = any(r.get("speedup_vs_private") is not None for r in payload["rows"])  # null: not measured
     rows = [
         [
             str(r["batch"]),
@@ -134,10 +134,6 @@ def _kernels(record: Mapping[str, Any]) -> list[str]:
         "",
         markdown_table(headers, rows, [True] * len(headers)),
     ]
-
-
-def _measured(value: float | None) -> bool:
-    return value is not None and value == value  # NaN: not measured
 
 
 def _engine(record: Mapping[str, Any]) -> list[str]:

@@ -20,6 +20,7 @@ The last line is ``RESULT kernels speedup_b<B>_p<P>=... ceiling_b<B>_p<P>=... ..
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -44,15 +45,6 @@ SUFFIX = 256
 
 def _key(row: Row) -> str:
     return f"b{row.batch}_p{row.prefix}"
-
-
-def _has_private(row: Row) -> bool:
-    """Whether plain decode over private prefix copies was timed (CUDA; NaN elsewhere)."""
-    return row.plain_private_ms == row.plain_private_ms
-
-
-def _private_text(row: Row) -> str:
-    return f" own prefix copies {row.plain_private_ms:.3f} ms: {row.speedup_vs_private:.2f}x"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -95,7 +87,11 @@ def main(argv: list[str] | None = None) -> None:
                 f"{row.batch:>5} {row.prefix:>6} {row.suffix:>6} {row.plain_ms:>9.2f} {row.shared_ms:>9.2f} "
                 f"{row.speedup:>7.2f}x {row.ceiling:>7.2f}x {row.frac_of_ceiling:>7.0%} "
                 f"{row.max_abs_diff:>9.2e} {row.plain_wall_ms:>10.3f}/{row.shared_wall_ms:<10.3f}"
-                + (_private_text(row) if _has_private(row) else ""),
+                + (
+                    ""
+                    if math.isnan(row.plain_private_ms)
+                    else f" own prefix copies {row.plain_private_ms:.3f} ms: {row.speedup_vs_private:.2f}x"
+                ),
                 flush=True,
             )
 
@@ -117,7 +113,11 @@ def main(argv: list[str] | None = None) -> None:
     metrics = {f"speedup_{_key(r)}": r.speedup for r in rows} | {
         f"ceiling_{_key(r)}": r.ceiling for r in rows
     }
-    metrics |= {f"speedup_vs_private_{_key(r)}": r.speedup_vs_private for r in rows if _has_private(r)}
+    metrics |= {
+        f"speedup_vs_private_{_key(r)}": r.speedup_vs_private
+        for r in rows
+        if not math.isnan(r.plain_private_ms)
+    }
     print(result_line("kernels", metrics))
 
 

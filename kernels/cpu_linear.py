@@ -48,7 +48,8 @@ __all__ = ["GEMV_MAX_ROWS", "linear", "onednn_linear", "pack_weight", "use_onedn
 # Rows the packed layout is chosen for: decode steps (1-64 rows) dominate; prefill's hundreds of rows run
 # as fast with it as with any other hint (measured 1.0-1.1x of F.linear either way).
 _PACK_ROWS_HINT = 1
-# Most rows a linear takes through `gemv_kernel` rather than oneDNN, per dtype (measured above).
+# Most rows a linear takes through `gemv_kernel` rather than oneDNN, per dtype (measured above); a bf16
+# weight packed for our GEMM goes there instead, at every row count.
 GEMV_MAX_ROWS: dict[torch.dtype, int] = {torch.float32: 8, torch.bfloat16: 2}
 
 

@@ -109,7 +109,7 @@ def gather(out: Path, statuses: dict[str, dict[str, Any]]) -> dict[str, Any]:
             metrics[f"kernel_speedup_{key}" + ("" if short == "bf16" else "_fp16")] = row["speedup"]
             if short == "bf16":
                 metrics[f"kernel_frac_of_ceiling_{key}"] = row["frac_of_ceiling"]
-                if row.get("speedup_vs_private") == row.get("speedup_vs_private"):  # measured (not NaN)
+                if row.get("speedup_vs_private") is not None:  # null (`write_json`'s NaN): not measured
                     metrics[f"kernel_speedup_vs_private_{key}"] = row["speedup_vs_private"]
     metrics |= result_metrics(out / "engine.log")
     metrics |= {f"shared_prompt_{k}": v for k, v in result_metrics(out / "shared_prompt.log").items()}

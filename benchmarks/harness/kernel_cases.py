@@ -131,11 +131,14 @@ def run_case(
     # ratio of two medians can mix states.
     t = interleaved(fns, repeats, device)
     (plain_ms, shared_ms), (plain_wall, shared_wall) = t.ms[:2], t.wall_ms[:2]
-    speedup = statistics.median(p / s for p, s in zip(plain_ms, shared_ms, strict=True))
+
+    def over_shared(times: list[float]) -> float:
+        return statistics.median(p / s for p, s in zip(times, shared_ms, strict=True))
+
+    speedup = over_shared(plain_ms)
     private_ms, vs_private = math.nan, math.nan
     if len(t.ms) > 2:
-        private_ms = statistics.median(t.ms[2])
-        vs_private = statistics.median(p / s for p, s in zip(t.ms[2], shared_ms, strict=True))
+        private_ms, vs_private = statistics.median(t.ms[2]), over_shared(t.ms[2])
     ceil = ceiling(batch, prefix, suffix)
     return Row(
         batch,
