@@ -61,6 +61,7 @@ def section(record: Mapping[str, Any]) -> list[str]:
             "",
             f"Tests on the GPU: {tests['tests']} run, {tests['failures']} failed, {tests['errors']} errors, "
             f"{tests['skipped']} skipped{partial}.",
+            *([tests["note"]] if tests.get("note") else []),
         ]
     lines += [
         "",

@@ -145,7 +145,9 @@ def _flash_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool)
     gave the bottom-right causal attention on this device when checked (`_flash_checked`)."""
     if q.device.type != "cuda" or q.shape[-1] % 8:
         return False
-    params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, True, gqa)
+    # Asked without the causal flag: SDPA's check refuses causal calls with more keys than queries (its own
+    # mask would be top-left), while the op called here is bottom-right, which `_flash_checked` verifies.
+    params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, False, gqa)
     if not torch.backends.cuda.can_use_flash_attention(params, False):
         return False
     return _flash_checked(q.device, q.dtype, q.shape[1] // k.shape[1], q.shape[-1])

@@ -227,7 +227,7 @@ def test_h100_profile_is_the_fit_of_its_recorded_trace() -> None:
     )
     for field in ("base", "prefill_token", "prefill_pair", "decode_seq", "kv_token"):
         assert getattr(fitted, field) == pytest.approx(getattr(shipped, field), rel=1e-6, abs=1e-12)
-    # And it predicts the traced model steps it was fitted to: measured 2.6% median error, 16% at p90.
+    # And it predicts the traced model steps it was fitted to: measured 2.4% median error, 7.1% at p90.
     model_steps = [r for r in trace if r.features.prefill_tokens or r.features.decode_seqs]
     errors = sorted(abs(shipped.seconds(r.features) - r.seconds) / r.seconds for r in model_steps)
-    assert errors[len(errors) // 2] < 0.05 and errors[int(0.9 * len(errors))] < 0.25
+    assert errors[len(errors) // 2] < 0.05 and errors[int(0.9 * len(errors))] < 0.15
