@@ -171,6 +171,7 @@ def main(argv: list[str] | None = None) -> None:
         bisect_steps="bisections after the grid",
         baseline_cap="engines' FIFO token cap (default: the KV cache)",
         latency_cap="the manager's latency_cap_tokens (default 4096)",
+        profile="the simulator's latency profile: a name under server/sim/profiles or a JSON file",
         engines="simulated engines (default 4)",
         seed="workload seed",
         many_apps="apps of the affinity ablation at scale (default 16; 0: off)",

@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> None:
         BenchConfig,
         repeats="timed jobs per client and setting",
         chunks="map calls",
+        profile="the simulator's latency profile: a name under server/sim/profiles or a JSON file",
         chunk_tokens="document tokens per part",
         map_tokens="summary tokens per map call",
         reduce_tokens="tokens of the final summary",

@@ -177,6 +177,7 @@ def main(argv: list[str] | None = None) -> None:
         BenchConfig,
         engine=False,
         seed="first workload seed (default 0)",
+        profile="the simulator's latency profile: a name under server/sim/profiles or a JSON file",
         seeds="workloads to run (default 3; quick 1)",
         window="virtual seconds during which requests arrive",
         apps="map-reduce apps arriving during the window",

@@ -173,6 +173,7 @@ def main(argv: list[str] | None = None) -> None:
         "32 training + 32 test requests up to 384 tokens, burst + Poisson at 3x, max_num_seqs 4 (~12 min)",
         BenchConfig,
         train=f"training requests {size}",
+        profile="the simulator's latency profile: a name under server/sim/profiles or a JSON file",
         test=f"test requests {size}",
         max_tokens=f"the cap on every answer {size}",
         batch=f"max_num_seqs settings, e.g. 1,4 {size}",

@@ -57,3 +57,18 @@ def test_tiny_run_reports_every_system_and_ends_with_the_result_line(
     placements = seed["systems"]["parrot"]["placements"]
     assert sum(placements.values()) > 0  # Parrot's steps went through the scheduler
     assert seed["systems"]["latency-tuned"]["placements"] == {}  # the baselines' requests did not
+
+
+def test_the_profile_flag_picks_the_simulators_latency_model(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """``--profile`` runs the same workload on another profile: recorded, and it changes the timings."""
+    jct = {}
+    for name in ("a100-llama7b", "h100-llama7b"):
+        out = tmp_path / f"{name}.json"
+        mixed.main([*TINY, "--json", str(out), "--profile", name])
+        payload = json.loads(out.read_text())
+        assert payload["config"]["profile"] == name and payload["profile"]["name"] == name
+        jct[name] = payload["seeds"][0]["systems"]["parrot"]["mapreduce_jct_s"]
+    capsys.readouterr()
+    assert jct["a100-llama7b"] != jct["h100-llama7b"]
