@@ -61,6 +61,7 @@ TESTS = (
     "tests/engine/test_hf_parity.py",
     "tests/engine/test_partial_fork.py",
     "tests/engine/test_fresh_prefill.py",
+    "tests/engine/test_fresh_plan.py",
 )
 
 

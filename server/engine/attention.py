@@ -19,7 +19,8 @@ import kernels
 from kernels import cpu_kernels, torch_path
 from kernels.device_tensors import device_tensor
 from server.engine import paged_prefill
-from server.engine.fresh_prefill import FreshGroup, attend_causal, attend_group, fresh_groups
+from server.engine.fresh_plan import FreshPlan, attend_fresh, plan_fresh
+from server.engine.fresh_prefill import attend_causal
 from server.engine.prefill_rows import PrefillRows, prefill_rows
 
 
@@ -84,8 +85,8 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]
     # Rows of contexts that start with KV on another engine (`server.engine.remote_kv`); None: no such row.
     remote: RemoteAttention | None = None
-    # How the fill chunks with nothing cached are batched (`fresh_groups`): made by the first layer.
-    fresh: list[FreshGroup] | None = None
+    # How the fill chunks with nothing cached are batched (`plan_fresh`): made by the first layer.
+    fresh: FreshPlan | None = None
     # CPU: the fill chunks as rows of the decode kernel (`prefill_rows`), made by the first layer; None
     # until then, False where they cannot be.
     fill_rows: PrefillRows | bool | None = None
@@ -131,11 +132,10 @@ class PagedAttentionBackend:
             out[:n] = _decode(q[:n], k_cache, v_cache, meta.decode, scale)
         done = _fill_by_rows(q, k_cache, v_cache, meta, scale, out) if meta.prefills else frozenset()
         if meta.fresh is None:
-            meta.fresh = fresh_groups(
-                [c for i, c in enumerate(meta.prefills) if c.num_cached == 0 and i not in done], q.device
+            meta.fresh = plan_fresh(
+                [c for i, c in enumerate(meta.prefills) if c.num_cached == 0 and i not in done], q, k
             )
-        for group in meta.fresh:  # nothing before these chunks: their own K/V are all they attend to
-            attend_group(q, k, v, group, scale, out)
+        attend_fresh(q, k, v, meta.fresh, scale, out)  # nothing before these chunks: their own K/V only
         for i, chunk in enumerate(meta.prefills):
             if chunk.num_cached > 0 and i not in done:
                 rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
