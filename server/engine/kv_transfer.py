@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from server.engine.context import Context
+from server.engine.context import Context, slot_indices
 
 
 @dataclass(frozen=True)
@@ -31,12 +31,8 @@ class KVBlob:
 
 
 def _slots(ctx: Context, start: int, end: int, block_size: int, device: torch.device) -> torch.Tensor:
-    table = ctx.block_table
-    return torch.tensor(
-        [table[p // block_size] * block_size + p % block_size for p in range(start, end)],
-        dtype=torch.int64,
-        device=device,
-    )
+    slots = slot_indices(ctx.block_table, start, end, block_size)
+    return torch.tensor(slots, dtype=torch.int64, device=device)
 
 
 def read_kv(

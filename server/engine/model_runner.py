@@ -20,7 +20,7 @@ from server.engine.attention import (
     SharedPrefixGroups,
     pad_tables,
 )
-from server.engine.context import Context, blocks_for
+from server.engine.context import Context, blocks_for, slot_indices
 from server.engine.cuda_graphs import DecodeGraphs, GraphBackend, try_capture
 from server.engine.model import LlamaForCausalLM
 from server.engine.remote_kv import RemoteRows, build_remote_rows
@@ -156,8 +156,7 @@ class ModelRunner:
             start, end = ctx.num_cached, ctx.num_cached + c.num_tokens
             ids.extend(ctx.token_ids[start:end])
             positions.extend(range(start + ctx.position_offset, end + ctx.position_offset))
-            table = ctx.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            slots.extend(slot_indices(ctx.block_table, start, end, bs))
         last_row: dict[int, int] = {}
         hidden = None
         self.remote_rows = None
