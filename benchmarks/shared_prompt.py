@@ -81,7 +81,7 @@ class BenchConfig:
 
 
 FULL = BenchConfig()
-QUICK = BenchConfig(batches=(4, 8, 16), system_tokens=1024, max_tokens=16, repeats=4)
+QUICK = BenchConfig(batches=(4, 8, 16), system_tokens=1024, max_tokens=16, repeats=3)
 TINY = BenchConfig(
     batches=(2, 4), system_tokens=256, min_query_tokens=8, max_query_tokens=16, max_tokens=6, repeats=1
 )
@@ -168,7 +168,7 @@ def arguments(argv: list[str] | None) -> tuple[argparse.Namespace, BenchConfig]:
     """The command line and the configuration it asks for."""
     p = record.parser(
         __doc__,
-        "1k-token system prompt, batches 4 8 16, 4 repeats (~1 min)",
+        "1k-token system prompt, batches 4 8 16, 3 repeats (~3 min)",
         BenchConfig,
         repeats="timed repeats per batch size and system (median)",
         system_tokens="system prompt tokens asked for (default 6000)",
