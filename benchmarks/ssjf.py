@@ -13,10 +13,10 @@ sent to ``POST /v1/completions`` (greedy, streamed). Three systems, one server e
 * **oracle** — ``scheduling="sjf"`` with each request's true length sent as its ``priority``.
 
 First the training part runs through the ssjf server (its predictor learns from those answers; a snapshot of
-it is restored before every measured run, so no run learns from another's test answers), and the test part
-through the oracle server (its answers are the true lengths). Then the test part arrives as a burst (all at
-once) and as Poisson streams at ``--rates`` times the measured burst throughput, with ``--batch`` sizes
-(``max_num_seqs``: 1 = no batching, 4 = continuous batching as in the paper). Reported per setting and
+it is restored before every measured run, so no run learns from another's test answers). Then the test part
+arrives as a burst (all at once; the fcfs server's burst comes first, and its answers are the true lengths
+the oracle is given) and as Poisson streams at ``--rates`` times that burst's throughput, with ``--batch``
+sizes (``max_num_seqs``: 1 = no batching, 4 = continuous batching as in the paper). Reported per setting and
 system: mean and p90 job completion time (JCT: request sent to last token), makespan throughput, the longest
 time to first token against the aging bound, and whether the answers match the other systems'.
 
