@@ -131,6 +131,6 @@ def _varlen_checked(device: torch.device, dtype: torch.dtype, group: int, head_d
                 )
                 return False
         return True
-    except RuntimeError as exc:
+    except (RuntimeError, TypeError) as exc:  # TypeError: another torch's op schema
         log.warning("varlen FlashAttention unusable here (%s): fills use length groups", exc)
     return False

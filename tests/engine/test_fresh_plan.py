@@ -93,3 +93,16 @@ def test_cuda_half_types_take_one_varlen_call_equal_to_one_call_per_chunk(
         rows = slice(start, start + n)
         expected = attend_causal(q[rows], k[rows], v[rows], 0, dim**-0.5)
         torch.testing.assert_close(out[rows], expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("error", [RuntimeError("no kernel image"), TypeError("unexpected argument")])
+def test_a_varlen_call_that_refuses_leaves_the_groups(
+    error: Exception, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The one-time check answers False (and logs) when the op raises, as another torch's schema would."""
+
+    def refuse(*args: object, **kwargs: object) -> torch.Tensor:
+        raise error
+
+    monkeypatch.setattr(fresh_plan, "_varlen_flash", refuse)
+    assert fresh_plan._varlen_checked.__wrapped__(torch.device("cpu"), torch.float32, 3, 16) is False
