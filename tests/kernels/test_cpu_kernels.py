@@ -212,7 +212,9 @@ def test_the_kernels_run_on_torch_s_thread_pool() -> None:
     every call on one thread. The binary torch loaded must open OpenMP parallel regions (GOMP_parallel) and
     share torch's OpenMP runtime (one libgomp in the process)."""
     with open("/proc/self/maps") as f:
-        maps = [line.split()[-1] for line in f if len(line.split()) >= 6]
+        # The path field, not the last: a binary rebuilt on disk while loaded (another checkout's process
+        # building the same extension) is listed as "PATH (deleted)".
+        maps = [line.split()[5] for line in f if len(line.split()) >= 6]
     binary = next(p for p in maps if "parrot_cpu_kernels_" in p and p.endswith(".so"))
     with open(binary, "rb") as f:
         opens_regions = b"GOMP_parallel" in f.read()
