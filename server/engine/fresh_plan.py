@@ -12,17 +12,14 @@ from __future__ import annotations
 
 import functools
 import itertools
-import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from kernels.device_tensors import device_tensor
-from server.engine.fresh_prefill import Chunk, FreshGroup, attend_group, fresh_groups
-
-log = logging.getLogger(__name__)
+from server.engine.fresh_prefill import Chunk, FreshGroup, agrees_with_sdpa, attend_group, fresh_groups
 
 
 @dataclass(frozen=True)
@@ -108,7 +105,8 @@ def _varlen_applies(q: torch.Tensor, k: torch.Tensor) -> bool:
 def _varlen_checked(device: torch.device, dtype: torch.dtype, group: int, head_dim: int) -> bool:
     """Two chunks through the varlen call against one SDPA call each, once per kind of input, with q/k/v as
     strided column views of one projection output as the engine passes them."""
-    try:
+
+    def pairs() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         gen = torch.Generator().manual_seed(0)
         heads, kv_heads, lengths = 2 * group, 2, (3, 6)
         total = sum(lengths)
@@ -120,17 +118,8 @@ def _varlen_checked(device: torch.device, dtype: torch.dtype, group: int, head_d
         got = _varlen_flash(q, k, v, offsets, max(lengths), 0.125)
         for start, end in ((0, lengths[0]), (lengths[0], total)):
             qt, kt, vt = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-            want = F.scaled_dot_product_attention(
-                qt, kt, vt, is_causal=True, scale=0.125, enable_gqa=group > 1
-            )
-            if not torch.allclose(
-                got[start:end].float(), want[0].transpose(0, 1).float(), rtol=2e-2, atol=2e-2
-            ):
-                log.warning(
-                    "varlen FlashAttention's output differs from SDPA's here: fills use length groups"
-                )
-                return False
-        return True
-    except (RuntimeError, TypeError) as exc:  # TypeError: another torch's op schema
-        log.warning("varlen FlashAttention unusable here (%s): fills use length groups", exc)
-    return False
+            gqa = group > 1
+            want = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=0.125, enable_gqa=gqa)
+            yield got[start:end], want[0].transpose(0, 1)
+
+    return agrees_with_sdpa("varlen FlashAttention", pairs, "fills use length groups")

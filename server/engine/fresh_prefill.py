@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -158,7 +158,8 @@ def _flash_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool)
 def _flash_checked(device: torch.device, dtype: torch.dtype, group: int, head_dim: int) -> bool:
     """One small case through FlashAttention against SDPA with an explicit mask, once per kind of input:
     the call is torch-internal (the one its ``CausalBias`` makes), so check it rather than assume it."""
-    try:
+
+    def pairs() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         gen = torch.Generator().manual_seed(0)
         q = torch.randn(2, 2 * group, 5, head_dim, generator=gen).to(device, dtype)
         k, v = (torch.randn(2, 2, 9, head_dim, generator=gen).to(device, dtype) for _ in range(2))
@@ -166,10 +167,23 @@ def _flash_checked(device: torch.device, dtype: torch.dtype, group: int, head_di
             q, k, v, 0.0, is_causal=True, return_debug_mask=False, scale=0.125
         )[0]
         mask = torch.arange(9, device=device)[None] <= torch.arange(5, device=device)[:, None] + 4
-        want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.125, enable_gqa=group > 1)
-        if torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2):
-            return True
-        log.warning("FlashAttention's causal output differs from SDPA's here: fills use SDPA")
-    except RuntimeError as exc:
-        log.warning("FlashAttention unusable here (%s): fills use SDPA", exc)
+        yield got, F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.125, enable_gqa=group > 1)
+
+    return agrees_with_sdpa("FlashAttention's causal call", pairs, "fills use SDPA")
+
+
+def agrees_with_sdpa(
+    op: str, pairs: Callable[[], Iterable[tuple[torch.Tensor, torch.Tensor]]], fallback: str
+) -> bool:
+    """Whether every (``op``'s output, SDPA's) pair of a small check case is close. A mismatch, or an op
+    that raises (RuntimeError; TypeError: another torch's op schema), is logged with ``fallback`` (what
+    runs instead) and answers False."""
+    try:
+        for got, want in pairs():
+            if not torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2):
+                log.warning("%s differs from SDPA here: %s", op, fallback)
+                return False
+        return True
+    except (RuntimeError, TypeError) as exc:
+        log.warning("%s unusable here (%s): %s", op, exc, fallback)
     return False

@@ -92,3 +92,15 @@ def test_flash_taken_only_on_cuda_half_types(device: str) -> None:
         kv = torch.zeros(2, 3, 8, 64, device=device, dtype=dtype)
         expected = device == "cuda" and dtype != torch.float32
         assert fresh_prefill._flash_applies(q, kv, kv, gqa=True) is expected
+
+
+def test_a_check_case_that_disagrees_with_sdpa_answers_false_and_says_what_runs_instead(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    close = torch.ones(2, 3)
+    assert fresh_prefill.agrees_with_sdpa("op", lambda: [(close, close + 1e-3)], "fills use X")
+    with caplog.at_level("WARNING", logger="server.engine.fresh_prefill"):
+        assert not fresh_prefill.agrees_with_sdpa(
+            "op", lambda: [(close, close), (close, close + 1)], "fills use X"
+        )
+    assert "op differs from SDPA here: fills use X" in caplog.text
