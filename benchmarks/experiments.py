@@ -310,7 +310,7 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         conditions=(
             "SmolLM2-135M-Instruct (GGUF, float32) on CPU, one engine per system (fcfs / sjf with the "
             "manager's predictions / sjf with true lengths), max_num_seqs 4, streamed greedy chat answers "
-            "capped at 512 tokens (quick: 384), short asks twice as often as long ones; a burst and Poisson "
+            "capped at 512 tokens (quick: 256), short asks twice as often as long ones; a burst and Poisson "
             "at 1.5x/3x (quick: 3x) the burst's throughput; the predictor trained online on a disjoint "
             "training part"
         ),

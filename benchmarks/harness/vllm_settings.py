@@ -55,6 +55,10 @@ def vllm_env(
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
         "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib(model_config, dtype, max_model_len * max_num_seqs)),
         "VLLM_LOGGING_LEVEL": "WARNING",
+        # vLLM 0.32's AOT-compiled artifacts do not load under torch 2.13 ("'function' object has no
+        # attribute 'finalize_loading'"), so each start traced and compiled again (~35 s on 2 cores).
+        # Without AOT compile, Dynamo traces again and Inductor's code comes from its cache.
+        "VLLM_USE_AOT_COMPILE": "0",
     }
     for key, value in defaults.items():
         env.setdefault(key, value)
