@@ -51,9 +51,11 @@ class Experiment:
 
 SIM_PROFILE = "a100-llama7b"
 DELAY = "simulated client network delay U(0.2, 0.3) s per request"
-# The real-engine experiments' engine unless the runner names another model (`benchmarks.harness.systems`:
-# float32 on CPU, so greedy answers compare exactly between the systems).
-REAL_MODEL = "the model below in float32 on CPU"
+# The real-engine experiments' engine unless the runner names another model (`benchmarks.harness.systems.
+# comparable`: bfloat16 with `EngineConfig.batch_invariant` on a CPU with native bf16, so greedy answers
+# compare exactly between the systems; float32 where the experiment compares what invariance turns off).
+REAL_MODEL = "the model below in bfloat16 on CPU, batch-invariant"
+REAL_MODEL_FP32 = "the model below in float32 on CPU"
 
 EXPERIMENTS: tuple[Experiment, ...] = (
     Experiment(
@@ -156,7 +158,7 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         backend="engine",
         engines=1,
         conditions=(
-            f"{REAL_MODEL}, one engine per system (sharing + kernel, grouped where the CPU gate "
+            f"{REAL_MODEL_FP32}, one engine per system (sharing + kernel, grouped where the CPU gate "
             "says it pays; sharing, no kernel; no sharing over /v1/completions), all requests at once"
         ),
         takes_model=True,
@@ -288,7 +290,8 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         backend="engine",
         engines=1,
         conditions=(
-            "SmolLM2-135M-Instruct (GGUF) float32 on CPU, one engine per system (prefix_sharing on / off), "
+            "SmolLM2-135M-Instruct (GGUF) bf16, batch-invariant, on CPU, one engine per system "
+            "(prefix_sharing on / off), "
             "concurrent conversations, streamed greedy answers, no network delay; ratios over turns >= 2; "
             "answers compared"
         ),
@@ -308,11 +311,11 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         backend="engine",
         engines=1,
         conditions=(
-            "SmolLM2-135M-Instruct (GGUF, float32) on CPU, one engine per system (fcfs / sjf with the "
-            "manager's predictions / sjf with true lengths), max_num_seqs 4, streamed greedy chat answers "
-            "capped at 512 tokens (quick: 256), short asks twice as often as long ones; a burst and Poisson "
-            "at 1.5x/3x (quick: 3x) the burst's throughput; the predictor trained online on a disjoint "
-            "training part"
+            "SmolLM2-135M-Instruct (GGUF, bf16, batch-invariant) on CPU, one engine per system (fcfs / sjf "
+            "with the manager's predictions / sjf with true lengths), max_num_seqs 4, streamed greedy chat "
+            "answers capped at 512 tokens (quick: 256), short asks twice as often as long ones; a burst and "
+            "Poisson at 1.5x/3x (quick: 3x) the burst's throughput; the predictor trained online on a "
+            "disjoint training part"
         ),
         takes_model=True,
         default_model="smollm2",

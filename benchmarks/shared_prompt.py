@@ -101,7 +101,11 @@ def compared(
     longest (nothing waits for memory) and a step trace; neither caches OpenAI-route prefixes."""
     most = max(cfg.batches)
     kv = engine_runs.kv_blocks([longest_prompt + cfg.max_tokens] * most, block_size) + 64  # + warm-up room
+    # float32 on CPU: batch invariance (the other experiments' bf16 setting) never groups decodes, and
+    # the kernel is what this experiment compares.
+    dtype = "float32" if device == "cpu" else None
     engine = EngineConfig(num_kv_blocks=kv, max_num_seqs=max(64, most), device=device, trace_steps=100_000)
+    engine = replace(engine, dtype=dtype)
     kernel = replace(engine, shared_prefix_decode=cfg.kernel_mode)
     return [
         systems.parrot(PARROT, kernel, openai_prefix_cache=False),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections import Counter
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -20,7 +21,9 @@ from typing import Any
 import httpx
 
 from benchmarks.harness.flags import bench_dtype
+from kernels import cpu_kernels
 from server.engine import EngineConfig
+from server.engine.config import cpu_has_native_bf16
 from server.launcher import LaunchedServer, launch
 from server.netdelay import NetworkDelayMiddleware
 from server.serve.manager import ManagerConfig
@@ -31,6 +34,7 @@ __all__ = [
     "Served",
     "System",
     "baseline",
+    "comparable",
     "connected",
     "delay_label",
     "delayed",
@@ -60,11 +64,8 @@ class System:
     engines: int = 1
 
     def __post_init__(self) -> None:
-        # The benchmarks' dtype unless the config names one: float32 on CPU (`flags.bench_dtype`), so greedy
-        # answers compare exactly between systems — in bfloat16 a shared prefix's KV, computed once in a
-        # batch of another shape, rounds differently and greedy answers drift apart on a real model.
-        if self.engine.dtype is None:
-            object.__setattr__(self, "engine", replace(self.engine, dtype=bench_dtype(self.engine.device)))
+        if self.engine.dtype is None:  # the benchmarks' setting unless the config names a dtype
+            object.__setattr__(self, "engine", comparable(self.engine))
 
     def describe(self) -> dict[str, Any]:
         """The configuration as strings, for the JSON payload."""
@@ -73,6 +74,26 @@ class System:
             "engine_config": _strings(self.engine),
             "manager_config": _strings(self.manager),
         }
+
+
+def comparable(engine: EngineConfig) -> EngineConfig:
+    """``engine`` set so greedy answers compare exactly between systems. On CPU: bfloat16 with
+    ``batch_invariant`` where this CPU computes bf16 natively and our kernels are built (a token's result
+    then does not depend on its batch, chunking or fork), else float32 — in plain bfloat16 a shared
+    prefix's KV, computed once in a step of another shape, rounds differently and greedy answers drift
+    apart on a real model. On CUDA: bfloat16 (`flags.bench_dtype`)."""
+    if engine.torch_device().type == "cpu" and _cpu_invariance():
+        return replace(engine, dtype="bfloat16", batch_invariant=True)
+    return replace(engine, dtype=bench_dtype(engine.device))
+
+
+@functools.cache
+def _cpu_invariance() -> bool:
+    return (
+        cpu_has_native_bf16()
+        and cpu_kernels.packed_gemm_ops() is not None
+        and cpu_kernels.paged_decode_kernel() is not None
+    )
 
 
 def parrot(

@@ -70,6 +70,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="decodes sharing prefix blocks read them in one pass (auto: where it pays)",
     )
     p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="a token's result independent of its batch, chunking and forks (CPU, bf16: greedy answers "
+        "compare exactly between schedules; refuses to start where it cannot hold)",
+    )
+    p.add_argument(
         "--role",
         default="both",
         choices=ENGINE_ROLES,
@@ -126,6 +132,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         scheduling=args.scheduling,
         sjf_aging_s=args.sjf_aging_s,
         role=args.role,
+        batch_invariant=args.batch_invariant,
         **extra,
     )
 

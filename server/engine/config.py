@@ -204,9 +204,17 @@ class EngineConfig:
     # On a GPU, replay pure decode steps as CUDA graphs captured per batch-size bucket at start
     # (`server.engine.cuda_graphs`; vLLM's default too). False: every step eager (vLLM's enforce_eager).
     cuda_graphs: bool = True
+    # Batch invariance (CPU, bf16): a token's result does not depend on what else runs in its step, how its
+    # prompt was chunked or whether its prefix was forked, so greedy answers compare exactly between
+    # schedules in bf16 (the benchmarks' setting). Every fill token attends as a row of the decode kernel,
+    # decodes are never grouped over shared prefixes, and every linear runs our packed GEMM (each output
+    # row summed in one order at any row count). Needs our CPU kernels (`ValueError` at start without).
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         check_policy(self.scheduling, self.sjf_aging_s)
+        if self.batch_invariant and self.shared_prefix_decode == "always":
+            raise ValueError("batch_invariant never groups shared-prefix decodes: drop shared_prefix_decode")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.role not in ENGINE_ROLES:

@@ -256,7 +256,15 @@ class LLMEngine(KVExchange, GeneratesBySubmit):
         if graph_backend is not None:
             max_len = config.model_len(model_config)
             graphs = GraphSettings(graph_backend, config.max_num_seqs, max_len, scratch_block=num_blocks)
-        runner = ModelRunner(model, kv, config.block_size, device, config.shared_prefix_decode, graphs=graphs)
+        runner = ModelRunner(
+            model,
+            kv,
+            config.block_size,
+            device,
+            config.shared_prefix_decode,
+            graphs=graphs,
+            batch_invariant=config.batch_invariant,
+        )
         self._init_state(runner, tokenizer, model_config, config, model_name, num_blocks, kv.copy_block)
 
     def _init_state(

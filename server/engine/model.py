@@ -239,6 +239,12 @@ class LlamaForCausalLM(nn.Module):
             h.add_(delta)
         return self.model.norm(h if rows is None else h.index_select(0, rows))
 
+    def packed_linears(self) -> list[torch.Tensor | None]:
+        """Every linear's packed weight (`prepare_weights`), None where it is not packed."""
+        attn = [(a.qkv_packed, a.o_packed) for a in (layer.self_attn for layer in self.model.layers)]
+        mlp = [(m.gate_up_packed, m.down_packed) for m in (layer.mlp for layer in self.model.layers)]
+        return [p for pair in attn + mlp for p in pair] + [self.lm_head_packed]
+
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return linear(hidden.contiguous(), self.lm_head.weight, packed=self.lm_head_packed)

@@ -23,6 +23,7 @@ from server.engine.attention import (
 from server.engine.context import Context, blocks_for, slot_indices
 from server.engine.cuda_graphs import DecodeGraphs, GraphBackend, try_capture
 from server.engine.model import LlamaForCausalLM
+from server.engine.prefill_rows import EVERY_CHUNK, prefill_rows
 from server.engine.remote_kv import RemoteRows, build_remote_rows
 from server.engine.scheduler import ScheduledChunk
 
@@ -95,12 +96,14 @@ class ModelRunner:
         shared_prefix_decode: Literal["auto", "always", "never"] = "auto",
         backend: AttentionBackend | None = None,
         graphs: GraphSettings | None = None,
+        batch_invariant: bool = False,
     ) -> None:
         self.model = model
         self.kv = kv
         self.block_size = block_size
         self.device = device
-        self.shared_prefix_decode = shared_prefix_decode
+        self.shared_prefix_decode = "never" if batch_invariant else shared_prefix_decode
+        self.batch_invariant = batch_invariant
         self.backend = backend or PagedAttentionBackend()
         model.prepare_weights()  # one GEMM for q/k/v and one for gate/up, packed where it pays
         k = kv.k[0]
@@ -114,6 +117,8 @@ class ModelRunner:
                 model.config.num_attention_heads, k.shape[2], k.shape[3], k.shape[1]
             )
         )
+        if batch_invariant and (why := _not_invariant(model, device, self._cpu_decode_kernel)):
+            raise ValueError(f"batch_invariant needs {why}")
         self.grouped_decode_steps = 0  # decode steps that took the shared-prefix path
         # The last step's rows attended over remote KV (None: none), read by the engine after `run` for
         # the bytes exchanged and the contexts whose KV holder was lost.
@@ -184,6 +189,8 @@ class ModelRunner:
                 meta.prefills.append(PrefillChunk(row, c.num_tokens, ctx.num_cached, table))
                 row += c.num_tokens
                 last_row[id(c)] = row - 1
+            if self.batch_invariant and meta.prefills:  # every fill token a decode-kernel row
+                meta.fill_rows = prefill_rows(meta.prefills, EVERY_CHUNK) or False
             # Only the rows read out go through the final norm: one per chunk, in batch order.
             rows = [last_row[id(c)] for c in batch if c.num_tokens > 0]
             hidden = self.model(
@@ -313,6 +320,21 @@ class ModelRunner:
             suffix_block_tables=pad_tables(suffix_tables, self.device),
             suffix_lens=_int32(suffix_lens, self.device),
         )
+
+
+def _not_invariant(model: LlamaForCausalLM, device: torch.device, decode_kernel: bool) -> str | None:
+    """What keeps ``model``'s steps from being batch invariant here (`EngineConfig.batch_invariant`); None
+    when nothing does."""
+    if device.type != "cpu":
+        return "a CPU engine (on a GPU, fill and decode attention sum in an order that depends on the step)"
+    if not decode_kernel:
+        return "our C++ paged decode kernel for these shapes (kernels/csrc, built at start; see its log)"
+    if not all(p is not None and p.dim() == 4 for p in model.packed_linears()):
+        return (
+            "every linear in our packed bf16 GEMM: dtype bfloat16 on a CPU with native bf16 and our C++ "
+            "kernels built (other GEMMs sum a row differently at other row counts)"
+        )
+    return None
 
 
 def _last_rows(chunks: list[ScheduledChunk], first_row: int) -> dict[int, int]:

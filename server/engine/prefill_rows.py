@@ -42,6 +42,7 @@ class FillChunk(Protocol):
 # 32-64 tokens 1.00x, 16 of 100-300 1.22x, 4 of 200-500 1.24x, 8 of 300-400 1.22x, 2 of 900-1,000 1.07x,
 # 4 of 1,000-1,500 1.00x, one of ~2k 0.72x; fp32 1.05x at 100-500, 0.98x at 900-1,000, 0.69x at ~2k.
 MAX_CONTEXT = 512
+EVERY_CHUNK = 1 << 62  # `max_context` that takes every chunk (`EngineConfig.batch_invariant`)
 
 
 @dataclass(frozen=True)
