@@ -209,6 +209,7 @@ class EngineConfig:
     # schedules in bf16 (the benchmarks' setting). Every fill token attends as a row of the decode kernel,
     # decodes are never grouped over shared prefixes, and every linear runs our packed GEMM (each output
     # row summed in one order at any row count). Needs our CPU kernels (`ValueError` at start without).
+    # Not covered: contexts over another engine's KV (`remote_kv`), whose attention merges two partials.
     batch_invariant: bool = False
 
     def __post_init__(self) -> None:
