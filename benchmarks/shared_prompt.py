@@ -104,8 +104,9 @@ def compared(
     # float32 on CPU: batch invariance (the other experiments' bf16 setting) never groups decodes, and
     # the kernel is what this experiment compares.
     dtype = "float32" if device == "cpu" else None
-    engine = EngineConfig(num_kv_blocks=kv, max_num_seqs=max(64, most), device=device, trace_steps=100_000)
-    engine = replace(engine, dtype=dtype)
+    engine = EngineConfig(
+        num_kv_blocks=kv, max_num_seqs=max(64, most), device=device, dtype=dtype, trace_steps=100_000
+    )
     kernel = replace(engine, shared_prefix_decode=cfg.kernel_mode)
     return [
         systems.parrot(PARROT, kernel, openai_prefix_cache=False),

@@ -21,7 +21,7 @@ from kernels.device_tensors import device_tensor
 from server.engine import paged_prefill
 from server.engine.fresh_plan import FreshPlan, attend_fresh, plan_fresh
 from server.engine.fresh_prefill import attend_causal
-from server.engine.prefill_rows import PrefillRows, prefill_rows
+from server.engine.prefill_rows import MAX_CONTEXT, PrefillRows, prefill_rows
 
 
 @dataclass
@@ -109,7 +109,12 @@ class AttentionBackend(Protocol):
 
 
 class PagedAttentionBackend:
-    """The default backend: torch prefill, `kernels` decode (dispatching by device)."""
+    """The default backend: torch prefill, `kernels` decode (dispatching by device). On CPU, fill chunks
+    whose context is at most ``fill_rows_reach`` tokens attend as rows of the decode kernel (`prefill_rows`;
+    `EVERY_CHUNK`: all of them, as `EngineConfig.batch_invariant` needs)."""
+
+    def __init__(self, fill_rows_reach: int = MAX_CONTEXT) -> None:
+        self.fill_rows_reach = fill_rows_reach
 
     def __call__(
         self,
@@ -130,7 +135,11 @@ class PagedAttentionBackend:
         if meta.decode is not None:
             n = meta.decode.num_seqs
             out[:n] = _decode(q[:n], k_cache, v_cache, meta.decode, scale)
-        done = _fill_by_rows(q, k_cache, v_cache, meta, scale, out) if meta.prefills else frozenset()
+        done = (
+            _fill_by_rows(q, k_cache, v_cache, meta, scale, out, self.fill_rows_reach)
+            if meta.prefills
+            else frozenset()
+        )
         if meta.fresh is None:
             meta.fresh = plan_fresh(
                 [c for i, c in enumerate(meta.prefills) if c.num_cached == 0 and i not in done], q, k
@@ -150,14 +159,16 @@ def _fill_by_rows(
     meta: AttentionMetadata,
     scale: float,
     out: torch.Tensor,
+    reach: int,
 ) -> frozenset[int]:
-    """On CPU, the step's short fill chunks in one call of our decode kernel (`prefill_rows`); returns which
-    chunks it attended (none where the kernel does not run these shapes)."""
+    """On CPU, the step's fill chunks whose context is at most ``reach`` tokens in one call of our decode
+    kernel (`prefill_rows`); returns which chunks it attended (none where the kernel does not run these
+    shapes)."""
     native = _cpu_decode_kernel(q, k_cache)
     if native is None or meta.fill_rows is False:
         return frozenset()
     if meta.fill_rows is None:
-        meta.fill_rows = prefill_rows(meta.prefills) or False
+        meta.fill_rows = prefill_rows(meta.prefills, reach) or False
     if not isinstance(meta.fill_rows, PrefillRows):
         return frozenset()
     r = meta.fill_rows

@@ -19,7 +19,14 @@ import torch
 import torch.nn.functional as F
 
 from kernels.device_tensors import device_tensor
-from server.engine.fresh_prefill import Chunk, FreshGroup, agrees_with_sdpa, attend_group, fresh_groups
+from server.engine.fresh_prefill import (
+    Chunk,
+    FreshGroup,
+    agrees_with_sdpa,
+    attend_group,
+    fresh_groups,
+    step_rows,
+)
 
 
 @dataclass(frozen=True)
@@ -49,14 +56,7 @@ def fresh_varlen(chunks: Sequence[Chunk], device: torch.device) -> FreshVarlen:
     ordered = sorted(chunks, key=lambda c: c.token_start)
     lengths = [c.num_tokens for c in ordered]
     offsets = [0, *itertools.accumulate(lengths)]
-    back_to_back = all(a.token_start + a.num_tokens == b.token_start for a, b in itertools.pairwise(ordered))
-    rows: slice | torch.Tensor
-    if back_to_back:
-        rows = slice(ordered[0].token_start, ordered[0].token_start + offsets[-1])
-    else:
-        spans = (range(c.token_start, c.token_start + c.num_tokens) for c in ordered)
-        rows = device_tensor([r for span in spans for r in span], torch.int64, device)
-    return FreshVarlen(rows, device_tensor(offsets, torch.int32, device), max(lengths))
+    return FreshVarlen(step_rows(ordered, device), device_tensor(offsets, torch.int32, device), max(lengths))
 
 
 def attend_fresh(

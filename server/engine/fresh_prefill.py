@@ -17,6 +17,7 @@ and in a warm one the GPU was busy 64 of 400 ms.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -39,6 +40,15 @@ class Chunk(Protocol):
 
     @property
     def num_tokens(self) -> int: ...
+
+
+def step_rows(chunks: Sequence[Chunk], device: torch.device) -> slice | torch.Tensor:
+    """The step rows of ``chunks``, in their order: one slice where each starts where the last ended (a
+    step's chunks do), else an int64 index on ``device``."""
+    if all(a.token_start + a.num_tokens == b.token_start for a, b in itertools.pairwise(chunks)):
+        return slice(chunks[0].token_start, chunks[-1].token_start + chunks[-1].num_tokens)
+    spans = (range(c.token_start, c.token_start + c.num_tokens) for c in chunks)
+    return device_tensor([r for span in spans for r in span], torch.int64, device)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from server.engine.attention import (
 from server.engine.context import Context, blocks_for, slot_indices
 from server.engine.cuda_graphs import DecodeGraphs, GraphBackend, try_capture
 from server.engine.model import LlamaForCausalLM
-from server.engine.prefill_rows import EVERY_CHUNK, prefill_rows
+from server.engine.prefill_rows import EVERY_CHUNK, MAX_CONTEXT
 from server.engine.remote_kv import RemoteRows, build_remote_rows
 from server.engine.scheduler import ScheduledChunk
 
@@ -103,8 +103,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.shared_prefix_decode = "never" if batch_invariant else shared_prefix_decode
-        self.batch_invariant = batch_invariant
-        self.backend = backend or PagedAttentionBackend()
+        self.backend = backend or PagedAttentionBackend(EVERY_CHUNK if batch_invariant else MAX_CONTEXT)
         model.prepare_weights()  # one GEMM for q/k/v and one for gate/up, packed where it pays
         k = kv.k[0]
         self._kv_bytes_per_token = 2 * k.shape[2] * k.shape[3] * k.element_size()
@@ -189,8 +188,6 @@ class ModelRunner:
                 meta.prefills.append(PrefillChunk(row, c.num_tokens, ctx.num_cached, table))
                 row += c.num_tokens
                 last_row[id(c)] = row - 1
-            if self.batch_invariant and meta.prefills:  # every fill token a decode-kernel row
-                meta.fill_rows = prefill_rows(meta.prefills, EVERY_CHUNK) or False
             # Only the rows read out go through the final norm: one per chunk, in batch order.
             rows = [last_row[id(c)] for c in batch if c.num_tokens > 0]
             hidden = self.model(

@@ -12,12 +12,13 @@ row's keys in place and only up to its length.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+from server.engine.fresh_prefill import step_rows
 
 
 class FillChunk(Protocol):
@@ -73,9 +74,4 @@ def prefill_rows(chunks: Sequence[FillChunk], max_context: int = MAX_CONTEXT) ->
     lens = torch.cat(
         [torch.arange(c.num_cached + 1, c.num_cached + c.num_tokens + 1, dtype=torch.int32) for c in picked]
     )
-    rows: slice | torch.Tensor
-    if all(b.token_start == a.token_start + a.num_tokens for a, b in itertools.pairwise(picked)):
-        rows = slice(picked[0].token_start, picked[-1].token_start + picked[-1].num_tokens)
-    else:
-        rows = torch.cat([torch.arange(c.token_start, c.token_start + c.num_tokens) for c in picked])
-    return PrefillRows(frozenset(short), rows, tables, lens)
+    return PrefillRows(frozenset(short), step_rows(picked, tables.device), tables, lens)
