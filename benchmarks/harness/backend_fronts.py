@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 
 from benchmarks.harness.hf_generate import hf_folder
-from benchmarks.harness.openai_servers import Backend, parrot_backend, vllm_backend
+from benchmarks.harness.openai_servers import Backend, parrot_backend, vllm_backends
 from benchmarks.harness.systems import DELAY_S
 from benchmarks.harness.vllm_settings import vllm_env
 from server.engine import EngineConfig, LLMEngine
@@ -63,20 +63,18 @@ def backends(
         folder = hf_folder(model, engine, workdir, EngineConfig().seed)
         env = vllm_env(engine.model_config, "float32", max_model_len, max_num_seqs)
         engine.shutdown()
-        yield [
-            stack.enter_context(
-                vllm_backend(
-                    vllm_python,
-                    folder,
-                    dtype="float32",
-                    max_model_len=max_model_len,
-                    max_num_seqs=max_num_seqs,
-                    env=env,
-                    log_path=workdir / f"vllm{i}.log",
-                )
+        logs = [workdir / f"vllm{i}.log" for i in range(count)]
+        yield stack.enter_context(
+            vllm_backends(
+                vllm_python,
+                folder,
+                logs,
+                dtype="float32",
+                max_model_len=max_model_len,
+                max_num_seqs=max_num_seqs,
+                env=env,
             )
-            for i in range(count)
-        ]
+        )
 
 
 def front(

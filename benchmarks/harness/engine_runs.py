@@ -146,12 +146,18 @@ async def from_empty_cache(served: Served, job: Job) -> Traced:
 
 
 async def compare(
-    servers: Mapping[str, Served], job: Callable[[Served], Job], repeats: int, label: str = ""
+    servers: Mapping[str, Served],
+    job: Callable[[Served], Job],
+    repeats: int,
+    label: str = "",
+    warm_up: bool = True,
 ) -> dict[str, Samples]:
-    """`measure.agree` (the warm-up) then `measure.interleave` of each server's ``job``, every run from an
-    empty KV cache (`from_empty_cache`)."""
+    """`measure.agree` (the warm-up; skipped without ``warm_up``: the repeats' outputs are then checked
+    against each other) then `measure.interleave` of each server's ``job``, every run from an empty KV
+    cache (`from_empty_cache`)."""
     jobs = {name: functools.partial(from_empty_cache, s, job(s)) for name, s in servers.items()}
-    return await measure.interleave(jobs, repeats, await measure.agree(jobs), label)
+    expected = await measure.agree(jobs) if warm_up else measure.FIRST_RUN
+    return await measure.interleave(jobs, repeats, expected, label)
 
 
 async def sweep(
@@ -161,12 +167,14 @@ async def sweep(
     timeout: float = 600.0,
 ) -> dict[str, dict[str, Samples]]:
     """`compare` at every point of a sweep (``points``: its label, e.g. ``"b8"``, and each server's job
-    there), in order, the servers connected once for all (`systems.connected`)."""
+    there), in order, the servers connected once for all (`systems.connected`). Only the first point warms
+    up: the servers are warm after it, and a later point's repeats check its answers (the median of its
+    repeats absorbs a first run at a new size; a warm-up there cost as much as a repeat)."""
     out = {}
     async with systems.connected(servers, timeout=timeout):
-        for label, job in points.items():
-            log(f"{label}: verifying answers and warming up ...")
-            out[label] = await compare(servers, job, repeats, f"{label} ")
+        for i, (label, job) in enumerate(points.items()):
+            log(f"{label}: verifying answers and warming up ..." if i == 0 else f"{label}:")
+            out[label] = await compare(servers, job, repeats, f"{label} ", warm_up=i == 0)
     return out
 
 

@@ -21,7 +21,19 @@ from benchmarks.harness.output import log
 from benchmarks.harness.stats import Spread, safe_ratio
 from benchmarks.harness.systems import ENGINE_COUNTERS, Served, delayed
 
-__all__ = ["Job", "Ratio", "Run", "Samples", "agree", "as_dicts", "interleave", "per_delay", "ratio", "timed"]
+__all__ = [
+    "FIRST_RUN",
+    "Job",
+    "Ratio",
+    "Run",
+    "Samples",
+    "agree",
+    "as_dicts",
+    "interleave",
+    "per_delay",
+    "ratio",
+    "timed",
+]
 
 # A client's job: called with ``done``, which it calls the moment the answer is in hand (work after that,
 # such as closing a session, is not timed); returns the output. A job that never calls ``done`` is timed
@@ -139,17 +151,25 @@ async def agree(jobs: Mapping[str, Callable[[], Awaitable[Run]]]) -> Any:
     return first
 
 
+FIRST_RUN: Any = object()  # `interleave`'s ``expected`` when no warm-up gave it: the first run's output
+
+
 async def interleave(
     jobs: Mapping[str, Callable[[], Awaitable[Run]]], repeats: int, expected: Any, label: str = ""
 ) -> dict[str, Samples]:
-    """``repeats`` runs per system, alternating which goes first; every output must equal ``expected``."""
+    """``repeats`` runs per system, alternating which goes first; every output must equal ``expected``
+    (`FIRST_RUN`: the first run's, so the systems are still checked against each other)."""
     out = {name: Samples() for name in jobs}
     names = list(jobs)
     for rep in range(repeats):
         for name in names if rep % 2 == 0 else names[::-1]:
             run = await jobs[name]()
-            if run.output != expected:
-                raise SystemExit(f"{name}: the output changed between runs (not deterministic?)")
+            if expected is FIRST_RUN:
+                expected = run.output
+            elif run.output != expected:
+                raise SystemExit(
+                    f"{name}: the output differs from the other runs' (systems differ, or not deterministic?)"
+                )
             out[name].runs.append(run)
         times = " | ".join(f"{n} {s.runs[-1].seconds:.3f}s" for n, s in out.items())
         log(f"  {label}repeat {rep + 1}: {times}")

@@ -16,7 +16,7 @@ import httpx
 from server.launcher import LaunchedServer, launch
 from server.serve.ray_nodes import free_port
 
-__all__ = ["Backend", "parrot_backend", "vllm_backend"]
+__all__ = ["Backend", "parrot_backend", "vllm_backend", "vllm_backends"]
 
 STARTUP_S = 300.0
 
@@ -64,23 +64,58 @@ def vllm_backend(
 ) -> Iterator[Backend]:
     """``python -m vllm.entrypoints.openai.api_server`` on ``folder`` (its prefix caching on, as vLLM's
     default; dev mode, for ``/reset_prefix_cache``), until it answers ``/v1/models``; stopped on exit."""
-    port = free_port("127.0.0.1")
-    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--dtype", dtype]
-    command += ["--port", str(port), "--max-model-len", str(max_model_len)]
-    command += ["--max-num-seqs", str(max_num_seqs), *extra]
+    with vllm_backends(
+        python,
+        folder,
+        [log_path],
+        dtype=dtype,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        env=env,
+        extra=extra,
+    ) as (backend,):
+        yield backend
+
+
+@contextlib.contextmanager
+def vllm_backends(
+    python: str,
+    folder: Path,
+    log_paths: Sequence[Path],
+    *,
+    dtype: str,
+    max_model_len: int,
+    max_num_seqs: int,
+    env: dict[str, str],
+    extra: Sequence[str] = (),
+) -> Iterator[list[Backend]]:
+    """One `vllm_backend` per log path, all started at once (a start is mostly single-threaded Python and
+    graph tracing, so two overlap on two cores: ~30 s saved per extra server); all stopped on exit."""
     env = {**env, "VLLM_SERVER_DEV_MODE": "1"}
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=log_path.parent)
-        url = f"http://127.0.0.1:{port}"
-        try:
+    started: list[tuple[subprocess.Popen[bytes], str, Path]] = []
+    with contextlib.ExitStack() as stack:
+        for log_path in log_paths:
+            port = free_port("127.0.0.1")
+            command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder)]
+            command += ["--dtype", dtype, "--port", str(port), "--max-model-len", str(max_model_len)]
+            command += ["--max-num-seqs", str(max_num_seqs), *extra]
+            log = stack.enter_context(log_path.open("w"))
+            proc = subprocess.Popen(
+                command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=log_path.parent
+            )
+            stack.callback(_stop, proc)
+            started.append((proc, f"http://127.0.0.1:{port}", log_path))
+        for proc, url, log_path in started:
             _wait_until_up(proc, url, log_path)
-            yield Backend(url, "vllm")
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        yield [Backend(url, "vllm") for _, url, _ in started]
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 def _wait_until_up(proc: subprocess.Popen[bytes], url: str, log_path: Path) -> None:

@@ -292,11 +292,13 @@ def test_cpu_lists_and_worker_environment(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "7")  # the user's own setting wins over the default
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     monkeypatch.delenv("VLLM_USE_AOT_COMPILE", raising=False)
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     env = vllm_settings.vllm_env(cfg, "bfloat16", 656, 64, ["LD_PRELOAD=/x.so", "VLLM_LOGGING_LEVEL=INFO"])
     assert "PYTHONPATH" not in env
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "7" and env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
     assert env["LD_PRELOAD"] == "/x.so" and env["VLLM_LOGGING_LEVEL"] == "INFO"
     assert env["VLLM_USE_AOT_COMPILE"] == "0"  # its artifacts do not load under torch 2.13
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # nothing polls beside the model's threads
     cores = sorted(os.sched_getaffinity(0))[: torch.get_num_threads()]
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == vllm_settings.cpu_list(cores)
     with pytest.raises(SystemExit):
