@@ -30,7 +30,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     run.add_argument("names", nargs="*", metavar="NAME", help="experiments to run (default: all)")
     size = run.add_mutually_exclusive_group()
     size.add_argument(
-        "--quick", action="store_true", help="the small configurations (~30 min in all on 2 cores)"
+        "--quick", action="store_true", help="the small configurations (~15 min in all on 2 cores)"
     )
     size.add_argument("--tiny", action="store_true", help="harness check: seconds each, figures meaningless")
     run.add_argument(

@@ -56,7 +56,7 @@ class BenchConfig:
 
 
 FULL = BenchConfig()
-QUICK = BenchConfig(chunk_tokens=32, max_tokens=8, repeats=3)
+QUICK = BenchConfig(chunk_tokens=32, max_tokens=8, repeats=2)
 TINY = BenchConfig(steps=2, chunk_tokens=8, max_tokens=2, repeats=1)
 
 
@@ -81,7 +81,7 @@ async def measure_settings(
 def main(argv: list[str] | None = None) -> None:
     args = record.parser(
         __doc__,
-        "short chunks and outputs, 3 repeats (~1 min)",
+        "short chunks and outputs, 2 repeats (~30 s)",
         BenchConfig,
         repeats="timed chains per client and setting (median)",
         steps="dependent steps per chain",

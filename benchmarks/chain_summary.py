@@ -118,7 +118,7 @@ async def chain(served: systems.Served, cfg: SummaryConfig, out: int, chunk: int
     chunks = document_chunks(served.tokenizer, cfg.steps, chunk)
     jobs = summary_chains(served, CLIENTS, chunks, out)
     label = f"chain, {out} output and {chunk} chunk tokens: "
-    return await chains.delayed_repeats(served, jobs, BASELINE, cfg.repeats, label)
+    return await chains.delayed_repeats(served, jobs, cfg.repeats, label)
 
 
 async def with_background(served: systems.Served, cfg: SummaryConfig, in_flight: int) -> Point:
@@ -140,7 +140,7 @@ async def concurrent_apps(served: systems.Served, cfg: SummaryConfig, apps: int)
 
     jobs = {name: functools.partial(run, client) for name, client in CLIENTS.items()}
     label = f"{apps} concurrent apps: "
-    return Point("apps", apps, await chains.delayed_repeats(served, jobs, BASELINE, cfg.repeats, label))
+    return Point("apps", apps, await chains.delayed_repeats(served, jobs, cfg.repeats, label))
 
 
 async def run_all(served: systems.Served, cfg: SummaryConfig) -> tuple[int, list[Point]]:

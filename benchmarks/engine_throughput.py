@@ -91,7 +91,7 @@ class BenchConfig:
 
 
 FULL = BenchConfig()
-QUICK = BenchConfig(prompt_len=64, new_tokens=16, repeats=3, min_time_s=1.5, kv_prefix=1024)  # 2,048: +50 s
+QUICK = BenchConfig(prompt_len=64, new_tokens=16, repeats=3, min_time_s=1.5, kv_prefix=512)  # 1,024: +12 s
 TINY = BenchConfig(batches=(1, 4), prompt_len=16, new_tokens=4, repeats=1, min_time_s=0.0, kv_requests=4)
 TINY = replace(TINY, kv_prefix=64, bandwidth_mib=16, bandwidth_repeats=3)
 
@@ -194,7 +194,7 @@ def metrics(run: Run) -> dict[str, float | int]:
 def main(argv: list[str] | None = None) -> None:
     p = record.parser(
         __doc__,
-        "short prompts and outputs, 3 repeats (~1 min)",
+        "short prompts and outputs, 3 repeats (~2 min with vLLM)",
         BenchConfig,
         repeats="least timed repeats per batch size (median)",
         prompt_len="longest prompt in tokens",

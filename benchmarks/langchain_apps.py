@@ -85,7 +85,7 @@ class BenchConfig:
 FULL = BenchConfig()
 # The recipes' job shapes (8 chunks mapped, 6 refine steps), with shorter texts and outputs.
 QUICK = BenchConfig(
-    map_words=60, map_tokens=8, reduce_tokens=8, chain_steps=6, chain_words=40, chain_tokens=8, repeats=3
+    map_words=60, map_tokens=8, reduce_tokens=8, chain_steps=6, chain_words=40, chain_tokens=8, repeats=2
 )
 TINY = BenchConfig(
     map_chunks=2,

@@ -70,7 +70,7 @@ class BenchConfig:
 
 
 FULL = BenchConfig()
-QUICK = BenchConfig(chunks=6, chunk_tokens=96, max_tokens=16, repeats=3, semantic_calls_client=False)
+QUICK = BenchConfig(chunks=6, chunk_tokens=96, max_tokens=16, repeats=2, semantic_calls_client=False)
 TINY = BenchConfig(chunks=2, chunk_tokens=16, max_tokens=2, repeats=1)
 
 
@@ -138,7 +138,7 @@ def calls_per_query(served: Served, cfg: BenchConfig, chunks: list[str]) -> dict
 def main(argv: list[str] | None = None) -> None:
     args = record.parser(
         __doc__,
-        "6 short chunks, 16-token outputs, 3 repeats, fewer clients",
+        "6 short chunks, 16-token outputs, 2 repeats, fewer clients",
         BenchConfig,
         repeats="timed queries per client, workload and setting",
         chunks="document chunks per query",

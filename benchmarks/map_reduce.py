@@ -69,7 +69,7 @@ class BenchConfig:
 
 
 FULL = BenchConfig()
-QUICK = BenchConfig(chunks=8, latency_cap_tokens=768, repeats=3, sim_chunks=16)
+QUICK = BenchConfig(chunks=8, latency_cap_tokens=768, repeats=2, sim_chunks=16)
 TINY = BenchConfig(chunks=2, chunk_tokens=16, map_tokens=4, reduce_tokens=4, repeats=1, sim_chunks=2)
 
 
@@ -92,7 +92,7 @@ def compared(engine: EngineConfig, cap: int) -> list[systems.System]:
 def main(argv: list[str] | None = None) -> None:
     p = record.parser(
         __doc__,
-        "8 map calls, 3 repeats (~1 min)",
+        "8 map calls, 2 repeats (~1 min)",
         BenchConfig,
         repeats="timed jobs per client and setting",
         chunks="map calls",

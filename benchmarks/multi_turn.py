@@ -61,7 +61,7 @@ class BenchConfig:
 
 
 FULL = BenchConfig()
-QUICK = BenchConfig(conversations=3, turns=4, repeats=3)
+QUICK = BenchConfig(conversations=3, turns=4, repeats=2)
 TINY = BenchConfig(2, 2, system_tokens=32, min_user_tokens=8, max_user_tokens=12, max_tokens=4, repeats=1)
 
 
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     size = "(default: the size's)"
     args = record.parser(
         __doc__,
-        "3 conversations x 4 turns, 3 repeats",
+        "3 conversations x 4 turns, 2 repeats",
         BenchConfig,
         conversations=f"conversations at once {size}",
         turns=f"turns per conversation, at least 2 {size}",

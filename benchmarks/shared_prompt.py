@@ -82,7 +82,7 @@ class BenchConfig:
 
 FULL = BenchConfig()
 # The batches the report reads (8, 16); batch 4, in neither the report nor the full size, cost ~35 s.
-QUICK = BenchConfig(batches=(8, 16), system_tokens=1024, max_tokens=16, repeats=3)
+QUICK = BenchConfig(batches=(8, 16), system_tokens=1024, max_tokens=16, repeats=2)
 TINY = BenchConfig(
     batches=(2, 4), system_tokens=256, min_query_tokens=8, max_query_tokens=16, max_tokens=6, repeats=1
 )
@@ -174,7 +174,7 @@ def arguments(argv: list[str] | None) -> tuple[argparse.Namespace, BenchConfig]:
     """The command line and the configuration it asks for."""
     p = record.parser(
         __doc__,
-        "1k-token system prompt, batches 8 and 16, 3 repeats (~2.5 min)",
+        "1k-token system prompt, batches 8 and 16, 2 repeats (~1.5 min)",
         BenchConfig,
         repeats="timed repeats per batch size and system (median)",
         system_tokens="system prompt tokens asked for (default 6000)",
