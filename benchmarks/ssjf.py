@@ -71,9 +71,8 @@ class BenchConfig:
 
 
 FULL = BenchConfig()
-# Quick caps answers at 256 tokens: a run's makespan is the long answers' (a quarter of them reach the cap),
-# ~37 s a run at 384. At 192 the long answers are too alike (-30% against -35% at 256). 24 requests, not 32:
-# ~15 s a run, not ~20 (seven runs), -33.5% (oracle -35.5%) in its first run.
+# Quick: answers capped at 256 tokens (a run's makespan is its long answers': ~37 s a run at 384; at 192 they
+# are too alike, -30% against -35%), 24 requests (~15 s a run; 32: ~20 s).
 QUICK = BenchConfig(train=24, test=24, max_tokens=256, rates=(3.0,), batch=(4,), sim_requests=800)
 TINY = BenchConfig(train=8, test=8, max_tokens=12, rates=(1.0,), batch=(4,), sim_engines=2, sim_requests=40)
 
