@@ -89,8 +89,9 @@ def vllm_backends(
     env: dict[str, str],
     extra: Sequence[str] = (),
 ) -> Iterator[list[Backend]]:
-    """One `vllm_backend` per log path, all started at once (a start is mostly single-threaded Python and
-    graph tracing, so two overlap on two cores: ~30 s saved per extra server); all stopped on exit."""
+    """One `vllm_backend` per log path, all started at once (a start is mostly single-threaded imports and
+    graph tracing, so two overlap on two cores: 60 s for two here, 75 one after the other); all stopped on
+    exit, and all if one fails to start."""
     env = {**env, "VLLM_SERVER_DEV_MODE": "1"}
     started: list[tuple[subprocess.Popen[bytes], str, Path]] = []
     with contextlib.ExitStack() as stack:
