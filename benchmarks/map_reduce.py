@@ -120,8 +120,8 @@ def main(argv: list[str] | None = None) -> None:
             )
         delays = (False,) if args.no_delay_only else (False, True)
         log(f"verifying outputs and warming up ({cfg.chunks} map calls) ...")
-        settings = asyncio.run(
-            job_runs.delay_settings(servers, lambda s: job(s, doc), cfg.repeats, BASELINE, delays)
+        timed = asyncio.run(
+            job_runs.delay_settings(servers, lambda s: job(s, doc), cfg.repeats, PARROT, delays)
         )
     sims = {out: run_simulation(cfg, out) for out in SIM_OUTPUT_TOKENS}
 
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{map_request} tokens fit under it. Median of {cfg.repeats} jobs per client after a warm-up; "
         "summaries identical (checked). Engine columns: medians per job.\n"
     )
-    print(record.latency_table(settings) + "\n")
+    print(record.latency_table(timed.latency_rows("")) + "\n")
     print(
         f"simulator ({cfg.profile}, {cfg.sim_chunks} x {cfg.sim_chunk_tokens}-token parts, "
         f"cap {cfg.sim_cap}):"
@@ -143,14 +143,13 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  {out}-token summaries: {line}: {sim_speedup(runs):.2f}x")
     print(f"paper anchor (Fig. 14, one A100): {PAPER_ANCHOR}x")
 
-    def median(delay: bool, name: str) -> float:
-        return job_runs.median_s(settings, delay, name)
-
     metrics = {
-        "speedup": safe_ratio(median(True, BASELINE), median(True, PARROT)),
-        "speedup_nodelay": safe_ratio(median(False, BASELINE), median(False, PARROT)),
+        "speedup": timed.speedup(True, BASELINE),
+        "speedup_nodelay": timed.speedup(False, BASELINE),
         **{
-            f"{n}{suffix}_s": median(d, n) for suffix, d in (("", True), ("_nodelay", False)) for n in CLIENTS
+            f"{n}{suffix}_s": timed.median_s(d, n)
+            for suffix, d in (("", True), ("_nodelay", False))
+            for n in CLIENTS
         },
         **{f"sim_speedup_out{out}": sim_speedup(runs) for out, runs in sims.items()},
         **{f"sim_{n}_out{out}_s": runs[n].seconds for n in CLIENTS for out, runs in sims.items()},
@@ -161,10 +160,7 @@ def main(argv: list[str] | None = None) -> None:
         model=args.model,
         systems={s.name: s.describe() for s in setup},
         templates={"map": MAP_TEMPLATE, "reduce": doc.reduce_template},
-        settings=[
-            {"network_delay": label != "none", "speedup": r[PARROT].as_dict(), "clients": measure.as_dicts(s)}
-            for label, s, r in settings
-        ],
+        settings=timed.payload()["settings"],
         simulator={
             str(o): {n: {"seconds": r.seconds, **r.engine} for n, r in runs.items()}
             for o, runs in sims.items()

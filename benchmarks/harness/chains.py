@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from benchmarks.harness.clients import complete
-from benchmarks.harness.measure import FIRST_RUN, Job, Run, Samples, interleave, timed
+from benchmarks.harness.measure import FIRST_RUN, Job, Run, Samples, per_delay, timed
 from benchmarks.harness.stats import Spread, percentile
-from benchmarks.harness.systems import Served, delayed
+from benchmarks.harness.systems import Served
 
 __all__ = [
     "BackgroundLoad",
@@ -151,9 +151,8 @@ async def together(
 async def delayed_repeats(
     served: Served, jobs: Mapping[str, Callable[[], Awaitable[Run]]], repeats: int, label: str
 ) -> dict[str, Samples]:
-    """``repeats`` interleaved runs per job with the network delay on (`measure.interleave`), every output
+    """``repeats`` interleaved runs per job with the network delay on (`measure.per_delay`), every output
     equal to the first run's. No warm-up of its own: the caller warms the server once (its output check),
     and the points of a sweep follow one another on it (an untimed run per point cost ~10 s of the quick
     chain summary)."""
-    with delayed([served]):
-        return await interleave(jobs, repeats, FIRST_RUN, label)
+    return (await per_delay([served], jobs, repeats, FIRST_RUN, (True,), label))[True]

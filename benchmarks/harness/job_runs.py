@@ -1,6 +1,7 @@
 """Two shapes of comparing systems on one client job that application experiments share: interleaved
-repeats on real servers per network-delay setting, with ratios to a reference system (`delay_settings`),
-and every system once on a fresh simulated cluster (`simulated_once`).
+repeats on real servers per network-delay setting, as a `first_jobs.Compared` without first jobs (ratios to
+a reference system, as for a DAG sweep: `delay_settings`), and every system once on a fresh simulated
+cluster (`simulated_once`).
 
 On real engines a shared machine is noisy, so a job is repeated and the systems interleaved
 (`measure.per_delay`); on the simulator time is virtual and a run deterministic, so one run per system is
@@ -10,15 +11,13 @@ the figure. Either way the systems' outputs must agree (greedy decoding), or the
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import Callable, Mapping, Sequence
 
-from benchmarks.harness import measure, systems
+from benchmarks.harness import first_jobs, measure, systems
 from benchmarks.harness.measure import Job, Run
-from benchmarks.harness.record import LatencyRow
 from benchmarks.harness.systems import Served, System
 
-__all__ = ["delay_settings", "median_s", "simulated_once"]
+__all__ = ["delay_settings", "simulated_once"]
 
 
 async def delay_settings(
@@ -27,29 +26,14 @@ async def delay_settings(
     repeats: int,
     reference: str,
     delays: Sequence[bool] = (False, True),
-) -> list[LatencyRow]:
+) -> first_jobs.Compared:
     """Each server's ``job``: the outputs checked equal (the warm-up, `measure.agree`), then ``repeats``
-    interleaved runs per setting of ``delays`` (`measure.per_delay`); the ratio of ``reference``'s median
-    time over every other system's, shown on that system's row."""
+    interleaved runs per setting of ``delays`` (`measure.per_delay`); ratios to ``reference``'s time."""
     jobs = {name: (lambda s=s: measure.timed(s, job(s))) for name, s in servers.items()}
     async with systems.connected(servers):
         expected = await measure.agree(jobs)
         by_delay = await measure.per_delay(servers, jobs, repeats, expected, delays)
-    return [
-        (
-            systems.delay_label(delay),
-            samples,
-            {n: measure.ratio(samples[reference], s) for n, s in samples.items() if n != reference},
-        )
-        for delay, samples in by_delay.items()
-    ]
-
-
-def median_s(settings: Sequence[LatencyRow], delay: bool, name: str) -> float:
-    """``name``'s median seconds in the setting with or without the delay; NaN if it was not measured."""
-    label = systems.delay_label(delay)
-    found = [samples[name].spread.median for lab, samples, _ in settings if lab == label]
-    return found[0] if found else math.nan
+    return first_jobs.Compared(reference, cold={}, settings=by_delay)
 
 
 def simulated_once(
