@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     rec = record.Recorder(NAME, args)
     log(f"starting the server ({args.model}) ...")
     with frameworks.one_server(args.model, EngineConfig(num_kv_blocks=cfg.num_kv_blocks), cfg.seed) as served:
-        settings = frameworks.compare(served, make_apps(served.url, cfg), cfg.repeats, PARROT)
+        runs = frameworks.compare(served, make_apps(served.url, cfg), cfg.repeats, PARROT)
 
     print(rec.header(f"{args.model}, 1 engine"))
     for app, description in describe(cfg).items():
@@ -196,18 +196,15 @@ def main(argv: list[str] | None = None) -> None:
         "answers identical between the clients (checked). Requests/job: HTTP requests of one run up to "
         "the answer, session deletes not counted. Speedup: the client's latency over Parrot's.\n"
     )
-    print(frameworks.table(settings) + "\n")
+    print(frameworks.table(runs) + "\n")
     print("paper anchors (Fig. 11/14, LangChain apps on A100s): chain summary 1.38-1.88x, map-reduce 2.37x")
-
-    def find(app: str, delay: bool) -> frameworks.AppSetting:
-        return frameworks.find(settings, app, delay)
 
     rec.finish(
         {
-            **{f"{app}_speedup": find(app, True).ratios[LANGCHAIN].median for app in APPS},
-            **{f"{app}_speedup_nodelay": find(app, False).ratios[LANGCHAIN].median for app in APPS},
+            **{f"{app}_speedup": runs[app].speedup(True, LANGCHAIN) for app in APPS},
+            **{f"{app}_speedup_nodelay": runs[app].speedup(False, LANGCHAIN) for app in APPS},
             **{
-                f"{app}_{client}_s": find(app, True).median(name)
+                f"{app}_{client}_s": runs[app].median_s(True, name)
                 for app in APPS
                 for client, name in (("parrot", PARROT), ("langchain", LANGCHAIN))
             },
@@ -217,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
         systems={frameworks.SERVER: served.system.describe()},
         apps=describe(cfg),
         outputs_identical=True,
-        settings=[s.as_dict() for s in settings],
+        settings=frameworks.payload(runs),
         paper_anchor=PAPER_ANCHOR,
     )
 

@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     with frameworks.one_server(args.model, EngineConfig(num_kv_blocks=cfg.num_kv_blocks), cfg.seed) as served:
         chunks = document_chunks(served.tokenizer, cfg.chunks, cfg.chunk_tokens)
         calls = calls_per_query(served, cfg, chunks)
-        settings = frameworks.compare(served, make_apps(served, cfg, chunks), cfg.repeats, PARROT)
+        runs = frameworks.compare(served, make_apps(served, cfg, chunks), cfg.repeats, PARROT)
 
     print(rec.header(f"{args.model}, 1 engine"))
     print(
@@ -161,30 +161,28 @@ def main(argv: list[str] | None = None) -> None:
         "across clients (checked). Requests/job: HTTP requests of one query, session deletes not counted. "
         "Speedup: the client's latency over Parrot's.\n"
     )
-    print(frameworks.table(settings) + "\n")
+    print(frameworks.table(runs) + "\n")
     print("paper anchors (Fig. 11/14): chain summary 1.38x-1.88x, map-reduce 2.37x")
 
-    chain, tree = frameworks.find(settings, CHAIN, True), frameworks.find(settings, MAP_REDUCE, True)
+    chain, tree = runs[CHAIN], runs[MAP_REDUCE]
     rec.finish(
         {
-            "chain_speedup": chain.ratios[BASELINE].median,
-            "map_reduce_speedup": tree.ratios[BASELINE].median,
-            "map_reduce_speedup_async": tree.ratios[BASELINE_ASYNC].median,
-            "chain_speedup_nodelay": frameworks.find(settings, CHAIN, False).ratios[BASELINE].median,
-            "map_reduce_speedup_nodelay": frameworks.find(settings, MAP_REDUCE, False)
-            .ratios[BASELINE]
-            .median,
-            "chain_parrot_s": chain.median(PARROT),
-            "chain_baseline_s": chain.median(BASELINE),
-            "map_reduce_parrot_s": tree.median(PARROT),
-            "map_reduce_baseline_s": tree.median(BASELINE),
+            "chain_speedup": chain.speedup(True, BASELINE),
+            "map_reduce_speedup": tree.speedup(True, BASELINE),
+            "map_reduce_speedup_async": tree.speedup(True, BASELINE_ASYNC),
+            "chain_speedup_nodelay": chain.speedup(False, BASELINE),
+            "map_reduce_speedup_nodelay": tree.speedup(False, BASELINE),
+            "chain_parrot_s": chain.median_s(True, PARROT),
+            "chain_baseline_s": chain.median_s(True, BASELINE),
+            "map_reduce_parrot_s": tree.median_s(True, PARROT),
+            "map_reduce_baseline_s": tree.median_s(True, BASELINE),
         },
         config=cfg,
         model=args.model,
         systems={frameworks.SERVER: served.system.describe()},
         calls_per_query=calls,
         answers_identical=True,
-        settings=[s.as_dict() for s in settings],
+        settings=frameworks.payload(runs),
         paper_anchor=PAPER_ANCHOR,
     )
 

@@ -13,16 +13,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from benchmarks.harness import measure, record, systems
-from benchmarks.harness.measure import Ratio, Samples
+from benchmarks.harness.first_jobs import Compared
 from benchmarks.harness.output import log
 from benchmarks.harness.systems import Served
 from server.engine import EngineConfig
 
-__all__ = ["SERVER", "AppSetting", "Apps", "Run", "compare", "find", "job", "one_server", "table"]
+__all__ = ["SERVER", "Apps", "Run", "compare", "job", "one_server", "payload", "table"]
 
 SERVER = "server"  # one server for every client: the baseline's configuration (no OpenAI-route cache)
 
@@ -42,60 +41,32 @@ def job(run: Run) -> measure.Job:
     return lambda done: asyncio.to_thread(run)
 
 
-@dataclass(frozen=True)
-class AppSetting:
-    """One app in one network-delay setting: each client's repeats, and each client's median latency
-    over the reference client's (with the range of the per-repeat ratios)."""
-
-    app: str
-    delay: bool
-    samples: dict[str, Samples]
-    ratios: dict[str, Ratio]
-
-    def median(self, client: str) -> float:
-        return self.samples[client].spread.median
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "app": self.app,
-            "network_delay": self.delay,
-            "speedup": {name: r.as_dict() for name, r in self.ratios.items()},
-            "clients": measure.as_dicts(self.samples),
-        }
-
-
 def compare(
     served: Served, apps: Apps, repeats: int, reference: str, delays: Sequence[bool] = (False, True)
-) -> list[AppSetting]:
+) -> dict[str, Compared]:
     """Per app: every client's answer checked equal (also the warm-up), then ``repeats`` interleaved runs
-    per client and setting of ``delays``; ratios against ``reference``."""
+    per client and setting of ``delays``; ratios to ``reference``'s time (no first jobs: one server)."""
 
-    async def measured() -> list[AppSetting]:
-        out = []
+    async def measured() -> dict[str, Compared]:
+        out = {}
         for app, clients in apps.items():
             jobs = {name: (lambda run=run: measure.timed(served, job(run))) for name, run in clients.items()}
             log(f"{app}: verifying answers and warming up ...")
             expected = await measure.agree(jobs)
             by_delay = await measure.per_delay([served], jobs, repeats, expected, delays, label=f"{app} ")
-            for delay, samples in by_delay.items():
-                ratios = {
-                    n: measure.ratio(s, samples[reference]) for n, s in samples.items() if n != reference
-                }
-                out.append(AppSetting(app, delay, samples, ratios))
+            out[app] = Compared(reference, cold={}, settings=by_delay)
         return out
 
     return asyncio.run(measured())
 
 
-def find(settings: Sequence[AppSetting], app: str, delay: bool) -> AppSetting:
-    """The setting of ``app`` with or without the delay."""
-    for s in settings:
-        if s.app == app and s.delay == delay:
-            return s
-    raise KeyError(f"no measurement of {app!r} {'with' if delay else 'without'} the network delay")
-
-
-def table(settings: Sequence[AppSetting]) -> str:
+def table(runs: Mapping[str, Compared]) -> str:
     """`record.latency_table` with one setting per app and delay; each client's ratio on its row."""
-    rows = [(f"{s.app}, {systems.delay_label(s.delay)}", s.samples, s.ratios) for s in settings]
-    return record.latency_table(rows, "app, network delay")
+    return record.latency_table(
+        [row for app, c in runs.items() for row in c.latency_rows(f"{app}, ")], "app, network delay"
+    )
+
+
+def payload(runs: Mapping[str, Compared]) -> list[dict[str, Any]]:
+    """Every app's settings for the JSON payload, each naming its app."""
+    return [{"app": app, **setting} for app, c in runs.items() for setting in c.payload()["settings"]]

@@ -62,18 +62,25 @@ def test_compare_times_each_app_per_setting_with_the_delay_switched_and_ratios_t
         return go
 
     apps = {"a": {"fast": run("fast", 0.01), "slow": run("slow", 0.05)}, "b": {"fast": run("fast", 0.01)}}
-    settings = frameworks.compare(s, apps, repeats=2, reference="fast")
-    assert [(x.app, x.delay) for x in settings] == [("a", False), ("a", True), ("b", False), ("b", True)]
+    runs = frameworks.compare(s, apps, repeats=2, reference="fast")
+    assert list(runs) == ["a", "b"] and all(list(c.settings) == [False, True] for c in runs.values())
     # One warm-up run per client, then 2 repeats per setting, the delay on only in the second setting.
     assert seen[:2] == [("fast", False), ("slow", False)]
     assert [d for n, d in seen[2:10]] == [False] * 4 + [True] * 4
-    a = frameworks.find(settings, "a", True)
-    assert set(a.ratios) == {"slow"} and a.ratios["slow"].median > 2
-    assert all(len(samples.runs) == 2 for x in settings for samples in x.samples.values())
-    assert a.as_dict()["network_delay"] is True and set(a.as_dict()["clients"]) == {"fast", "slow"}
+    a = runs["a"]
+    assert set(a.speedups(True)) == {"slow"} and a.speedup(True, "slow") > 2
+    assert all(
+        len(samples.runs) == 2 for c in runs.values() for by in c.settings.values() for samples in by.values()
+    )
+    payload = frameworks.payload(runs)
+    assert [(x["app"], x["network_delay"]) for x in payload] == [
+        ("a", False),
+        ("a", True),
+        ("b", False),
+        ("b", True),
+    ]
+    assert set(payload[1]["clients"]) == {"fast", "slow"} and set(payload[1]["speedup"]) == {"slow"}
     assert s.delay.enabled is False  # type: ignore[union-attr]
-    with pytest.raises(KeyError, match="'c' with"):
-        frameworks.find(settings, "c", True)
 
 
 def test_compare_stops_when_clients_disagree_or_an_answer_changes() -> None:
