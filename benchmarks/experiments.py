@@ -328,6 +328,11 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         metrics=(
             Metric("shared_speedup_nodelay", "shared prompt, baseline / Parrot, both on vLLM (goal 1.1-1.7)"),
             Metric("mapreduce_speedup", "map-reduce with delay, baseline / Parrot (goal >= 1.5)"),
+            Metric(
+                "shared_computed_ratio",
+                "shared prompt, prompt tokens vLLM computed, baseline / Parrot (1.0: its cache shares alike)",
+                unit="",
+            ),
             Metric("hit_rate_affinity", "2 backends, prefix-cache hit rate, affinity on", unit=""),
             Metric("hit_rate_no_affinity", "2 backends, prefix-cache hit rate, affinity off", unit=""),
         ),

@@ -11,19 +11,24 @@ default) serves two clients in one run:
 Workloads: the shared system prompt (`shared_prompt`'s copilot app, ``batch`` users at once) and map-reduce
 (`map_reduce`'s app), as `benchmarks.harness.app_jobs` runs them, without and with the client network delay
 U(0.2, 0.3) s per request (added by both clients' HTTP transport). vLLM's prefix cache is emptied before
-every timed run; answers are checked identical first (float32, so batching does not change greedy picks).
+every timed run, and the prompt tokens it computed in each are read from its ``/metrics``
+(``shared_computed_ratio``: baseline over Parrot; 1.0 means vLLM's own prefix cache already shared the
+prompt, leaving Parrot only its scheduling); answers are checked identical first (float32, so batching does
+not change greedy picks).
 Then the prefix-cache hit rate across **two** backends with Parrot's prefix affinity on and off (1 - prompt
 tokens computed / prompt tokens sent). Without ``--vllm-python``, Parrot's own ``/v1`` serves as the
 backend (the figures then say so).
 
 Last line: ``RESULT vllm_backends shared_speedup=... mapreduce_speedup=... mapreduce_speedup_nodelay=...
-hit_rate_affinity=... hit_rate_no_affinity=... total_s=...`` (speedups: baseline over Parrot latency).
+shared_computed_ratio=... hit_rate_affinity=... hit_rate_no_affinity=... total_s=...`` (speedups:
+baseline over Parrot latency).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import tempfile
 from collections.abc import Callable
@@ -45,6 +50,7 @@ from benchmarks.workloads.map_reduce_app import make_doc
 NAME = "vllm_backends"
 PARROT, BASELINE = "parrot", "baseline"
 MAX_MODEL_LEN = 2048
+BACKEND_COMPUTED = "backend_prompt_tokens_computed"  # per timed run, from the backend's /metrics
 
 
 @dataclass(frozen=True)
@@ -82,7 +88,11 @@ async def compare(
     async def run(s: Served, parrot: bool) -> measure.Run:
         backend.reset_prefix_cache()
         front.run(front.manager.drop_cache())  # the manager's contexts: none is warm on the backend now
-        return await measure.timed(s, job(s, parrot))
+        before = backend.computed_prompt_tokens()
+        run = await measure.timed(s, job(s, parrot))
+        # What the backend prefilled for the job: equal counts mean its prefix cache left Parrot nothing.
+        computed = {BACKEND_COMPUTED: int(backend.computed_prompt_tokens() - before)}
+        return dataclasses.replace(run, engine={**run.engine, **computed})
 
     jobs = {name: functools.partial(run, s, name == PARROT) for name, s in served.items()}
     expected = await measure.agree(jobs)
@@ -181,12 +191,19 @@ def main(argv: list[str] | None = None) -> None:
             r = measure.ratio(samples[BASELINE], samples[PARROT])
             key = f"{'shared' if app == 'shared_prompt' else 'mapreduce'}_speedup{'' if on else '_nodelay'}"
             speedups[key] = r.median
-            times = ", ".join(f"{n} {s.spread.median:.2f} s" for n, s in samples.items())
+            times = ", ".join(
+                f"{n} {s.spread.median:.2f} s ({s.engine_median(BACKEND_COMPUTED):.0f} tokens prefilled)"
+                for n, s in samples.items()
+            )
             print(f"{app}, delay {systems.delay_label(on)}: {times}: baseline / parrot {r}")
     for name, row in rates.items():
         print(f"two backends, {name}: hit rate {row['hit_rate']:.2f}, requests {row['requests_per_backend']}")
+    computed = {
+        n: timed["shared_prompt"][False][n].engine_median(BACKEND_COMPUTED) for n in (PARROT, BASELINE)
+    }
     metrics = {
         **speedups,
+        "shared_computed_ratio": safe_ratio(computed[BASELINE], computed[PARROT]),
         "hit_rate_affinity": rates["affinity"]["hit_rate"],
         "hit_rate_no_affinity": rates["no_affinity"]["hit_rate"],
     }
