@@ -17,8 +17,16 @@ Policies, all deciding with `server.serve.mutel`:
 * **splitwise** — prefill instances load the history from host memory, compute the prompt, send the whole
   context's KV to a decode instance and drop it; every split (1P+3D, 2P+2D, 3P+1D) is run, the best counts;
 * **mutel** — prompt KV stays on its prefill instance, decode attention over it runs there (exchange per
-  layer), chunks sized so it waits little, KV balanced to decode memory when prefill memory is full, early
-  rejection; every split is run, the best counts.
+  layer) while the decode instance attends over its own KV, prefill chunks sized to the gap between the
+  decode instances' queries (that attention is never blocked), KV balanced to decode memory when prefill
+  memory is full, early rejection; every split is run, the best counts.
+
+Every policy reserves a turn's whole KV (its true answer length) before it runs, so nothing is preempted;
+vLLM-like engines grow KV as they write and preempt. That is pessimistic for the memory-bound baselines
+(colocated, Splitwise), not for Mutel's decode instances; with answers reserving no memory at all (an upper
+bound of what on-demand growth gives them) Mutel's ratios fell by 5% over Splitwise and colocated alike.
+Colocated here is stronger than the paper's vLLM (KV kept across turns, chunked prefill): with short
+prompts and reused histories prefill is a few % of a GPU, so it loses little to interference.
 
 Headline (PCIe, mean over the TPOT SLOs of per-SLO ratios): ``speedup_vs_splitwise`` = Mutel's best split
 over Splitwise's best split, ``speedup_vs_colocated`` = Mutel's best over colocated. Beside them, the

@@ -11,6 +11,7 @@ attention over the prompt part runs on the prefill instance holding it. The deci
 * `choose_decode` — the least loaded decode instance with room for the KV the turn will hold on it;
   `balance_kv` — or one that takes the prompt's KV too, when prefill memory is what holds turns back;
 * `chunk_size` — the largest prefill chunk that keeps the decode work waiting on the instance in its TPOT;
+  `chunk_within` — or that ends within the gap between decode instances' attention requests (never blocks);
 * `move_or_recompute` — move KV over the link or recompute it, whichever takes less time.
 
 Nothing here does I/O, reads a clock or keeps state: the manager and the cluster simulator
@@ -27,7 +28,7 @@ from typing import ClassVar, Literal
 
 __all__ = [
     "CostModel", "Fetch", "InstanceView", "PrefillChoice", "RejectReason", "Rejection", "Role", "Slo",
-    "TurnRequest", "admit", "balance_kv", "choose_decode", "choose_prefill", "chunk_size",
+    "TurnRequest", "admit", "balance_kv", "choose_decode", "choose_prefill", "chunk_size", "chunk_within",
     "move_or_recompute", "predict_prefill", "predict_tpot",
 ]  # fmt: skip
 
@@ -232,11 +233,21 @@ def balance_kv(prefill: InstanceView, instances: Sequence[InstanceView], req: Tu
     return choose_decode(instances, req.context_tokens + req.expected_output_tokens)
 
 
-def predict_tpot(inst: InstanceView, cost: CostModel, local_tokens: int, remote_tokens: int = 0) -> float:
+def predict_tpot(
+    inst: InstanceView,
+    cost: CostModel,
+    local_tokens: int,
+    remote_tokens: int = 0,
+    *,
+    overlapped: bool = False,
+) -> float:
     """The decode step of ``inst`` with one more request reading ``local_tokens`` of KV there and
-    ``remote_tokens`` on a prefill instance (whose attention the step waits for)."""
+    ``remote_tokens`` on a prefill instance (whose attention the step waits for). ``overlapped``: the remote
+    attention runs while the step attends over its local part (each layer's query goes out first, as on
+    GPUs), so the step grows by the longer of the two reads, not their sum."""
     step = inst.decode_step_s or cost.base_s
-    return step + cost.decode_seq_s + cost.kv_token_s * (local_tokens + remote_tokens)
+    reads = max(local_tokens, remote_tokens) if overlapped else local_tokens + remote_tokens
+    return step + cost.decode_seq_s + cost.kv_token_s * reads
 
 
 def admit(
@@ -246,15 +257,17 @@ def admit(
     cost: CostModel,
     local_tokens: int,
     remote_tokens: int = 0,
+    *,
+    overlapped: bool = False,
 ) -> Rejection | None:
     """Early rejection: None to accept, else why not. ``decode``: where the turn would decode now (None:
-    nowhere has room yet); ``local_tokens``/``remote_tokens`` as for `predict_tpot`."""
+    nowhere has room yet); ``local_tokens``/``remote_tokens``/``overlapped`` as for `predict_tpot`."""
     if prefill is None:
         return Rejection(RejectReason.NO_CAPACITY)
     if prefill.predicted_ttft_s > slo.ttft_s:
         return Rejection(RejectReason.TTFT, prefill.predicted_ttft_s, slo.ttft_s)
     if decode is not None:  # (no decode instance with room yet: the turn will queue for one)
-        tpot = predict_tpot(decode, cost, local_tokens, remote_tokens)
+        tpot = predict_tpot(decode, cost, local_tokens, remote_tokens, overlapped=overlapped)
         if tpot > slo.tpot_s:
             return Rejection(RejectReason.TPOT, tpot, slo.tpot_s)
     return None
@@ -275,11 +288,29 @@ def chunk_size(
     (fixed_s + n tokens' compute) <= tpot_s``: the decode work waiting on this instance still meets its TPOT.
 
     ``decode_step_s`` is that work's own step time (0: none waits, so the largest chunk). Colocated, the
-    chunk rides in the decode step (``fixed_s`` 0, ``blocking`` 1). On a Mutel prefill instance, a chunk is
-    a step of its own (``fixed_s`` its base) and each layer's remote attention waits for the layer of the
-    chunk under way, on average half of it (``blocking`` 0.5, summed over the layers)."""
+    chunk rides in the decode step (``fixed_s`` 0, ``blocking`` 1). On a prefill instance whose chunk is a
+    step of its own (``fixed_s`` its base) and whose remote attention waits for the layer of the chunk under
+    way, on average half of it: ``blocking`` 0.5, summed over the layers."""
     if decode_step_s <= 0:
         return max_tokens
-    room = (tpot_s - decode_step_s) / blocking - fixed_s
+    room = (tpot_s - decode_step_s) / blocking
+    return chunk_within(room, cost, cached_tokens=cached_tokens, fixed_s=fixed_s, min_tokens=min_tokens,
+                        max_tokens=max_tokens)  # fmt: skip
+
+
+def chunk_within(
+    room_s: float,
+    cost: CostModel,
+    *,
+    cached_tokens: int = 0,
+    fixed_s: float = 0.0,
+    min_tokens: int = 64,
+    max_tokens: int = 2048,
+) -> int:
+    """The largest prefill chunk (within [min_tokens, max_tokens]) whose step, ``fixed_s`` + its tokens'
+    compute after ``cached_tokens``, takes at most ``room_s``. Mutel's coordination sizes a prefill
+    instance's chunk to the gap between its decode instances' attention requests (each layer's chunk ends
+    before the next query arrives: decode attention is never blocked)."""
     per_token = cost.prefill_token_s + cost.prefill_pair_s * cached_tokens
+    room = room_s - fixed_s
     return max(min_tokens, min(max_tokens, int(room / per_token) if room > 0 else 0))

@@ -41,7 +41,7 @@ class Instance:
         self.steps = self.local_kv = 0
         self.remote: Counter[int] = Counter()  # Mutel: prefill instance -> prompt KV attended there per step
         self.busy, self.chunk_s, self.stolen, self.attn_free = False, 0.0, 0.0, 0.0
-        self.step_s = self.own_s = self.per_token_s = 0.0  # smoothed step; last step unstalled; prefill rate
+        self.step_s = self.per_token_s = 0.0  # smoothed decode step; prefill seconds per token
         self.ports: defaultdict[str, float] = defaultdict(float)  # port -> busy until
 
     def keep(self, conversation: int, tokens: int) -> None:

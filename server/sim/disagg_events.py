@@ -5,10 +5,13 @@ virtual clock (a heap of timed callbacks, ties in scheduling order: a run is det
 
 What a step costs: the `LatencyModel` terms — base (the weights read once) + per decode sequence + per KV
 token read + per prompt token + per prompt query-key pair; a prompt chunk alone pays the base itself.
-Mutel's decode step adds the exchange (`ClusterCost.exchange_s`) and waits for each prefill instance's
-attention over its prompts (KV reads there): behind other decode instances' attention on it (first come
-first served, a whole step's worth at a time: conservative) and half the prompt chunk under way (each
-layer's query waits for that layer of the chunk); that attention lengthens the prefill instance's chunk.
+Mutel's decode step sends each layer's query out before it attends over its own (generated) KV, so the
+exchange (`ClusterCost.exchange_s`) and each prefill instance's attention over its prompts (KV reads there)
+run beside that local attention: the step takes the longer of the two. The remote attention waits behind
+other decode instances' attention on that instance (first come first served, a whole step's worth at a
+time: conservative) and for whatever of the prompt chunk under way outlasts the decode step's gap between
+two layers' queries; that attention lengthens the prefill instance's chunk. Mutel's prefill instances size
+their chunks to that gap (the seed's coordination: decode attention is never blocked).
 
 KV memory: a turn reserves its whole final KV where it will live (colocated: context + answer on one
 instance; Splitwise: the context on the prefill instance until sent, context + answer on the decode
@@ -110,9 +113,8 @@ class ClusterSim(DecodeSide):
             d = choice.instance if self.colocated else mutel.choose_decode(views, on_decode)
             local = r.output_tokens // 2 + (0 if self.mutel else r.context_tokens)
             remote = r.context_tokens if self.mutel else 0
-            rejection = mutel.admit(
-                choice, None if d is None else views[d], self.slo, self.peer, local, remote
-            )
+            decode = None if d is None else views[d]
+            rejection = mutel.admit(choice, decode, self.slo, self.peer, local, remote, overlapped=self.mutel)
             r.rejected = rejection.reason if rejection else None
         if choice is None or r.rejected:
             self.miss(r, (0, 1))
@@ -170,10 +172,10 @@ class ClusterSim(DecodeSide):
         n = pol.max_chunk
         if pol.chunked and self.colocated:
             n = mutel.chunk_size(self.slo.tpot_s, decode_s, self.peer, **budget)
-        elif pol.chunked and self.mutel:
-            waiting = max((d.own_s for d in self.insts if d.remote[i.index] > 0), default=0.0)
-            base = self.cost.latency.base
-            n = mutel.chunk_size(self.slo.tpot_s, waiting, self.peer, fixed_s=base, blocking=0.5, **budget)
+        elif pol.chunked and self.mutel:  # each layer of the chunk ends before the next query comes
+            gaps = [self.gap_s(d) for d in self.insts if d.remote[i.index] > 0 and d.batch]
+            if gaps:
+                n = mutel.chunk_within(min(gaps), self.peer, fixed_s=self.cost.latency.base, **budget)
         parts, seconds = [], 0.0
         for r in i.queue:
             if n <= 0:
@@ -187,44 +189,55 @@ class ClusterSim(DecodeSide):
     def step(self, i: Instance) -> None:
         while i.joining and len(i.batch) < self.policy.max_num_seqs:
             self.join(i, i.joining.popleft())
-        decode_s = wait_s = 0.0
+        decode_s = 0.0
         if i.batch:
             n = len(i.batch)
             decode_s = self.cost.decode_s(n, i.local_kv)
-            if self.mutel:
-                decode_s += self.cost.exchange_s(n)
+            if self.mutel:  # the remote part (exchange, attention there) runs beside the local attention
                 self.moved["exchange"] += self.cost.exchange_bytes(n)
-                wait_s, work_s = self.remote_attention(i)
-                i.own_s = decode_s + work_s
+                remote_s = self.cost.exchange_s(n) + self.remote_attention(i)
+                decode_s += max(0.0, remote_s - self.cost.latency.kv_token * i.local_kv)
         parts, prefill_s = self.chunk(i, decode_s)
         if not parts and not i.batch:
             i.busy, i.chunk_s = False, 0.0
             return
+        attention_s = 0.0
         if not i.batch:  # a chunk alone reads the weights itself, after the attention it is serving
-            prefill_s += self.cost.latency.base + max(0.0, i.attn_free - self.now)
+            prefill_s += self.cost.latency.base
+            attention_s = max(0.0, i.attn_free - self.now)
+            i.stolen = 0.0  # (that attention, counted once: the chunk waits for it to end)
         i.busy, i.chunk_s = True, 0.0 if i.batch else prefill_s
-        total = decode_s + wait_s + prefill_s
+        total = decode_s + prefill_s + attention_s
         if (
             i.batch
         ):  # a TPOT averages a turn's hundreds of steps: the estimate, the last ~50 (a second or two)
             i.step_s = total if not i.step_s else 0.98 * i.step_s + 0.02 * total
         self.at(self.now + total, self.step_done, i, parts, bool(i.batch), self.now)
 
-    def remote_attention(self, d: Instance) -> tuple[float, float]:
-        """Mutel: every prefill instance's attention for ``d``'s step. How long ``d`` waits for them all,
-        and the longest attention itself."""
-        wait = work_max = 0.0
+    def gap_s(self, d: Instance) -> float:
+        """Mutel: a decode step's time between two layers' attention requests (summed over the layers): its
+        dense compute and the exchange's link time."""
+        m, n = self.cost.latency, len(d.batch)
+        return m.base + m.decode_seq * n + self.cost.exchange_s(n)
+
+    def remote_attention(self, d: Instance) -> float:
+        """Mutel: every prefill instance's attention for ``d``'s step; how long ``d`` waits for them all
+        (excluding the exchange). Each waits behind other decode instances' attention there (first come
+        first served, a whole step's worth at a time: conservative) and, per layer, for the part of that
+        layer of the chunk under way that outlasts ``d``'s gap between queries (`gap_s`): nothing when the
+        chunk was sized to the gap (`chunk`), a chunk's worth when it was started with nothing waiting."""
+        wait, gap = 0.0, self.gap_s(d)
         for pi, tokens in d.remote.items():
             if tokens <= 0:
                 continue
             p, work = self.insts[pi], self.cost.latency.kv_token * tokens
             begin = max(self.now, p.attn_free)
             p.attn_free = begin + work
-            stall = p.chunk_s / 2 if p.busy else 0.0
+            stall = max(0.0, p.chunk_s - gap) if p.busy else 0.0
             if p.busy:
                 p.stolen += work
-            wait, work_max = max(wait, begin - self.now + stall + work), max(work_max, work)
-        return wait, work_max
+            wait = max(wait, begin - self.now + stall + work)
+        return wait
 
     def step_done(
         self, i: Instance, parts: list[tuple[TurnRecord, int]], decoded: bool, started: float
@@ -243,6 +256,7 @@ class ClusterSim(DecodeSide):
             r.todo -= k
             r.cached += k
         i.backlog -= tokens
+        i.chunk_s = 0.0  # the chunk is over: decode steps the hand-offs below start do not wait for it
         if tokens:
             sample = (self.now - started) / tokens
             i.per_token_s = sample if not i.per_token_s else 0.7 * i.per_token_s + 0.3 * sample

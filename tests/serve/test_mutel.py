@@ -17,6 +17,7 @@ from server.serve.mutel import (
     choose_decode,
     choose_prefill,
     chunk_size,
+    chunk_within,
     move_or_recompute,
     predict_tpot,
 )
@@ -67,6 +68,16 @@ def test_a_turn_is_rejected_with_its_reason_when_an_slo_would_be_missed() -> Non
 
 def test_an_idle_decode_instance_is_predicted_at_its_base_step() -> None:
     assert predict_tpot(decode(0), COST, local_tokens=1000) == pytest.approx(0.02 + 1e-4 + 1e-3)
+
+
+def test_remote_attention_beside_the_local_costs_the_longer_read_not_both() -> None:
+    step = decode(0, decode_step_s=0.03)
+    assert predict_tpot(step, COST, 150, 2100, overlapped=True) == pytest.approx(0.03 + 1e-4 + 2100e-6)
+    assert predict_tpot(step, COST, 3000, 2100, overlapped=True) == pytest.approx(0.03 + 1e-4 + 3000e-6)
+    slo = Slo(ttft_s=0.5, tpot_s=0.0323)  # 2,250 us of reads miss it in series; 2,100 fit beside
+    quick = PrefillChoice(0, 2000, "recompute", 100, predicted_ttft_s=0.1)
+    assert admit(quick, step, slo, COST, 150, 2100) is not None
+    assert admit(quick, step, slo, COST, 150, 2100, overlapped=True) is None
 
 
 # ------------------------------------------------------------------------------------------ prefill
@@ -142,6 +153,15 @@ def test_chunk_size_keeps_the_waiting_decode_work_within_its_tpot() -> None:
     # Attention over what the prompt has cached makes each token dearer.
     pricey = CostModel(**{**COST.__dict__, "prefill_pair_s": 1e-7})
     assert chunk_size(0.05, 0.03, pricey, cached_tokens=1000) == 100
+
+
+def test_a_chunk_within_the_gap_between_queries_ends_before_the_next_one() -> None:
+    # 25 ms between a decode instance's queries; the chunk's step pays the 20 ms base: 5 ms of tokens.
+    assert chunk_within(0.025, COST, fixed_s=0.02) == 64  # 50 tokens fit, the floor is 64
+    assert chunk_within(0.025, COST, fixed_s=0.02, min_tokens=0) == 50
+    assert chunk_within(0.05, COST, fixed_s=0.02, min_tokens=0) == 300
+    assert chunk_within(0.01, COST, fixed_s=0.02, min_tokens=0) == 0  # the base alone outlasts the gap
+    assert chunk_within(1.0, COST, max_tokens=512) == 512
 
 
 # ------------------------------------------------------------------------------------------ move

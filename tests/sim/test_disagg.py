@@ -38,6 +38,18 @@ def test_the_model_follows_from_the_profile() -> None:
     assert COST.exchange_s(10) == pytest.approx(40 * (2 * 10e-6 + 10 * (2 * 5120 * 2 + 160) / 25e9))
 
 
+def test_a_mutel_decode_step_reads_its_remote_prompt_beside_its_local_kv() -> None:
+    # One 2,000-token turn alone: its 50 decode steps each wait for the exchange and the attention over
+    # the prompt on the prefill instance (longer than the <= 50 tokens of local KV read meanwhile), and
+    # not for the prompt's own prefill chunk, which ended when the first token was sampled.
+    alone = [Conversation(0, 0.0, (Turn(2000, 50, 0.0),))]
+    turn = simulate(Policy.of("mutel", 1, instances=2), SLO, alone, COST, stop_on_fail=False).records[0]
+    m = COST.latency
+    assert turn.tpot_s == pytest.approx(m.base + m.decode_seq + COST.exchange_s(1) + m.kv_token * 2000)
+    colocated = simulate(Policy.of("colocated", instances=1), SLO, alone, COST, stop_on_fail=False)
+    assert turn.ttft_s == colocated.records[0].ttft_s
+
+
 def test_the_workload_is_seeded_prefix_stable_and_fits_the_window() -> None:
     spec = WorkloadSpec()
     some, more = sharegpt_like(spec, 50), sharegpt_like(spec, 100)
@@ -115,7 +127,7 @@ def test_a_higher_rate_never_lowers_p90_ttft_on_one_instance() -> None:
 
 
 def test_overload_is_refused_early_with_reasons_and_the_slo_is_lost() -> None:
-    result = run(Policy.of("mutel", 2), rate=12.0, duration_s=40.0)
+    result = run(Policy.of("mutel", 2), rate=24.0, duration_s=40.0)
     assert not result.meets
     assert {r.rejected for r in result.records} - {None} <= set(RejectReason)
     assert any(r.rejected is not None for r in result.records)
