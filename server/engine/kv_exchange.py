@@ -27,7 +27,7 @@ from server.engine.errors import (
 )
 from server.engine.kv_transfer import KVBlob, read_kv, write_kv
 from server.engine.model_runner import KVCache
-from server.engine.remote_kv import KVLease, KVSource, LocalKVSource
+from server.engine.remote_kv import KVLease, LocalKVSource
 from server.engine.scheduler import Scheduler
 
 T = TypeVar("T")
@@ -65,7 +65,7 @@ class KVExchange:
         return kv
 
     @property
-    def kv_source(self) -> KVSource:
+    def kv_source(self) -> LocalKVSource:
         """What another engine in this process calls to attend over KV this engine leased to it."""
         if self._kv_source is None:
             kv = self._kv()

@@ -14,7 +14,8 @@ tokens it holds. One exchange per layer per source for the whole step.
   over `torch.distributed` between processes. Both count the bytes a wire would carry.
 * Every query row of a remote-prefixed context — a decode token, or each token of a recomputed fill — is a
   decode row over its local blocks (a token at local index i sees local keys 0..i), since all remote keys
-  precede all local ones; so one paged partial covers the local side of every such row.
+  precede all local ones; so one paged partial covers the local side of every such row. It is computed
+  after the queries went out (`KVSource.start_attention`), while the holders attend.
 """
 
 from __future__ import annotations
@@ -53,17 +54,26 @@ class KVLease:
     lease_id: int = field(default_factory=lambda: next(_lease_ids))
 
 
+class PendingAttention(Protocol):
+    """A partial attention under way on the holder."""
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out [N, H, D] float32, lse [N, H] float32)`` on the query's device, once the holder answered.
+        Raises `KVSourceLostError` if the holder is gone."""
+        ...
+
+
 class KVSource(Protocol):
     """Attends queries over leased KV on the engine that holds it."""
 
     name: str
 
-    def partial_attention(
+    def start_attention(
         self, layer: int, q: torch.Tensor, block_tables: torch.Tensor, lens: torch.Tensor, scale: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``q [N, H, D]`` over ``lens[i]`` tokens of ``block_tables[i]`` in layer ``layer``: ``(out [N, H,
-        D] float32, lse [N, H] float32)`` on ``q``'s device. Raises `KVSourceLostError` if the holder is
-        gone."""
+    ) -> PendingAttention:
+        """Send ``q [N, H, D]`` to attend over ``lens[i]`` tokens of ``block_tables[i]`` in layer ``layer``;
+        the answer comes with the result's `PendingAttention.result`, so the caller attends over its own KV
+        meanwhile. Raises `KVSourceLostError` if the holder is gone."""
         ...
 
 
@@ -98,15 +108,33 @@ class LocalKVSource:
         self._v = v_caches
         self._alive = alive
 
+    def start_attention(
+        self, layer: int, q: torch.Tensor, block_tables: torch.Tensor, lens: torch.Tensor, scale: float
+    ) -> PendingAttention:
+        """In this process the holder's kernels run on the caller's thread: the attention runs when its
+        result is asked for (after the caller's own), as one call."""
+        return _Deferred(lambda: self.partial_attention(layer, q, block_tables, lens, scale))
+
     def partial_attention(
         self, layer: int, q: torch.Tensor, block_tables: torch.Tensor, lens: torch.Tensor, scale: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q`` over the leased KV now: ``(out, lse)`` float32 on ``q``'s device (`PendingAttention`)."""
         if not self._alive():
             raise KVSourceLostError(f"engine {self.name!r}, which holds this context's prompt KV, stopped")
         k, v = self._k[layer], self._v[layer]
         dev = k.device
         out, lse = torch_path.paged_decode_partial(q.to(dev), k, v, block_tables.to(dev), lens.to(dev), scale)
         return out.to(q.device), lse.to(q.device)
+
+
+@dataclass(frozen=True)
+class _Deferred:
+    """A `PendingAttention` computed when its result is asked for."""
+
+    compute: Callable[[], tuple[torch.Tensor, torch.Tensor]]
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.compute()
 
 
 @dataclass
@@ -141,19 +169,28 @@ class RemoteRows:
         scale: float,
         out: torch.Tensor,
     ) -> None:
-        """Write these rows' attention (local partial merged with each source's) into ``out``."""
+        """Write these rows' attention (local partial merged with each source's) into ``out``. The queries
+        go out to every source first; the local partial is computed while they attend."""
         qr = q.index_select(0, self.rows)
-        acc, acc_lse = torch_path.paged_decode_partial(
-            qr, k_cache, v_cache, self.local_tables, self.local_lens, scale
-        )
+        pending: list[tuple[SourceRows, PendingAttention]] = []
         for part in self.by_source:
             if id(part.source) in self.failures:
                 continue  # lost in an earlier layer: skip the exchange, the rows are failed after the step
             try:
-                r_out, r_lse = part.source.partial_attention(
+                sent = part.source.start_attention(
                     layer, qr.index_select(0, part.index), part.block_tables, part.lens, scale
                 )
             except Exception as e:  # any transport failure loses only this source's rows
+                self.failures[id(part.source)] = (part, e)
+                continue
+            pending.append((part, sent))
+        acc, acc_lse = torch_path.paged_decode_partial(
+            qr, k_cache, v_cache, self.local_tables, self.local_lens, scale
+        )
+        for part, sent in pending:
+            try:
+                r_out, r_lse = sent.result()
+            except Exception as e:
                 self.failures[id(part.source)] = (part, e)
                 continue
             self.bytes_moved += exchange_bytes(

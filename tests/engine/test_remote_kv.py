@@ -8,10 +8,12 @@ import multiprocessing
 import socket
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from kernels import torch_path
 from server.engine import EngineConfig, LLMEngine, SamplingParams
 from server.engine.errors import ContextBusyError, InvalidRequestError
 from server.engine.kv_transfer import KVBlob
@@ -92,6 +94,56 @@ async def _split_turn_continue(
     await decode.fill(reader, first, remote=RemotePrefix(prefill.kv_source, lease))
     rest = (await decode.generate(reader, _first(max_tokens - 1))).token_ids
     return first + rest, lease
+
+
+class _Recorded:
+    """A `KVSource` that notes when its queries go out and when their answer is taken."""
+
+    def __init__(self, inner: Any, events: list[str]) -> None:
+        self.inner, self.events, self.name = inner, events, inner.name
+
+    def start_attention(self, *args: Any) -> Any:
+        self.events.append("sent")
+        pending = self.inner.start_attention(*args)
+        events = self.events
+
+        class Answer:
+            def result(self) -> Any:
+                events.append("answered")
+                return pending.result()
+
+        return Answer()
+
+
+async def test_the_local_partial_is_computed_while_the_remote_one_is_under_way(
+    pair: tuple[LLMEngine, LLMEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prefill, decode = pair
+    (prompt,) = prompts(1, seed=12, low=20, high=40)
+    await prefill.fill(30, prompt)
+    reference = (await prefill.generate(30, _first(4))).token_ids
+    events: list[str] = []
+    partial = torch_path.paged_decode_partial
+
+    def noted(*args: Any) -> Any:
+        events.append("partial")
+        return partial(*args)
+
+    monkeypatch.setattr(torch_path, "paged_decode_partial", noted)
+    await prefill.fill(31, prompt)
+    first = (await prefill.generate(31, _first())).token_ids
+    lease = await prefill.lease_kv(31, len(prompt))
+    await decode.fill(300, first, remote=RemotePrefix(_Recorded(prefill.kv_source, events), lease))
+    rest = (await decode.generate(300, _first(3))).token_ids
+    assert first + rest == reference
+    # Per layer of each step: the queries out, the decode side's own partial, then the holder's answer
+    # (whose partial, in this process, runs when it is taken).
+    layers = [events[i : i + 4] for i in range(0, len(events), 4)]
+    assert layers and all(x == ["sent", "partial", "answered", "partial"] for x in layers), events
+    await decode.free_context(300)
+    await prefill.release_kv(lease)
+    for cid in (30, 31):
+        await prefill.free_context(cid)
 
 
 async def test_splitwise_style_transfer_equals_one_engine(pair: tuple[LLMEngine, LLMEngine]) -> None:
