@@ -375,6 +375,7 @@ EXPERIMENTS: tuple[Experiment, ...] = (
             Metric("speedup_vs_splitwise", "sustained rate, Mutel / Splitwise-like, best splits (goal 1.42)"),
             Metric("speedup_vs_colocated", "sustained rate, Mutel / colocated with KV reuse (goal >= 1.5)"),
             Metric("speedup_vs_splitwise_2p2d", "the paper's comparison: both at 2 prefill + 2 decode"),
+            Metric("mutel_rejected_share", "Mutel's turns refused early at its sustained rate", unit=""),
             Metric("mutel_moved_over_new_kv", "real engines: KV moved per turn / new tokens' KV (goal <= 1)"),
         ),
         backend="simulator",

@@ -62,11 +62,13 @@ def simulate(
 @dataclass(frozen=True)
 class RateSearch:
     """The highest conversation start rate found to meet the SLOs, as conversations and turns per second
-    (offered: rejected turns included), and every rate tried with its outcome."""
+    (offered: rejected turns included), every rate tried with its outcome, and the share of measured turns
+    refused early at that rate (they count as misses, within the 10% the P90s allow)."""
 
     conversations_per_s: float
     requests_per_s: float
     tried: tuple[tuple[float, bool], ...]
+    rejected_share: float = 0.0
 
 
 def max_sustained_rate(
@@ -85,11 +87,16 @@ def max_sustained_rate(
     passing and a failing rate bracket the limit, then bisect geometrically until they are within
     ``tolerance``. 0 when even ``start / 2**10`` fails. ``options`` go to `simulate`."""
     tried: list[tuple[float, bool]] = []
+    rejected: dict[float, float] = {}  # by passing rate
 
     def ok(rate: float) -> bool:
-        passed = simulate(policy, slo, at_rate(workload, rate, duration_s), cost, **options).meets
-        tried.append((rate, passed))
-        return passed
+        result = simulate(policy, slo, at_rate(workload, rate, duration_s), cost, **options)
+        tried.append((rate, result.meets))
+        if result.meets:
+            rejected[rate] = sum(r.rejected is not None for r in result.measured) / max(
+                1, len(result.measured)
+            )
+        return result.meets
 
     lo: float | None = None
     hi: float | None = None
@@ -105,4 +112,4 @@ def max_sustained_rate(
         mid = math.sqrt(lo * hi)
         lo, hi = (mid, hi) if ok(mid) else (lo, mid)
     turns = sum(len(c.turns) for c in at_rate(workload, lo, duration_s))
-    return RateSearch(lo, turns / duration_s, tuple(tried))
+    return RateSearch(lo, turns / duration_s, tuple(tried), rejected[lo])

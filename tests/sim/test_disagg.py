@@ -145,7 +145,7 @@ def test_bisection_brackets_then_narrows_to_the_tolerance(monkeypatch: pytest.Mo
 
     def passes_below(limit: float) -> object:
         return lambda policy, slo, conversations, cost, **_: SimpleNamespace(
-            meets=conversations.rate <= limit
+            meets=conversations.rate <= limit, measured=[]
         )
 
     monkeypatch.setattr(disagg, "at_rate", at)
@@ -171,6 +171,16 @@ def test_the_sustained_rate_passes_and_a_little_more_fails() -> None:
     assert found.conversations_per_s > 0
     assert max(r for r, ok in found.tried if ok) == found.conversations_per_s
     assert min(r for r, ok in found.tried if not ok) <= found.conversations_per_s * 1.1 + 1e-9
+    assert found.rejected_share == 0  # no early rejection without admission control
+
+
+def test_the_share_mutel_refuses_at_its_sustained_rate_is_reported() -> None:
+    found = max_sustained_rate(
+        Policy.of("mutel", 2), SLO, WorkloadSpec(), COST, duration_s=60.0, tolerance=0.2
+    )
+    at = simulate(Policy.of("mutel", 2), SLO, at_rate(WorkloadSpec(), found.conversations_per_s, 60.0), COST)
+    refused = [r.rejected is not None for r in at.measured]
+    assert found.rejected_share == sum(refused) / len(refused) <= 0.1
 
 
 def test_policies_reject_impossible_splits() -> None:
