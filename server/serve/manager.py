@@ -1353,7 +1353,8 @@ class Manager:
             if not self._in_service(i):
                 continue
             capacity, latency_cap = self._caps(engine)
-            states.append(EngineState(i, capacity, latency_cap, model=engine.model_name))
+            routed = isinstance(engine, OpenAIBackendEngine)  # its prefix cache is its only KV sharing
+            states.append(EngineState(i, capacity, latency_cap, model=engine.model_name, cache_routed=routed))
         return states
 
     def _caps(self, engine: Engine) -> tuple[int, int]:

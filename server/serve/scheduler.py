@@ -23,9 +23,12 @@ branch that applies places it:
 A prefix batch (3.) that no context serves yet prefers an engine running a request of its prefix (its fill
 is under way there: our prefix store, or an OpenAI backend's own prefix cache, will hold it), so a batch
 that queued while its first member was being placed still meets it. Lone requests keep load-based
-placement: following the running prefix for them too kept each of four GPTs apps on one engine, whose
-prompts of 1k-7k tokens then loaded the engines unevenly (`gpts_cluster`: 0.71x the rate of load-only
-placement at 4 apps, though 1.41x better at 16 apps).
+placement on our engines: following the running prefix for them too (even as a tie-break within 256
+tokens of load) left each of four GPTs apps with one engine holding its prompt, which the context branch
+then keeps it on (`gpts_cluster`: 0.71x the rate of load-only placement at 4 apps). On a cache-routed
+engine (an OpenAI backend, whose prefix cache is its only sharing) a lone request follows its running
+prefix unless that engine is far busier (``prefix_slack_tokens`` and 1.5x), as cache-aware routers do:
+the stragglers of a burst whose first request was placed alone then meet it.
 
 Caps: an engine runs at most ``capacity`` tokens (prompt + new tokens of what it runs); while it runs
 latency-bound work, at most ``latency_cap``. A request never goes where its cap would be exceeded: a
@@ -97,6 +100,9 @@ class EngineState:
     # Shared-prefix keys of requests placed here and not finished: the engine has that prefix (or will
     # have it first), in our engine's prefix store or an OpenAI backend's own prefix cache.
     prefixes: frozenset[str] = frozenset()
+    # Its only KV sharing is its own prefix cache (an OpenAI backend): a request alone follows a prefix
+    # running here too, as a cache-aware router's would, unless this engine is far busier (`_balanced`).
+    cache_routed: bool = False
 
     def cap_for(self, criteria: Criteria | None) -> int:
         """The running-token cap a request with ``criteria`` must respect here."""
@@ -112,6 +118,10 @@ class EngineState:
 @dataclass(frozen=True)
 class SchedulerConfig:
     aging_rounds: int = 8  # a request that waited this many rounds is placed before any other
+    # A cache-routed engine stops drawing lone requests of its running prefix when it runs this many
+    # tokens more than the least loaded engine that fits them, and 1.5 times as many (SGLang's router
+    # balances on both conditions likewise).
+    prefix_slack_tokens: int = 4096
 
 
 @dataclass
@@ -140,10 +150,11 @@ def schedule(
             placed.add(request.key)
             continue
         batch, reason = _batch_of(request, ordered, placed)
-        engine, reason = _place(batch, reason, state)
+        engine, reason = _place(batch, reason, state, config.prefix_slack_tokens)
         if engine is None and len(batch) > 1:  # too big together: each on its own
             batch = [request]
-            engine, reason = _place(batch, "context" if request.cached else "find_engine", state)
+            reason = "context" if request.cached else "find_engine"
+            engine, reason = _place(batch, reason, state, config.prefix_slack_tokens)
         if engine is None:
             if request.waited >= config.aging_rounds:
                 break  # reserve: let the engines drain for it
@@ -184,7 +195,7 @@ def _batch_of(
 
 
 def _place(
-    batch: list[QueuedRequest], reason: Reason, state: Mapping[int, EngineState]
+    batch: list[QueuedRequest], reason: Reason, state: Mapping[int, EngineState], slack: int
 ) -> tuple[int | None, Reason]:
     """The engine for ``batch`` (None when none fits) and the branch that chose it: a request whose
     context holder is full falls through to find_engine."""
@@ -200,17 +211,28 @@ def _place(
     # Groups and prefix batches prefer an engine holding their prefix too; then find_engine's rule.
     cached = {e.engine_id: max((r.cached.get(e.engine_id, 0) for r in batch), default=0) for e in fitting}
     best = max(cached.values())
-    # A prefix batch (not a lone request: placing those by load keeps engines balanced when a few apps'
-    # prompts differ in cost) follows an engine already running its prefix.
-    key = batch[0].shared_prefix if reason == "queue_prefix" else None
+    # A prefix batch follows an engine already running its prefix; a lone request only a cache-routed one
+    # (on our engines, placing lone requests by load keeps engines balanced when a few apps' prompts
+    # differ in cost, and each engine then holds its own copy of a hot prefix).
+    key = batch[0].shared_prefix if reason != "task_group" else None
     running_it = [e for e in fitting if key is not None and key in e.prefixes]
+    if running_it and reason != "queue_prefix":
+        least = min(e.running for e in fitting)
+        running_it = [e for e in running_it if e.cache_routed and _balanced(e, least, slack)]
     if best > 0 and reason != "find_engine":
         fitting = [e for e in fitting if cached[e.engine_id] == best]
     elif running_it:  # no context holds it yet, but an engine runs a request of that prefix
         fitting = running_it
+        reason = "context" if reason == "find_engine" else reason
     elif reason == "context":
         reason = "find_engine"
     return _find_engine(fitting, criteria), reason
+
+
+def _balanced(e: EngineState, least: int, slack: int) -> bool:
+    """Whether ``e`` is not far busier than the least loaded engine (``least`` running tokens): imbalanced
+    only past both ``slack`` more tokens and 1.5 times as many."""
+    return e.running - least <= slack or e.running <= 1.5 * least
 
 
 def _find_engine(fitting: list[EngineState], criteria: Criteria | None) -> int:

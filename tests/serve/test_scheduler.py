@@ -75,6 +75,25 @@ def test_prefix_batches_follow_the_engine_running_their_prefix() -> None:
     assert {d.assignments[k] for k in ("x1", "x2", "y1", "y2")} == {1}
 
 
+def test_a_lone_request_follows_a_cache_routed_engine_running_its_prefix_unless_far_busier() -> None:
+    """An OpenAI backend's prefix cache is its only sharing: a request alone meets the backend that runs
+    its prefix (a burst's straggler), unless that backend is past both the slack and 1.5x the least
+    loaded; our own engines still place it by load."""
+    backend = EngineState(0, 10_000, 4000, running=400, prefixes=frozenset({"sys"}), cache_routed=True)
+    idle = EngineState(1, 10_000, 4000, cache_routed=True)
+    lone = [req("a", 0, shared_prefix="sys")]
+    d = schedule(lone, [backend, idle])
+    assert d.assignments == {"a": 0} and d.reasons["a"] == "context"
+    assert schedule(lone, [replace(backend, cache_routed=False), idle]).assignments == {"a": 1}
+    assert schedule([req("b", 0, shared_prefix="other")], [backend, idle]).assignments == {"b": 1}
+    tight = SchedulerConfig(prefix_slack_tokens=399)
+    assert schedule(lone, [backend, idle], tight).assignments == {"a": 1}  # 400 more, and > 1.5x of 0
+    busy = replace(idle, running=300)  # 100 more than it: within 1.5x, so still balanced
+    assert schedule(lone, [backend, busy], tight).assignments == {"a": 0}
+    group = [req(f"g{i}", i, task_group="map", shared_prefix="sys") for i in range(2)]
+    assert set(schedule(group, [backend, idle]).assignments.values()) == {1}  # groups go by load
+
+
 def test_find_engine_spreads_latency_work_and_keeps_throughput_off_latency_engines() -> None:
     d = schedule([req("l", 0, criteria="latency")], engines(e0=200, e1=100, e2=150))
     assert d.assignments == {"l": 1}  # least loaded
