@@ -182,6 +182,9 @@ class ManagerConfig:
     # Whether the scheduler sees shared prefixes and cached contexts (off: an ablation, where steps go by
     # objective and load alone; engines still reuse what they happen to hold).
     prefix_affinity: bool = True
+    # How much busier (tokens, and 1.5x) an OpenAI backend running a request's prefix may be and still
+    # draw that request when it comes alone (`SchedulerConfig.prefix_slack_tokens`).
+    prefix_slack_tokens: int = 4096
     # Whether steps share KV at all (off: an ablation, "Parrot without sharing"): no shared constant-prefix
     # contexts, no forking from cached contexts, and a finished step's context is freed at once (nothing
     # could fork it), so every step fills its whole prompt, as a request-centric service does.
@@ -279,7 +282,9 @@ class Manager:
         # Every context the manager keeps (shared constant prefixes, finished steps) is an entry here, so a
         # request forks from the longest one its tokens extend; least recently used ones are freed.
         self._prefixes = PrefixStore(engines[0].block_size if engines else 16)
-        self.placement = Placement(self._engine_states, SchedulerConfig(self.config.aging_rounds))
+        self.placement = Placement(
+            self._engine_states, SchedulerConfig(self.config.aging_rounds, self.config.prefix_slack_tokens)
+        )
         self._prefix_fills: dict[tuple[str, tuple[int, ...]], asyncio.Future[None]] = {}
         # Prefix hash -> dispatched steps (not finished) whose prompt has a segment boundary there.
         self._inflight: Counter[str] = Counter()
