@@ -219,6 +219,11 @@ class ManagerConfig:
                 f"admit_by_predicted_length is the margin over the predicted output length (a number >= 1, "
                 f"e.g. 1.5), or None to count max_tokens; got {margin!r}"
             )
+        if self.prefix_slack_tokens < 0:
+            raise ValueError(
+                f"prefix_slack_tokens is how many tokens busier a backend may be and still draw a request of "
+                f"a prefix it runs (a number >= 0, e.g. 4096); got {self.prefix_slack_tokens!r}"
+            )
 
 
 Engine = LLMEngine | RemoteEngine | DisaggregatedEngine | OpenAIBackendEngine

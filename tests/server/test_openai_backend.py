@@ -416,3 +416,9 @@ def test_structured_output_is_relayed_to_the_backend_and_logprobs_refused(
         assert PICK().get()["colour"] in ("red", "blue")
     refused = httpx.post(f"{front.url}/v1/chat/completions", json={**body, "logprobs": True}, timeout=60)
     assert refused.status_code == 400 and "not relayed" in refused.json()["error"]["message"]
+
+
+def test_a_negative_prefix_slack_is_refused_with_what_to_give() -> None:
+    with pytest.raises(ValueError, match=r"prefix_slack_tokens .* >= 0.*got -1"):
+        ManagerConfig(prefix_slack_tokens=-1)
+    assert ManagerConfig(prefix_slack_tokens=0).prefix_slack_tokens == 0
