@@ -39,6 +39,7 @@ from typing import Any
 import httpx
 
 from benchmarks.harness import app_jobs, backend_fronts, measure, record, systems
+from benchmarks.harness.first_jobs import Compared
 from benchmarks.harness.openai_servers import Backend
 from benchmarks.harness.output import log
 from benchmarks.harness.stats import safe_ratio
@@ -78,10 +79,11 @@ async def compare(
     delay: backend_fronts.Delay,
     job: Callable[[Served, bool], measure.Job],
     cfg: BenchConfig,
-) -> dict[bool, dict[str, measure.Samples]]:
+) -> Compared:
     """Answers checked equal, then interleaved repeats without and with the delay, each from an empty
-    prefix cache (vLLM's and the Parrot manager's). ``job(served, parrot)``: the app's job on ``served``
-    through the `parrot` frontend (the Parrot front) or the baseline's client (straight to vLLM)."""
+    prefix cache (vLLM's and the Parrot manager's); ratios to Parrot's time. ``job(served, parrot)``: the
+    app's job on ``served`` through the `parrot` frontend (the Parrot front) or the baseline's client
+    (straight to vLLM)."""
     front = served[PARROT].server
     assert front is not None
 
@@ -101,12 +103,10 @@ async def compare(
         delay.on = on
         out[on] = await measure.interleave(jobs, cfg.repeats, expected, "delay " if on else "")
     delay.on = False
-    return out
+    return Compared(PARROT, cold={}, settings=out)
 
 
-async def timed_apps(
-    args: Any, cfg: BenchConfig, backend: Backend
-) -> dict[str, dict[bool, dict[str, measure.Samples]]]:
+async def timed_apps(args: Any, cfg: BenchConfig, backend: Backend) -> dict[str, Compared]:
     delay = backend_fronts.Delay(cfg.seed)
     with backend_fronts.front(args.model, [backend.url], MAX_MODEL_LEN) as front:
         tokenizer = front.engines[0].tokenizer
@@ -186,9 +186,9 @@ def main(argv: list[str] | None = None) -> None:
         rates = asyncio.run(hit_rates(args, cfg, pair))
     print(rec.header(f"{args.model} behind {kind}"))
     speedups: dict[str, float] = {}
-    for app, per_delay in timed.items():
-        for on, samples in per_delay.items():
-            r = measure.ratio(samples[BASELINE], samples[PARROT])
+    for app, runs in timed.items():
+        for on, samples in runs.settings.items():
+            r = runs.speedups(on)[BASELINE]
             key = f"{'shared' if app == 'shared_prompt' else 'mapreduce'}_speedup{'' if on else '_nodelay'}"
             speedups[key] = r.median
             times = ", ".join(
@@ -199,7 +199,8 @@ def main(argv: list[str] | None = None) -> None:
     for name, row in rates.items():
         print(f"two backends, {name}: hit rate {row['hit_rate']:.2f}, requests {row['requests_per_backend']}")
     computed = {
-        n: timed["shared_prompt"][False][n].engine_median(BACKEND_COMPUTED) for n in (PARROT, BASELINE)
+        n: timed["shared_prompt"].settings[False][n].engine_median(BACKEND_COMPUTED)
+        for n in (PARROT, BASELINE)
     }
     metrics = {
         **speedups,
@@ -212,10 +213,7 @@ def main(argv: list[str] | None = None) -> None:
         config=cfg,
         model=args.model,
         backend=kind.strip(),
-        timed={
-            app: {str(on): measure.as_dicts(samples) for on, samples in per.items()}
-            for app, per in timed.items()
-        },
+        timed={app: runs.payload()["settings"] for app, runs in timed.items()},
         hit_rates=rates,
     )
 
