@@ -48,8 +48,9 @@ class Cold:
 
 @dataclass
 class Compared:
-    """Systems compared on one job: each one's first job, then (on real engines) its timed runs per
-    network-delay setting. Ratios are to the ``reference`` system (a system's figure over its)."""
+    """Systems compared on one job: each one's first job (none where the comparison has no fresh server per
+    system: ``cold`` empty), then (on real engines) its timed runs per network-delay setting. Ratios are to
+    the ``reference`` system (a system's figure over its)."""
 
     reference: str
     cold: dict[str, Cold]
