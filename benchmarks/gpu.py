@@ -114,6 +114,7 @@ def steps(out: Path, tiny: bool, tests_k: str | None = None, shapes: list[str] |
                 *size,
                 "--compare-layer-ops",
                 "--compare-paged-prefill",
+                "--compare-fresh-fill",
                 "--json",
                 str(out / "steps.json"),
             ],

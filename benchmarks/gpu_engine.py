@@ -3,8 +3,9 @@
 Models are built from the configs of real ones (`benchmarks.harness.random_models`: SmolLM2-135M,
 Llama-3.2-1B, Llama-2-7B shapes), once per shape, and our engine runs over HF's very tensors. Per batch size
 the same measurement as `benchmarks.engine_throughput` (``T(1)`` and ``T(N)`` of each system, interleaved;
-prefill, decode and end-to-end tok/s; the share of requests whose greedy tokens equal ours). A batch size
-whose KV (ours and HF's) and weights would not fit the GPU is skipped and said so.
+prefill, decode and end-to-end tok/s; the share of requests whose greedy tokens equal ours), and whether
+ours are HF's own choices near-ties aside (`forced_agreement`: HF teacher-forced over our tokens). A batch
+size whose KV (ours and HF's) and weights would not fit the GPU is skipped and said so.
 
 Batch-1 floor: the bytes one decode step must read (weights + the KV of the context) over the GPU's copy
 bandwidth measured in the same run; ours at batch 1 is reported as ``floor_ratio`` (time per token over
@@ -32,6 +33,7 @@ from benchmarks.harness import random_models
 from benchmarks.harness.engine_batches import Sizes, make_prompts, measure_batch, workload
 from benchmarks.harness.engine_models import engine_model
 from benchmarks.harness.flags import bench_dtype
+from benchmarks.harness.forced_agreement import agreement
 from benchmarks.harness.generators import Generator, OurEngine
 from benchmarks.harness.gpu_results import (
     EAGER,
@@ -150,7 +152,8 @@ def run_shape(cfg: GpuConfig, shape: str, device: torch.device, dtype: str, band
             prompts = make_prompts(tokens, b, bench)
             log(f"{shape} batch {b}: {sum(map(len, prompts))} prompt tokens, {cfg.new_tokens} new each")
             result = measure_batch(ours, systems, prompts, bench)
-            out.rows.append(row_of(result))
+            forced = agreement(pair.hf, prompts, result.outputs["ours"], result.outputs["hf"])
+            out.rows.append(row_of(result) | forced)
         b1 = next((r for r in out.rows if r["batch"] == 1), None)
         if b1 is not None:
             context = b1["prompt_tokens"] + cfg.new_tokens / 2  # the mean context of the decode steps

@@ -31,6 +31,7 @@ import torch
 
 from benchmarks.harness import random_models
 from benchmarks.harness.engine_models import engine_model
+from benchmarks.harness.fill_ab import fresh_fill_ab
 from benchmarks.harness.flags import bench_dtype
 from benchmarks.harness.generators import OurEngine
 from benchmarks.harness.kv_fork import blocks
@@ -40,6 +41,7 @@ from benchmarks.harness.step_anatomy import anatomy, grouping
 from benchmarks.harness.step_tables import anatomy_table, grouping_table
 from kernels import cpu_kernels, layer_ops
 from server.engine import EngineConfig, LLMEngine
+from server.engine.config import ModelConfig
 
 NAME = "gpu_steps"
 
@@ -92,6 +94,20 @@ def engine_config(cfg: StepsConfig, device: str, dtype: str) -> EngineConfig:
     )
 
 
+def fresh_fills(
+    cfg: StepsConfig, dtype: torch.dtype, device: torch.device, tiny: bool
+) -> list[dict[str, Any]]:
+    """`fill_ab.fresh_fill_ab` on SmolLM2's shape (where the fifth run's fill was host-bound) and this run's:
+    steps of 64 and 256 prompts of 128-256 tokens, as `benchmarks.gpu_engine` fills them."""
+    shapes = dict.fromkeys(("smollm2-135m", cfg.shape))
+    batches, lengths = ((4,), (8, 16)) if tiny else ((64, 256), (128, 256))
+    rows = []
+    for shape in shapes:
+        model = ModelConfig.from_hf_dict(random_models.hf_config(shape))
+        rows += [{"shape": shape} | r for r in fresh_fill_ab(model, dtype, device, batches, lengths)]
+    return rows
+
+
 def _report(steps: list[dict[str, Any]], groups: list[dict[str, Any]]) -> None:
     for s in steps:
         print(f"\n## batch {s['batch']} ({s['ops']}): engine thread, Python by own time\n{s['python']}")
@@ -133,6 +149,12 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="also one layer's attention of a fill chunk after cached tokens: gathered + SDPA vs in place",
     )
+    p.add_argument(
+        "--compare-fresh-fill",
+        action="store_true",
+        help="also one layer's attention of a step of fresh fills (SmolLM2's shape and this one): length "
+        "groups vs one varlen FlashAttention call",
+    )
     args = p.parse_args(argv)
     cfg = TINY if args.tiny else QUICK
     overrides = {"group_batches": args.group_batches, "group_prefixes": args.group_prefixes}
@@ -171,15 +193,25 @@ def main(argv: list[str] | None = None) -> None:
         prefill = paged_prefill_ab(pair.engine.model_config, getattr(torch, dtype), device, *sizes)
         for row in prefill:
             print("paged prefill: " + ", ".join(f"{k} {v:.3g}" for k, v in row.items()))
+    fills: list[dict[str, Any]] = []
+    if args.compare_fresh_fill:
+        fills = fresh_fills(cfg, getattr(torch, dtype), device, args.tiny)
+        for row in fills:
+            print("fresh fill: " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
+                                             for k, v in row.items()))  # fmt: skip
     _report(steps, groups)
     found = _metrics(steps, groups)
     found |= {f"prefill_gathered_over_in_place_c{r['cached']}_n{r['chunk']}": r["gathered_over_in_place"]
               for r in prefill}  # fmt: skip
+    found |= {f"fill_groups_over_varlen_{r['shape']}_b{r['batch']}": r["groups_over_varlen"]
+              for r in fills if "groups_over_varlen" in r}  # fmt: skip
     if args.json:
         payload = {"benchmark": NAME, "shape": cfg.shape, "device": str(device), "dtype": dtype}
         write_json(
             args.json,
-            payload | {"anatomy": steps, "grouping": groups, "paged_prefill": prefill, "metrics": found},
+            payload
+            | {"anatomy": steps, "grouping": groups, "paged_prefill": prefill, "fresh_fill": fills}
+            | {"metrics": found},
         )
     print(result_line(NAME, found))
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from benchmarks.harness.batch_timing import Rates, time_batch
-from benchmarks.harness.generators import Generator, OurEngine
+from benchmarks.harness.generators import Generator, OurEngine, Outputs
 from benchmarks.harness.measure import Ratio
 from benchmarks.harness.output import fmt_num, markdown_table
 from workload_text import stdlib_text
@@ -93,6 +93,7 @@ class BatchResult:
     repeats: int
     systems: dict[str, Rates]  # "ours", "hf" and, with --vllm-python, "vllm"
     same_tokens: dict[str, float]  # per other system: share of requests whose tokens equal ours
+    outputs: dict[str, Outputs]  # every system's tokens of its last timed run ("ours" included)
     engine_prefill_tokens_per_run: float  # ours computes each prompt token once (no recompute)
     engine_preemptions: int
 
@@ -108,14 +109,16 @@ def measure_batch(
     before = ours.engine.stats()
     timed = time_batch([ours, *others], prompts, cfg.new_tokens, cfg.repeats, cfg.min_time_s)
     after = ours.engine.stats()
-    mine, batch = timed.outputs.pop("ours"), len(prompts)
+    mine, batch = timed.outputs["ours"], len(prompts)
+    others = {n: out for n, out in timed.outputs.items() if n != "ours"}
     return BatchResult(
         batch=batch,
         prompt_tokens=sum(len(p) for p in prompts),
         padded_tokens=batch * max(len(p) for p in prompts),
         repeats=timed.repeats,
         systems=timed.rates,
-        same_tokens={n: sum(map(operator.eq, mine, out)) / batch for n, out in timed.outputs.items()},
+        same_tokens={n: sum(map(operator.eq, mine, out)) / batch for n, out in others.items()},
+        outputs=timed.outputs,
         # Three runs per repeat: two of T(1), one of T(N).
         engine_prefill_tokens_per_run=(after.prefill_tokens_computed - before.prefill_tokens_computed)
         / (3 * timed.repeats),

@@ -14,6 +14,7 @@ import torch
 
 from benchmarks.harness import engine_batches as et
 from benchmarks.harness.output import log
+from benchmarks.harness.step_tables import forced_cell
 
 EAGER = "ours_eager"  # our engine with CUDA graphs off, as a system of the comparison
 # The calibration sweep of --profile-shape (`server.sim.calibrate`).
@@ -123,6 +124,8 @@ def metrics(results: list[ShapeResult]) -> dict[str, float]:
             out[f"decode_ratio_vs_hf_b{r['batch']}_{s.shape}"] = r["decode_ratio_vs_hf"]
             if "decode_graphs_vs_eager" in r:
                 out[f"graphs_vs_eager_b{r['batch']}_{s.shape}"] = r["decode_graphs_vs_eager"]
+            if "forced_token_agree" in r:
+                out[f"forced_token_agree_b{r['batch']}_{s.shape}"] = r["forced_token_agree"]
         if "floor_ratio" in s.floor:
             out[f"floor_ratio_b1_{s.shape}"] = s.floor["floor_ratio"]
     # The headline: the largest model that ran batch 64.
@@ -137,7 +140,7 @@ def metrics(results: list[ShapeResult]) -> dict[str, float]:
 def table(results: list[ShapeResult]) -> str:
     lines = [
         f"{'shape':<14} {'batch':>5} {'ours dec tok/s':>14} {'HF dec tok/s':>12} {'ours/HF':>8} "
-        f"{'prefill ours/HF':>15} {'same tok':>8}"
+        f"{'prefill ours/HF':>15} {'same tok':>8} {'forced tok (HF self)':>20}"
     ]
     for s in results:
         if s.error:
@@ -146,7 +149,7 @@ def table(results: list[ShapeResult]) -> str:
             ours, hf = r["ours"]["decode_tps"], r["hf"]["decode_tps"]
             lines.append(
                 f"{s.shape:<14} {r['batch']:>5} {ours:>14.0f} {hf:>12.0f} {r['decode_ratio_vs_hf']:>7.2f}x "
-                f"{r['prefill_ratio_vs_hf']:>14.2f}x {r['same_tokens_hf']:>8.0%}"
+                f"{r['prefill_ratio_vs_hf']:>14.2f}x {r['same_tokens_hf']:>8.0%} {forced_cell(r):>20}"
             )
         for b, why in s.skipped.items():
             lines.append(f"{s.shape:<14} {b:>5} skipped: {why}")

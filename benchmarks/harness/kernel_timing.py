@@ -26,7 +26,7 @@ class Timings:
     wall_ms: list[list[float]]  # wall time of a call as an eager caller sees it, launch overhead included
 
 
-def wall_ms(fn: Callable[[], torch.Tensor], device: torch.device) -> float:
+def wall_ms(fn: Callable[[], object], device: torch.device) -> float:
     """Wall time of one call of ``fn`` in milliseconds (device work included)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -1,5 +1,6 @@
-"""The tables of `benchmarks.gpu_steps`' measurements (a batch's step anatomy, the grouping sweep), printed
-by the benchmark and rendered on the results page from its record."""
+"""The tables of `benchmarks.gpu_steps`' measurements (a batch's step anatomy, the grouping sweep, the fresh
+fill both ways) and the forced-agreement cell of `benchmarks.gpu_engine`'s rows, printed by the benchmarks
+and rendered on the results page from their record."""
 
 from __future__ import annotations
 
@@ -42,3 +43,28 @@ def grouping_table(groups: Sequence[Mapping[str, Any]]) -> str:
     ]
     headers = ["batch", "prefix", *(f"{m} ms" for m in MODES), "never/always", "auto grouped steps"]
     return markdown_table(headers, rows, [True] * 7)
+
+
+def forced_cell(row: Mapping[str, Any]) -> str:
+    """Our tokens that are HF's forced argmax, HF's own in brackets (`harness.forced_agreement`)."""
+    if "forced_token_agree" not in row:
+        return "—"
+    return f"{row['forced_token_agree']:.1%} ({row['forced_token_agree_hf_self']:.1%})"
+
+
+def fresh_fill_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """`harness.fill_ab`'s rows: one fill step's attention (plan + every layer), length groups vs varlen."""
+    headers = ["shape", "prompts", "tokens", "groups ms", "varlen ms", "groups / varlen", "layer device ms"]
+    body = [
+        [
+            r["shape"],
+            str(r["batch"]),
+            str(r["tokens"]),
+            f"{r['groups_step_ms']:.2f}",
+            f"{r['varlen_step_ms']:.2f}" if "varlen_step_ms" in r else "—",
+            f"{r['groups_over_varlen']:.2f}x" if "groups_over_varlen" in r else r.get("varlen", "—"),
+            f"{r['groups_ms']:.3f} / {r['varlen_ms']:.3f}" if "varlen_ms" in r else f"{r['groups_ms']:.3f}",
+        ]
+        for r in rows
+    ]
+    return markdown_table(headers, body, [False] + [True] * (len(headers) - 1))

@@ -65,9 +65,32 @@ def test_the_steps_step_runs_end_to_end_on_cpu(tmp_path: Path) -> None:
     assert (prefill["cached"], prefill["chunk"]) == (64, 32) and prefill["max_abs_error"] < 1e-4
     assert prefill["gathered_ms"] > 0 and prefill["in_place_ms"] > 0
     assert "steps_prefill_gathered_over_in_place_c64_n32" in record["metrics"]
+    # A step of fresh fills: on CPU the length groups alone, the row says why.
+    (fill,) = steps["fresh_fill"]
+    assert fill["shape"] == "smollm2-135m" and fill["batch"] == 4 and fill["groups_step_ms"] > 0
+    assert fill["varlen"].startswith("not taken on cpu")
     section = "\n".join(gpu_report.section({"after_layer_kernels": {"payloads": {"steps": steps}}}))
     assert "| batch | layer ops | fill ms | step ms | device ms |" in section
     assert "auto grouped steps" in section
+    assert "varlen FlashAttention call" in section and "| smollm2-135m |       4 |     48 |" in section
+
+
+def test_the_engine_step_runs_end_to_end_on_cpu(tmp_path: Path) -> None:
+    """`benchmarks.gpu_engine` at tiny sizes (float32 on CPU): every row holds the rates, and our tokens, HF
+    teacher-forced over them, are its own argmax at every position (in float32 no near-tie parts them)."""
+    out = tmp_path / "gpu"
+    done = _run_gpu(out, "--only", "engine")
+    assert done.returncode == 0, done.stderr[-2000:]
+    record = json.loads((out / "gpu.json").read_text())
+    (shape,) = record["payloads"]["engine"]["shapes"]
+    assert [r["batch"] for r in shape["rows"]] == [1, 4]
+    for r in shape["rows"]:
+        assert r["ours"]["decode_tps"] > 0 and r["hf"]["decode_tps"] > 0
+        assert r["forced_token_agree"] == r["forced_token_agree_hf_self"] == 1.0
+        assert r["forced_margin_max_ulps"] == 0 and r["forced_requests_off"] == 0
+    assert record["metrics"]["forced_token_agree_b4_smollm2-135m"] == 1.0
+    section = "\n".join(gpu_report.section(record))
+    assert "| forced tok (HF self) |" in section and "100.0% (100.0%)" in section
 
 
 def test_a_step_over_its_time_is_stopped_and_recorded(tmp_path: Path) -> None:

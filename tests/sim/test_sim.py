@@ -113,7 +113,8 @@ def test_shared_prefix_reads_count_once_only_with_the_kernel() -> None:
 # ------------------------------------------------------------------------------------------ the engines
 def test_the_real_engine_traces_its_steps() -> None:
     with LLMEngine.from_pretrained("tiny", EngineConfig(trace_steps=1000, device="cpu")) as engine:
-        records = asyncio.run(calibrate(engine, batch_sizes=(1, 3), prompt_lens=(20, 40), new_tokens=4))
+        sweep = {"batch_sizes": (1, 3), "prompt_lens": (20, 40), "new_tokens": 4}
+        records = asyncio.run(calibrate(engine, **sweep, warmup=False))
         stats = engine.stats()
     assert len(records) == stats.steps
     assert sum(r.features.prefill_tokens for r in records) == stats.prefill_tokens_computed
@@ -121,6 +122,21 @@ def test_the_real_engine_traces_its_steps() -> None:
     # of its prompt's fill) is decoded once.
     assert sum(r.features.decode_seqs for r in records) == stats.decode_tokens_computed
     assert all(r.seconds > 0 for r in records)
+
+
+def test_calibration_traces_the_sweep_after_an_untraced_warmup() -> None:
+    """The warm-up runs every shape first (one-time costs stay out of the fit); the trace then holds the very
+    steps a cold sweep makes, and only those."""
+    sweep = {"batch_sizes": (1, 3), "prompt_lens": (20, 40), "new_tokens": 4}
+    with LLMEngine.from_pretrained("tiny", EngineConfig(trace_steps=1000, device="cpu")) as engine:
+        cold = asyncio.run(calibrate(engine, **sweep, warmup=False))
+    with LLMEngine.from_pretrained("tiny", EngineConfig(trace_steps=1000, device="cpu")) as engine:
+        warm = asyncio.run(calibrate(engine, **sweep))
+        stats = engine.stats()
+    assert [r.features for r in warm] == [r.features for r in cold]
+    warmup_steps = stats.steps - len(warm)
+    assert warmup_steps >= 4  # each of the four shapes filled and decoded once before
+    assert stats.prefill_tokens_computed == 2 * sum(r.features.prefill_tokens for r in warm)
 
 
 def test_the_simulated_engine_does_exactly_the_real_engines_work() -> None:
