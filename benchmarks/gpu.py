@@ -62,6 +62,7 @@ TESTS = (
     "tests/engine/test_partial_fork.py",
     "tests/engine/test_fresh_prefill.py",
     "tests/engine/test_fresh_plan.py",
+    "tests/engine/test_paged_prefill.py",
 )
 
 

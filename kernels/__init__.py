@@ -1,4 +1,6 @@
-"""Decode attention over a paged KV cache: plain paged decode, shared-prefix decode and the LSE merge.
+"""Attention over a paged KV cache: plain paged decode, shared-prefix decode, the LSE merge, and a fill
+chunk's causal attention read in place (`paged_prefill_attention`, Triton or the reference: off CUDA the
+engine gathers the context instead).
 
 KV cache layout, per layer: ``k_cache``, ``v_cache`` of shape ``[num_blocks, block_size, num_kv_heads,
 head_dim]``. Token ``t`` of a sequence is in block ``block_table[t // block_size]``, slot
@@ -31,6 +33,7 @@ __all__ = [
     "Backend",
     "merge_attention_states",
     "paged_decode_attention",
+    "paged_prefill_attention",
     "shared_prefix_decode_attention",
     "should_share_prefix",
     "triton_available",
@@ -128,6 +131,47 @@ def shared_prefix_decode_attention(
         suffix_block_tables,
         suffix_lens,
         scale,
+    )
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    num_cached: int,
+    scale: float,
+    *,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """Causal attention of a fill chunk over its context in the paged cache, read in place (no gather).
+
+    Row ``i`` of ``q`` attends to tokens ``[0, num_cached + i]`` of ``block_table``: the cached context and
+    the chunk's own tokens up to itself, whose K/V must already be written.
+
+    Args:
+        q: ``[n, H, D]`` the chunk's queries.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, D]``.
+        block_table: ``[blocks]`` the context's block ids (int32 or int64), covering ``num_cached + n``.
+        num_cached: tokens before the chunk.
+        scale: softmax scale.
+
+    Backends: ``"triton"`` (``"auto"`` on CUDA) and ``"reference"`` (``"auto"`` elsewhere); there is no
+    torch path, since off CUDA the engine gathers the context (`server.engine.attention.gathered_prefill`).
+
+    Returns:
+        ``[n, H, D]`` in ``q.dtype``.
+    """
+    if backend == "torch":
+        raise ValueError("paged_prefill_attention has no torch path: use 'triton', 'reference' or 'auto'")
+    if backend == "auto" and not (q.device.type == "cuda" and triton_available()):
+        backend = "reference"
+    if backend == "triton":
+        from kernels import triton_prefill  # deferred: importing triton is slow and optional
+
+        return triton_prefill.paged_prefill_attention(q, k_cache, v_cache, block_table, num_cached, scale)
+    return _module(backend, q.device).paged_prefill_attention(
+        q, k_cache, v_cache, block_table, num_cached, scale
     )
 
 

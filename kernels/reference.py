@@ -19,6 +19,7 @@ __all__ = [
     "gather_tokens",
     "merge_attention_states",
     "paged_decode_attention",
+    "paged_prefill_attention",
     "shared_prefix_decode_attention",
 ]
 
@@ -74,6 +75,26 @@ def paged_decode_attention(
             scale,
         )
         out[b] = o.to(q.dtype)
+    return out
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    num_cached: int,
+    scale: float,
+) -> torch.Tensor:
+    """Row ``i`` of the chunk ``q`` ``[n, H, D]`` attends to the first ``num_cached + i + 1`` tokens of
+    ``block_table`` (causal, its own K/V already in the cache)."""
+    out = torch.empty_like(q)
+    for i in range(q.shape[0]):
+        n = num_cached + i + 1
+        o, _ = attend(
+            q[i], gather_tokens(k_cache, block_table, n), gather_tokens(v_cache, block_table, n), scale
+        )
+        out[i] = o.to(q.dtype)
     return out
 
 

@@ -74,8 +74,11 @@ def _attend_tile(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    visible=None,
+    CAUSAL: tl.constexpr = False,
 ):
-    """Online-softmax loop of a ``[BLOCK_M, BLOCK_D]`` query tile over keys ``[start, end)`` of one table."""
+    """Online-softmax loop of a ``[BLOCK_M, BLOCK_D]`` query tile over keys ``[start, end)`` of one table;
+    ``CAUSAL``: row ``r`` sees only the keys before ``visible[r]`` (a prefill tile's last keys)."""
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
     for n0 in range(start, end, BLOCK_N):
@@ -89,6 +92,8 @@ def _attend_tile(
         k_t = tl.load(k_ptr + k_off[None, :] + offs_d[:, None], mask=kv_mask, other=0.0)  # [D, N]
         s = tl.dot(q, k_t, input_precision=DOT_PREC) * qk_scale
         s = tl.where(t_mask[None, :], s, float("-inf"))
+        if CAUSAL:
+            s = tl.where(offs_t[None, :] < visible[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])

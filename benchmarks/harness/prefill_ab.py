@@ -1,8 +1,8 @@
 """A fill chunk after cached tokens, one layer's attention two ways: the context gathered out of the paged
-cache then SDPA (the engine's default), and read in place by the shared-prefix kernel
-(`server.engine.paged_prefill`, ``PARROT_PAGED_PREFILL=1``; its operands built once, as the engine builds
-them once per step). Same inputs, outputs checked close, calls interleaved (`kernel_timing.interleaved`:
-device time with the L2 flushed on CUDA, wall time on CPU), medians."""
+cache then causal attention over the copy (the engine's default), and read in place by the paged prefill
+kernel (`server.engine.paged_prefill`, ``PARROT_PAGED_PREFILL=1``). Same inputs, outputs checked close,
+calls interleaved (`kernel_timing.interleaved`: device time with the L2 flushed on CUDA, wall time on CPU),
+medians. Off CUDA the in-place side is the kernels' reference (float64 loops): a harness check only."""
 
 from __future__ import annotations
 
@@ -40,10 +40,8 @@ def paged_prefill_ab(
             k_cache = torch.randn(blocks + 8, BLOCK, kv_heads, dim, dtype=dtype, device=device)
             table = torch.randperm(blocks + 8, device=device)[:blocks]
             q, v_cache = torch.randn(n, heads, dim, dtype=dtype, device=device), torch.randn_like(k_cache)
-            operands = paged_prefill.tables(table, num_cached, n, BLOCK)
-            assert operands is not None, "the cases cache at least one whole block"
-            in_place = functools.partial(paged_prefill.attend, q, k_cache, v_cache, operands, scale)
             chunk = PrefillChunk(0, n, num_cached, table)
+            in_place = functools.partial(paged_prefill.attend, q, k_cache, v_cache, chunk, scale)
             gathered = functools.partial(gathered_prefill, q, k_cache, v_cache, chunk, scale)
             error = (in_place().float() - gathered().float()).abs().max().item()  # (also the warm-up)
             timed = interleaved([gathered, in_place], repeats, device).ms

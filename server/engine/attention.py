@@ -32,8 +32,6 @@ class PrefillChunk:
     num_tokens: int
     num_cached: int
     block_table: torch.Tensor  # [blocks] int64, covering num_cached + num_tokens positions
-    # Its in-place operands (`paged_prefill.tables`), built by the first layer that needs them; False: none.
-    in_place: paged_prefill.InPlaceTables | bool | None = None
 
 
 @dataclass
@@ -253,11 +251,7 @@ def _prefill(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, chunk: PrefillChunk, scale: float
 ) -> torch.Tensor:
     if paged_prefill.enabled(q.device):
-        if chunk.in_place is None:
-            n, block_size = chunk.num_tokens, k_cache.shape[1]
-            chunk.in_place = paged_prefill.tables(chunk.block_table, chunk.num_cached, n, block_size) or False
-        if isinstance(chunk.in_place, paged_prefill.InPlaceTables):
-            return paged_prefill.attend(q, k_cache, v_cache, chunk.in_place, scale)
+        return paged_prefill.attend(q, k_cache, v_cache, chunk, scale)
     return gathered_prefill(q, k_cache, v_cache, chunk, scale)
 
 

@@ -15,6 +15,7 @@ from triton.compiler import ASTSource
 
 from kernels import triton_kernels as tk
 from kernels import triton_layer_ops as lo
+from kernels import triton_prefill as tp
 
 
 def _compile(fn: triton.JITFunction, pointers: dict[str, str], constexprs: dict, arch: int) -> None:
@@ -51,6 +52,13 @@ def main(arch: int = 90) -> None:
             {**kv, **parts, **dict.fromkeys((*ints, "tile_group_ptr", "tile_row_ptr"), "*i32")},
             {"GROUP": 4, "PAGE": 16, "HEAD_DIM": dim, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_D": dim,
              "DOT_PREC": prec},
+            arch,
+        )  # fmt: skip
+        _compile(
+            tp._prefill_kernel,
+            {**kv, "table_ptr": "*i64", "out_ptr": f"*{dt}"},
+            {"GROUP": 4, "TOKENS": 16, "PAGE": 16, "HEAD_DIM": dim, "BLOCK_M": 64, "BLOCK_N": 64,
+             "BLOCK_D": dim, "DOT_PREC": prec},
             arch,
         )  # fmt: skip
     _compile(
