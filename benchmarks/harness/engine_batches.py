@@ -110,14 +110,14 @@ def measure_batch(
     timed = time_batch([ours, *others], prompts, cfg.new_tokens, cfg.repeats, cfg.min_time_s)
     after = ours.engine.stats()
     mine, batch = timed.outputs["ours"], len(prompts)
-    others = {n: out for n, out in timed.outputs.items() if n != "ours"}
+    theirs = {n: out for n, out in timed.outputs.items() if n != "ours"}
     return BatchResult(
         batch=batch,
         prompt_tokens=sum(len(p) for p in prompts),
         padded_tokens=batch * max(len(p) for p in prompts),
         repeats=timed.repeats,
         systems=timed.rates,
-        same_tokens={n: sum(map(operator.eq, mine, out)) / batch for n, out in others.items()},
+        same_tokens={n: sum(map(operator.eq, mine, out)) / batch for n, out in theirs.items()},
         outputs=timed.outputs,
         # Three runs per repeat: two of T(1), one of T(N).
         engine_prefill_tokens_per_run=(after.prefill_tokens_computed - before.prefill_tokens_computed)

@@ -33,8 +33,8 @@ async def calibrate(
     The engine must trace steps (``EngineConfig.trace_steps`` at least the number of steps this runs).
     ``warmup``: first run the sweep untraced (other prompts, two new tokens each), so one-time costs of a new
     shape (kernel compiles, attention plans, graph captures) stay out of the steps the latency model is fitted
-    to: the simulator models steady-state steps. On an H100 the one untimed shape of the fifth run's sweep
-    (a 7,808-token fill after a cached chunk, seen once) took 936 ms where an 8,192-token fill took 213.
+    to: the simulator models steady-state steps. In the fifth H100 run's sweep the only step of its shape (a
+    7,808-token fill after a cached chunk) took 936 ms where 8,192-token fills took 213.
     """
     if engine.step_trace is None:
         raise ValueError("calibrate needs an engine built with EngineConfig(trace_steps=N)")
