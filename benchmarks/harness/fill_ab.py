@@ -67,13 +67,12 @@ def _fill_step(
         "varlen": functools.partial(plan_fresh, chunks, q, k),
     }
     row: dict[str, Any] = {"batch": len(chunks), "tokens": total, "layers": cfg.num_hidden_layers}
-    if not isinstance(plans["varlen"](), FreshVarlen):
+    made = {name: plan() for name, plan in plans.items()}
+    if not isinstance(made["varlen"], FreshVarlen):
         row["varlen"] = f"not taken on {device.type} in {dtype}"
-        del plans["varlen"]
+        del plans["varlen"], made["varlen"]
     outs = {name: torch.empty_like(q) for name in plans}
-    calls = [
-        functools.partial(attend_fresh, q, k, v, plan(), dim**-0.5, outs[n]) for n, plan in plans.items()
-    ]
+    calls = [functools.partial(attend_fresh, q, k, v, made[n], dim**-0.5, outs[n]) for n in plans]
     for call in calls:
         call()  # the warm-up (and any one-time check)
     if "varlen" in outs:
