@@ -5,8 +5,8 @@ the small elementwise parts of a layer (RoPE with the KV write, SwiGLU's activat
   fixed cost per (sequence, KV head) pair — GEMMs with as few query rows as a KV head has query heads — and
   wants each chunk's blocks gathered into a workspace first; at decode of a small model those costs were
   most of the attention time. The kernel reads the block cache in place, one task per (sequence, KV head) on
-  torch's own thread pool, all of that head's queries at once, with an online softmax in float32 (AVX-512
-  for head dims 32/64/128, plain loops elsewhere), prefetching whole blocks ahead since they lie anywhere in
+  torch's own thread pool, all of that head's queries at once, with an online softmax in float32 (AVX-512,
+  or AVX2 where that is all the CPU has, for head dims 32/64/128; plain loops elsewhere), prefetching whole blocks ahead since they lie anywhere in
   the cache. It returns the partial state (normalised output, log-sum-exp), so the shared-prefix path merges
   it as it merges the torch path's. SmolLM2 bf16 on 2 cores, 30 layers of KV in DRAM: 2.7x the torch path
   at 16 sequences of ~96 tokens, 1.9x at 64 (measured while the kernels still ran on one thread, see
@@ -24,6 +24,9 @@ the small elementwise parts of a layer (RoPE with the KV write, SwiGLU's activat
 * **bf16 linears over a packed weight** (``packed_gemm_cpu.cpp``): the weight packed once into panels of 16
   output features whose k-pairs lie in the lanes AVX512-BF16's dot product takes, and a register-blocked
   micro-kernel over it; faster than oneDNN's packed bf16 GEMM from 1 row to hundreds (`kernels.cpu_linear`).
+* **float32 linears over a packed weight on AVX2 CPUs** (``packed_gemm_f32_cpu.cpp``): where there is no
+  AVX-512 the engine runs float32 and none of the kernels above has a vector path; panels of 8 output
+  features for AVX2's FMA, the same scheme as the bf16 GEMM (`kernels.cpu_linear` has the figures).
 
 They are built with torch's extension builder (ninja and a C++ compiler) into torch's extension cache the
 first time a process asks, for this machine's CPU (``-march=native``; the build's name carries the CPU's
@@ -56,6 +59,7 @@ __all__ = [
     "clear_cache",
     "decode_kernel_covers",
     "gemv_kernel",
+    "packed_f32_ops",
     "packed_gemm_ops",
     "paged_decode_kernel",
     "rope_write_kv_kernel",
@@ -148,11 +152,11 @@ def _ops() -> Any | None:
 
 def paged_decode_kernel() -> PartialAttention | None:
     """The paged decode attention kernel, built on the first call; None where the kernels are off or
-    cannot be built (the reason is logged), or where torch's CPU capability is not AVX-512: the kernel's
-    plain loops are no match for torch's vectorised path, so they never replace it (see also
-    `decode_kernel_covers`)."""
+    cannot be built (the reason is logged), or where this build has no vector path (AVX-512, or AVX2 with
+    FMA and F16C): the kernel's plain loops are no match for torch's vectorised path, so they never replace
+    it (see also `decode_kernel_covers`)."""
     ops = _ops()
-    return None if ops is None or not _avx512() else ops.paged_decode_partial
+    return None if ops is None or not ops.paged_decode_vector_bits() else ops.paged_decode_partial
 
 
 def decode_kernel_covers(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> bool:
@@ -160,11 +164,6 @@ def decode_kernel_covers(num_heads: int, num_kv_heads: int, head_dim: int, block
     tokens, at most 8 query heads per KV head); elsewhere the torch path is the faster one."""
     group = num_heads // num_kv_heads
     return head_dim in (32, 64, 128) and block_size <= 16 and group <= 8
-
-
-@functools.cache
-def _avx512() -> bool:
-    return torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
 def add_rms_norm_kernel() -> AddRMSNorm | None:
@@ -205,8 +204,18 @@ def packed_gemm_ops() -> Any | None:
     return ops if ops is not None and ops.packed_gemm_supported() else None
 
 
+@functools.cache  # asked at every linear
+def packed_f32_ops() -> Any | None:
+    """The ops of the packed float32 GEMM (``pack_f32(w)``, ``packed_linear_f32(x, packed, out_features,
+    bias)``), built on the first call; None where the kernels are off or cannot be built, or where this build
+    is not an AVX2 one without AVX-512 (with AVX-512, `gemv_kernel` and oneDNN run float32)."""
+    ops = _ops()
+    return ops if ops is not None and ops.packed_gemm_f32_supported() else None
+
+
 def clear_cache() -> None:
     """Forget whether the kernels were loaded (tests that turn them off by the environment)."""
     _ops.cache_clear()
     gemv_kernel.cache_clear()
     packed_gemm_ops.cache_clear()
+    packed_f32_ops.cache_clear()

@@ -37,17 +37,36 @@ at 32 (0.79x; the sweeps alone still showed 1.1x there): float32 stops at 8 rows
 from __future__ import annotations
 
 import functools
+import os
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_kernels import gemv_kernel, packed_gemm_ops
+from kernels.cpu_kernels import gemv_kernel, packed_f32_ops, packed_gemm_ops
 
-__all__ = ["GEMV_MAX_ROWS", "linear", "onednn_linear", "pack_weight", "use_onednn"]
+__all__ = [
+    "BF16_GEMM_ENV",
+    "GEMV_MAX_ROWS",
+    "Bf16Gemm",
+    "bf16_gemm",
+    "choose_bf16_gemm",
+    "linear",
+    "onednn_linear",
+    "ours",
+    "pack_weight",
+    "use_onednn",
+]
 
 # Rows the packed layout is chosen for: decode steps (1-64 rows) dominate; prefill's hundreds of rows run
 # as fast with it as with any other hint (measured 1.0-1.1x of F.linear either way).
 _PACK_ROWS_HINT = 1
+# On an AMX CPU, the rows oneDNN's layout is chosen for: a batch of decode steps, as vLLM's CPU linears
+# (``create_onednn_mm(weight, 32)``), so the primitive picked for it is an AMX one.
+_AMX_PACK_ROWS_HINT = 32
+# Which GEMM runs bf16 linears: "ours", "onednn" or "auto" (default; `choose_bf16_gemm`). An A/B switch.
+BF16_GEMM_ENV = "PARROT_BF16_GEMM"
+Bf16Gemm = Literal["ours", "onednn"]
 # Most rows a linear takes through `gemv_kernel` rather than oneDNN, per dtype (measured above); a bf16
 # weight packed for our GEMM goes there instead, at every row count.
 GEMV_MAX_ROWS: dict[torch.dtype, int] = {torch.float32: 8, torch.bfloat16: 2}
@@ -89,24 +108,69 @@ def _packing_usable(dtype: torch.dtype) -> bool:
         return False
 
 
+def choose_bf16_gemm(*, amx: bool, ours_built: bool, invariant: bool, override: str = "auto") -> Bf16Gemm:
+    """Which GEMM runs bf16 linears (over weights packed for it): our AVX512-BF16 one where it is built,
+    except on a CPU with AMX tiles, whose bf16 matrix units only oneDNN drives (vLLM's CPU linears go there
+    too): there a vector dot product computes several times slower than the tiles (an AMX Xeon, 2 cores:
+    ours at batch 16-64 ran at the ~100 GFLOP/s of its dot products, vLLM's oneDNN at ~350). ``invariant``
+    (`EngineConfig.batch_invariant`) needs ours wherever it is built: it sums each output row in one order
+    at every row count. ``override`` ("ours" / "onednn", from `BF16_GEMM_ENV`) wins where it can run."""
+    if override not in ("auto", "ours", "onednn"):
+        raise ValueError(f"{BF16_GEMM_ENV}={override!r}: use auto, ours or onednn")
+    if not ours_built or override == "onednn":
+        return "onednn"
+    if invariant or override == "ours":
+        return "ours"
+    return "onednn" if amx else "ours"
+
+
+@functools.cache
+def _amx() -> bool:
+    """Whether this CPU has AMX tiles (torch's own cpuid probe)."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe is not None and probe())
+
+
+def bf16_gemm(invariant: bool = False) -> Bf16Gemm:
+    """`choose_bf16_gemm` for this CPU, this build and `BF16_GEMM_ENV`."""
+    return choose_bf16_gemm(
+        amx=_amx(),
+        ours_built=packed_gemm_ops() is not None,
+        invariant=invariant,
+        override=os.environ.get(BF16_GEMM_ENV, "auto") or "auto",
+    )
+
+
 def use_onednn(x: torch.Tensor) -> bool:
     """Whether a float32 GEMM on ``x`` goes through oneDNN (CPU, and the op usable)."""
     return x.device.type == "cpu" and x.dtype == torch.float32 and _onednn_usable()
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """``weight`` ([out, in]) packed for `linear`'s ``packed``, where that pays (bf16 on a CPU with native
-    bf16): for our packed GEMM (`kernels.cpu_kernels.packed_gemm_ops`, a 4-D tensor) where it is built and
-    ``in`` is even, else in oneDNN's blocked layout; None elsewhere. Pack only final weights: the copy does
-    not follow later writes to ``weight``."""
-    if weight.device.type != "cpu" or weight.dim() != 2 or not _packing_usable(weight.dtype):
+def pack_weight(weight: torch.Tensor, invariant: bool = False) -> torch.Tensor | None:
+    """``weight`` ([out, in]) packed for `linear`'s ``packed``, where that pays: float32 for our AVX2 GEMM
+    (`kernels.cpu_kernels.packed_f32_ops`, a 3-D tensor) where it is built; bf16 on a CPU with native bf16
+    for the GEMM `bf16_gemm` picks (``invariant``: `EngineConfig.batch_invariant`): ours
+    (`kernels.cpu_kernels.packed_gemm_ops`, a 4-D tensor) where ``in`` is even, else oneDNN's blocked
+    layout; None elsewhere. Pack only final weights: the copy does not follow later writes to ``weight``."""
+    if weight.device.type != "cpu" or weight.dim() != 2:
         return None
-    ops = packed_gemm_ops()
+    f32_ops = packed_f32_ops() if weight.dtype == torch.float32 else None
+    if f32_ops is None and not _packing_usable(weight.dtype):
+        return None
     with torch.inference_mode(False), torch.no_grad():
         plain = weight.detach().contiguous()
-        if ops is not None and plain.shape[1] % 2 == 0:
+        if f32_ops is not None:
+            return f32_ops.pack_f32(plain)
+        ops = packed_gemm_ops()
+        if ops is not None and plain.shape[1] % 2 == 0 and bf16_gemm(invariant) == "ours":
             return ops.pack_bf16(plain)
-        return torch.ops.mkldnn._reorder_linear_weight(plain, _PACK_ROWS_HINT)
+        hint = _AMX_PACK_ROWS_HINT if _amx() else _PACK_ROWS_HINT
+        return torch.ops.mkldnn._reorder_linear_weight(plain, hint)
+
+
+def ours(packed: torch.Tensor | None) -> bool:
+    """Whether ``packed`` (from `pack_weight`) is laid out for one of our GEMMs, not oneDNN's."""
+    return packed is not None and packed.dim() in (3, 4)
 
 
 def linear(
@@ -121,17 +185,23 @@ def linear(
     recorded) through torch."""
     if x.device.type != "cpu" or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         return F.linear(x, weight, bias)  # our kernel and oneDNN's op have no backward
-    if packed is not None and packed.dim() == 4 and x.dtype == packed.dtype:  # ours (`pack_weight`)
-        ops = packed_gemm_ops()
-        assert ops is not None  # it made the weight
+    if packed is not None and ours(packed) and x.dtype == packed.dtype:
         flat = x.reshape(-1, x.shape[-1])
-        return ops.packed_linear(flat, packed, weight.shape[0], bias).view(*x.shape[:-1], -1)
+        if packed.dim() == 3:
+            f32_ops = packed_f32_ops()
+            assert f32_ops is not None  # it made the weight
+            out = f32_ops.packed_linear_f32(flat, packed, weight.shape[0], bias)
+        else:
+            ops = packed_gemm_ops()
+            assert ops is not None  # it made the weight
+            out = ops.packed_linear(flat, packed, weight.shape[0], bias)
+        return out.view(*x.shape[:-1], -1)
     if x.dim() == 2 and 1 <= x.shape[0] <= GEMV_MAX_ROWS.get(x.dtype, 0):
         plain = x.dtype == weight.dtype and weight.is_contiguous()
         gemv = gemv_kernel(x.dtype) if plain else None
         if gemv is not None:
             return gemv(x, weight, bias)
-    if packed is not None and packed.dim() != 4 and x.dtype == packed.dtype:
+    if packed is not None and not ours(packed) and x.dtype == packed.dtype:
         return onednn_linear(x.contiguous(), packed, bias)
     if use_onednn(x) and x.is_contiguous() and weight.is_contiguous():
         return onednn_linear(x, weight, bias)

@@ -21,6 +21,11 @@
 #include <vector>
 
 #if defined(__AVX512F__)
+#define PARROT_DECODE_VECTOR 512
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PARROT_DECODE_VECTOR 256
+#endif
+#if defined(PARROT_DECODE_VECTOR)
 #include <immintrin.h>
 #include <sleef.h>  // torch links SLEEF: its vectorised exp
 #endif
@@ -108,7 +113,28 @@ void attend_scalar(const Task<T>& t, float* scratch) {
   finish(t.out, t.lse, G, D, m.data(), l.data());
 }
 
-#if defined(__AVX512F__)
+#if defined(PARROT_DECODE_VECTOR)
+// Blocks lie anywhere in the cache, so the hardware prefetcher cannot run ahead across them: the first head's
+// task asks for the next two blocks' whole token rows (every head's K and V), and the other heads' tasks,
+// which run next on this thread, find them in cache (measured 1.3-1.5x on KV in DRAM).
+template <typename T>
+inline void prefetch_ahead(const Task<T>& t, int64_t start) {
+  if (t.kv_head != 0) return;
+  const int64_t BS = t.block_size, stride = t.token_stride;
+  const int64_t row_bytes = BS * stride * static_cast<int64_t>(sizeof(T));
+  for (int64_t ahead = 1; ahead <= 2 && start + ahead * BS < t.len; ++ahead) {
+    const int64_t next = static_cast<int64_t>(t.table[start / BS + ahead]) * BS * stride;
+    const char* kp = reinterpret_cast<const char*>(t.k_cache + next);
+    const char* vp = reinterpret_cast<const char*>(t.v_cache + next);
+    for (int64_t byte = 0; byte < row_bytes; byte += 64) {
+      _mm_prefetch(kp + byte, _MM_HINT_T1);
+      _mm_prefetch(vp + byte, _MM_HINT_T1);
+    }
+  }
+}
+#endif
+
+#if PARROT_DECODE_VECTOR == 512
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) { return parrot_cpu::bf16_load(p); }
 inline __m512 load16(const c10::Half* p) {
@@ -138,21 +164,7 @@ void attend_avx512(const Task<T>& t) {
     const __mmask16 live = static_cast<__mmask16>((1u << n) - 1u);
     const T* kb = t.k_cache + static_cast<int64_t>(t.table[start / BS]) * BS * stride;
     const T* vb = t.v_cache + static_cast<int64_t>(t.table[start / BS]) * BS * stride;
-    if (t.kv_head == 0) {
-      // Blocks lie anywhere in the cache, so the hardware prefetcher cannot run ahead across them: the first
-      // head's task asks for the next two blocks' whole token rows (every head's K and V), and the other
-      // heads' tasks, which run next on this thread, find them in cache (measured 1.3-1.5x on KV in DRAM).
-      const int64_t row_bytes = BS * stride * static_cast<int64_t>(sizeof(T));
-      for (int64_t ahead = 1; ahead <= 2 && start + ahead * BS < t.len; ++ahead) {
-        const int64_t next = static_cast<int64_t>(t.table[start / BS + ahead]) * BS * stride;
-        const char* kp = reinterpret_cast<const char*>(t.k_cache + next);
-        const char* vp = reinterpret_cast<const char*>(t.v_cache + next);
-        for (int64_t byte = 0; byte < row_bytes; byte += 64) {
-          _mm_prefetch(kp + byte, _MM_HINT_T1);
-          _mm_prefetch(vp + byte, _MM_HINT_T1);
-        }
-      }
-    }
+    prefetch_ahead(t, start);
     for (int64_t j = 0; j < n; ++j) {
       __m512 kv[C];
       for (int c = 0; c < C; ++c) kv[c] = load16(kb + j * stride + 16 * c);
@@ -188,14 +200,116 @@ void attend_avx512(const Task<T>& t) {
 }
 #endif
 
+#if PARROT_DECODE_VECTOR == 256
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {  // exact: bf16 is the top half of a float32
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline float hsum8(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+inline float hmax8(__m256 v) {
+  const __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
+}
+
+// Lanes [0, n) of a vector (n may be <= 0 or >= 8).
+inline __m256 live_lanes(int64_t n) {
+  const __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), index));
+}
+
+// The AVX-512 kernel's algorithm on AVX2's 8 lanes: head_dim = 8 * C, block_size <= 16 (two vectors of
+// scores per query head).
+template <typename T, int C>
+void attend_avx2(const Task<T>& t) {
+  const int64_t G = t.group, stride = t.token_stride, BS = t.block_size;
+  constexpr int64_t D = 8 * C;
+  __m256 qv[8][C];  // G <= 8 (checked by the caller)
+  __m256 acc[8][C];
+  float m[8], l[8];
+  const __m256 scale = _mm256_set1_ps(t.scale), neg_inf = _mm256_set1_ps(kNegInf);
+  for (int64_t g = 0; g < G; ++g) {
+    for (int c = 0; c < C; ++c) {
+      qv[g][c] = _mm256_mul_ps(load8(t.q + g * D + 8 * c), scale);
+      acc[g][c] = _mm256_setzero_ps();
+    }
+    m[g] = kNegInf;
+    l[g] = 0.0f;
+  }
+  alignas(32) float probs[8][16];
+  for (int64_t start = 0; start < t.len; start += BS) {
+    const int64_t n = std::min(BS, t.len - start);
+    const __m256 live_lo = live_lanes(n), live_hi = live_lanes(n - 8);
+    const T* kb = t.k_cache + static_cast<int64_t>(t.table[start / BS]) * BS * stride;
+    const T* vb = t.v_cache + static_cast<int64_t>(t.table[start / BS]) * BS * stride;
+    prefetch_ahead(t, start);
+    for (int64_t j = 0; j < n; ++j) {
+      __m256 kv[C];
+      for (int c = 0; c < C; ++c) kv[c] = load8(kb + j * stride + 8 * c);
+      for (int64_t g = 0; g < G; ++g) {
+        __m256 dot = _mm256_mul_ps(qv[g][0], kv[0]);
+        for (int c = 1; c < C; ++c) dot = _mm256_fmadd_ps(qv[g][c], kv[c], dot);
+        probs[g][j] = hsum8(dot);
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      // Lanes past the block's n tokens read as -inf (whatever probs holds there): their exp is 0.
+      const __m256 s_lo = _mm256_blendv_ps(neg_inf, _mm256_load_ps(probs[g]), live_lo);
+      const __m256 s_hi = _mm256_blendv_ps(neg_inf, _mm256_load_ps(probs[g] + 8), live_hi);
+      const float new_m = std::max(m[g], hmax8(_mm256_max_ps(s_lo, s_hi)));
+      const __m256 top = _mm256_set1_ps(new_m);
+      const __m256 p_lo = Sleef_expf8_u10avx2(_mm256_sub_ps(s_lo, top));
+      const __m256 p_hi = Sleef_expf8_u10avx2(_mm256_sub_ps(s_hi, top));
+      const float correction = std::exp(m[g] - new_m);
+      l[g] = l[g] * correction + hsum8(_mm256_add_ps(p_lo, p_hi));
+      m[g] = new_m;
+      _mm256_store_ps(probs[g], p_lo);
+      _mm256_store_ps(probs[g] + 8, p_hi);
+      const __m256 cv = _mm256_set1_ps(correction);
+      for (int c = 0; c < C; ++c) acc[g][c] = _mm256_mul_ps(acc[g][c], cv);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      __m256 vv[C];
+      for (int c = 0; c < C; ++c) vv[c] = load8(vb + j * stride + 8 * c);
+      for (int64_t g = 0; g < G; ++g) {
+        const __m256 p = _mm256_set1_ps(probs[g][j]);
+        for (int c = 0; c < C; ++c) acc[g][c] = _mm256_fmadd_ps(p, vv[c], acc[g][c]);
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(t.out + g * D + 8 * c, acc[g][c]);
+  finish(t.out, t.lse, G, D, m, l);
+}
+#endif
+
 template <typename T>
 void attend(const Task<T>& t, float* scratch) {
-#if defined(__AVX512F__)
+#if PARROT_DECODE_VECTOR == 512
   if (t.group <= 8 && t.block_size <= 16) {
     switch (t.head_dim) {
       case 32: return attend_avx512<T, 2>(t);
       case 64: return attend_avx512<T, 4>(t);
       case 128: return attend_avx512<T, 8>(t);
+      default: break;
+    }
+  }
+#elif PARROT_DECODE_VECTOR == 256
+  if (t.group <= 8 && t.block_size <= 16) {
+    switch (t.head_dim) {
+      case 32: return attend_avx2<T, 4>(t);
+      case 64: return attend_avx2<T, 8>(t);
+      case 128: return attend_avx2<T, 16>(t);
       default: break;
     }
   }
@@ -263,9 +377,20 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_partial(const at::Tensor& q, con
   return {out, lse};
 }
 
+// Which vector path this build runs head dims 32/64/128 with: 512 (AVX-512), 256 (AVX2 with FMA and F16C)
+// or 0 (the plain loops only).
+int64_t paged_decode_vector_bits() {
+#if defined(PARROT_DECODE_VECTOR)
+  return PARROT_DECODE_VECTOR;
+#else
+  return 0;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(parrot_cpu, m) {
+  m.def("paged_decode_vector_bits() -> int", &paged_decode_vector_bits);
   m.def(
       "paged_decode_partial(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor context_lens, float scale) -> (Tensor, Tensor)");

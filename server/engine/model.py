@@ -16,9 +16,9 @@ Face reference's arithmetic op for op (the same products and sums, in place wher
   SwiGLU's ``silu(gate) * up`` (`kernels.cpu_kernels`);
 * each sublayer's output joins the residual stream inside the next RMSNorm (`RMSNorm.forward`'s
   ``delta``): one fused C++ pass for bf16/fp16 on CPU (`kernels.cpu_kernels`), the reference's ops for fp32;
-* linears call `kernels.cpu_linear.linear` on the weights directly (oneDNN for fp32 on CPU, faster than
-  MKL's path there; bf16 weights prepacked for oneDNN once, 2-3x faster at decode's few rows; no module call
-  overhead); the residual stream is updated in place.
+* linears call `kernels.cpu_linear.linear` on the weights directly, over weights packed once where that
+  pays (our AVX512-BF16 GEMM for bf16, oneDNN's on AMX CPUs, our AVX2 GEMM for fp32 without AVX-512; no
+  module call overhead); the residual stream is updated in place.
 
 GEMM rounding differs from MKL's (what `transformers` uses) in the last bits, which the greedy parity tests
 against `generate` tolerate (fp32).
@@ -97,10 +97,10 @@ class Attention(nn.Module):
         self.qkv_packed: torch.Tensor | None = None  # oneDNN copies, where they pay (`pack_weight`)
         self.o_packed: torch.Tensor | None = None
 
-    def fuse(self) -> None:
+    def fuse(self, invariant: bool = False) -> None:
         self.qkv_weight, self.qkv_bias = _fuse([self.q_proj, self.k_proj, self.v_proj])
-        self.qkv_packed = pack_weight(self.qkv_weight)
-        self.o_packed = pack_weight(self.o_proj.weight)
+        self.qkv_packed = pack_weight(self.qkv_weight, invariant)
+        self.o_packed = pack_weight(self.o_proj.weight, invariant)
 
     def forward(
         self,
@@ -144,10 +144,10 @@ class MLP(nn.Module):
         self.gate_up_packed: torch.Tensor | None = None
         self.down_packed: torch.Tensor | None = None
 
-    def fuse(self) -> None:
+    def fuse(self, invariant: bool = False) -> None:
         self.gate_up_weight, self.gate_up_bias = _fuse([self.gate_proj, self.up_proj])
-        self.gate_up_packed = pack_weight(self.gate_up_weight)
-        self.down_packed = pack_weight(self.down_proj.weight)
+        self.gate_up_packed = pack_weight(self.gate_up_weight, invariant)
+        self.down_packed = pack_weight(self.down_proj.weight, invariant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias, self.gate_up_packed)
@@ -197,20 +197,21 @@ class LlamaForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def prepare_weights(self) -> None:
+    def prepare_weights(self, invariant: bool = False) -> None:
         """Concatenate each layer's q/k/v and gate/up weights for one GEMM each, and pack the linears for
-        oneDNN where that pays (`kernels.cpu_linear.pack_weight`); call it once the weights are final
-        (`ModelRunner` does, and the first forward does if nobody did). Idempotent."""
+        our GEMMs or oneDNN's where that pays (`kernels.cpu_linear.pack_weight`; ``invariant``:
+        `EngineConfig.batch_invariant`); call it once the weights are final (`ModelRunner` does, and the
+        first forward does if nobody did). Idempotent."""
         # Outside inference mode even when called from the forward: the fused weights are ordinary tensors,
         # so a later `load_state_dict` can still copy into the views that share their storage.
         with torch.inference_mode(False), torch.no_grad():
             for layer in self.model.layers:
                 if layer.self_attn.qkv_weight is None:
-                    layer.self_attn.fuse()
+                    layer.self_attn.fuse(invariant)
                 if layer.mlp.gate_up_weight is None:
-                    layer.mlp.fuse()
+                    layer.mlp.fuse(invariant)
             if self.lm_head_packed is None:
-                self.lm_head_packed = pack_weight(self.lm_head.weight)
+                self.lm_head_packed = pack_weight(self.lm_head.weight, invariant)
 
     @torch.inference_mode()
     def forward(

@@ -104,7 +104,7 @@ class ModelRunner:
         self.device = device
         self.shared_prefix_decode = "never" if batch_invariant else shared_prefix_decode
         self.backend = backend or PagedAttentionBackend(EVERY_CHUNK if batch_invariant else MAX_CONTEXT)
-        model.prepare_weights()  # one GEMM for q/k/v and one for gate/up, packed where it pays
+        model.prepare_weights(batch_invariant)  # one GEMM for q/k/v and one for gate/up, packed where it pays
         k = kv.k[0]
         self._kv_bytes_per_token = 2 * k.shape[2] * k.shape[3] * k.element_size()
         # Plain CPU decode in our C++ kernel (built, or found in the cache, now rather than in the first

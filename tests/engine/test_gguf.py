@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from server.engine import EngineConfig, LLMEngine, SamplingParams, gguf_loader, model_names
+from server.engine.config import cpu_has_native_bf16
 from server.engine.gguf_loader import GGUFFormatError, UnsupportedGGUFError, read_gguf
 from server.engine.loader import load_model_config
 from server.engine.model_names import ModelNotFoundError, ModelPackageMissingError, resolve_model
@@ -614,6 +615,11 @@ async def test_smollm2_forked_equals_transformers(
 
 
 @pytest.mark.real_model
+@pytest.mark.skipif(
+    not cpu_has_native_bf16(),
+    reason="bf16 is the default only on a bf16-native CPU; elsewhere torch emulates its products, whose "
+    "roundings tie the first chat's first token in bf16 logits (25.125 for two tokens)",
+)
 async def test_smollm2_bfloat16_answers_equal_transformers_in_bfloat16(
     smollm2_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -19,8 +19,14 @@ needs_packing = pytest.mark.skipif(not BF16_NATIVE, reason="this CPU has no nati
 BF16 = {"rtol": 2e-2, "atol": 2e-2}
 
 
-def test_only_native_bf16_cpu_matrices_are_packed() -> None:
-    assert cpu_linear.pack_weight(torch.randn(8, 4)) is None  # fp32: packing gains nothing
+F32_PACKED = cpu_kernels.packed_f32_ops() is not None
+
+
+def test_only_native_bf16_and_avx2_float32_cpu_matrices_are_packed() -> None:
+    # float32: for our AVX2 GEMM where it is built (CPUs without AVX-512), else nothing gains from packing
+    f32 = cpu_linear.pack_weight(torch.randn(8, 4))
+    assert (f32 is not None) == F32_PACKED
+    assert f32 is None or (f32.dim() == 3 and cpu_linear.ours(f32))
     assert cpu_linear.pack_weight(torch.randn(8, 4, dtype=torch.float16)) is None
     assert cpu_linear.pack_weight(torch.randn(8, dtype=torch.bfloat16)) is None
     packed = cpu_linear.pack_weight(torch.randn(8, 4, dtype=torch.bfloat16))
@@ -75,11 +81,14 @@ def test_a_bf16_engine_runs_every_linear_through_its_packed_weight() -> None:
         torch.testing.assert_close(qkv_packed.float(), F.linear(hidden, attn.qkv_weight).float(), **BF16)
 
 
-def test_a_float32_engine_packs_nothing() -> None:
+def test_a_float32_engine_packs_only_for_the_avx2_gemm() -> None:
     with LLMEngine.from_pretrained("tiny", EngineConfig(num_kv_blocks=16)) as engine:
         model = engine_model(engine)
-        assert model.lm_head_packed is None
-        assert all(layer.mlp.down_packed is None for layer in model.model.layers)
+        packed = model.packed_linears()
+        if F32_PACKED:
+            assert all(p is not None and p.dim() == 3 for p in packed)
+        else:
+            assert all(p is None for p in packed)
 
 
 GEMV_DTYPES = [torch.float32, torch.bfloat16]
@@ -242,9 +251,10 @@ def test_the_packed_gemm_refuses_what_it_cannot_run() -> None:
 
 @needs_packing
 def test_pack_weight_prefers_our_layout_and_linear_routes_to_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With the kernel built, a bf16 weight of even width is packed for it (4-D) and `linear` runs it at
+    """With the kernel built (and no AMX), a bf16 weight of even width is packed for it (4-D) and `linear` runs it at
     any row count, 3-D inputs included; an odd width, or the kernels off, keeps oneDNN's packed weight."""
     ops: Any = _packed_ops()
+    monkeypatch.setattr(cpu_linear, "_amx", lambda: False)  # on an AMX CPU oneDNN's layout is preferred
     w = torch.randn(48, 64, dtype=torch.bfloat16)
     packed = cpu_linear.pack_weight(w)
     assert packed is not None and packed.dim() == 4
@@ -273,3 +283,94 @@ def test_pack_weight_prefers_our_layout_and_linear_routes_to_it(monkeypatch: pyt
     finally:
         monkeypatch.delenv(cpu_kernels.DISABLE_ENV)
         cpu_kernels.clear_cache()
+
+
+def _f32_ops() -> Any:
+    ops = cpu_kernels.packed_f32_ops()
+    if ops is None:
+        pytest.skip("the packed float32 GEMM is built only for AVX2 CPUs without AVX-512")
+    return ops
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 300])  # micro-kernel tails and a second row chunk
+@pytest.mark.parametrize("out_features", [8, 20, 24, 100])  # whole panels, a short last panel, groups
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_packed_f32_gemm_equals_a_float64_product(rows: int, out_features: int, with_bias: bool) -> None:
+    ops = _f32_ops()
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features)
+    w = torch.randn(out_features, 70, generator=gen)
+    x = torch.randn(rows, 70, generator=gen)
+    b = torch.randn(out_features, generator=gen) if with_bias else None
+    got = ops.packed_linear_f32(x, ops.pack_f32(w), out_features, b)
+    expected = x.double() @ w.double().T + (b.double() if b is not None else 0)
+    assert got.dtype == torch.float32 and got.shape == (rows, out_features)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+    # every output row is summed in one order whatever the row count: row 0 alone is row 0 in the batch
+    alone = ops.packed_linear_f32(x[:1], ops.pack_f32(w), out_features, b)
+    assert torch.equal(alone[0], got[0])
+
+
+def test_the_packed_f32_gemm_refuses_what_it_cannot_run() -> None:
+    ops = _f32_ops()
+    packed = ops.pack_f32(torch.randn(32, 8))
+    with pytest.raises(RuntimeError, match="float32 weight"):
+        ops.pack_f32(torch.randn(32, 8, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="float32 x"):
+        ops.packed_linear_f32(torch.randn(2, 8, dtype=torch.bfloat16), packed, 32, None)
+    with pytest.raises(RuntimeError, match="x has 10 features"):
+        ops.packed_linear_f32(torch.randn(2, 10), packed, 32, None)
+    with pytest.raises(RuntimeError, match="asked for 40"):
+        ops.packed_linear_f32(torch.randn(2, 8), packed, 40, None)
+    with pytest.raises(RuntimeError, match="bias of 32"):
+        ops.packed_linear_f32(torch.randn(2, 8), packed, 32, torch.zeros(3))
+    assert ops.packed_linear_f32(torch.empty(0, 8), packed, 32, None).shape == (0, 32)
+
+
+def test_linear_runs_a_float32_weight_packed_for_our_gemm() -> None:
+    ops = _f32_ops()
+    w, b = torch.randn(40, 24), torch.randn(40)
+    packed = cpu_linear.pack_weight(w)
+    assert packed is not None and packed.dim() == 3
+    x = torch.randn(2, 5, 24)
+    got = cpu_linear.linear(x, w, b, packed)
+    assert got.shape == (2, 5, 40)
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert torch.equal(got.view(10, 40), ops.packed_linear_f32(x.view(10, 24), packed, 40, b))
+
+
+@pytest.mark.parametrize(
+    ("amx", "ours_built", "invariant", "override", "expected"),
+    [
+        (False, True, False, "auto", "ours"),  # AVX512-BF16 without tiles: our GEMM
+        (True, True, False, "auto", "onednn"),  # AMX: only oneDNN drives the tiles
+        (True, True, True, "auto", "ours"),  # batch invariance needs one summation order
+        (True, True, False, "ours", "ours"),
+        (False, True, False, "onednn", "onednn"),
+        (False, False, False, "auto", "onednn"),  # ours not built: nothing else to run
+        (True, False, True, "ours", "onednn"),
+    ],
+)
+def test_the_bf16_gemm_is_chosen_by_the_cpu(
+    amx: bool, ours_built: bool, invariant: bool, override: str, expected: str
+) -> None:
+    got = cpu_linear.choose_bf16_gemm(amx=amx, ours_built=ours_built, invariant=invariant, override=override)
+    assert got == expected
+
+
+def test_an_unknown_bf16_gemm_override_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="PARROT_BF16_GEMM='fast': use auto, ours or onednn"):
+        cpu_linear.choose_bf16_gemm(amx=False, ours_built=True, invariant=False, override="fast")
+
+
+@needs_packing
+def test_on_an_amx_cpu_bf16_weights_are_packed_for_onednn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With AMX tiles (mocked), a bf16 weight goes to oneDNN's layout, unless batch invariance asks for
+    ours; the product is the same either way."""
+    _packed_ops()
+    monkeypatch.setattr(cpu_linear, "_amx", lambda: True)
+    w, x = torch.randn(48, 64, dtype=torch.bfloat16), torch.randn(5, 64, dtype=torch.bfloat16)
+    fast, invariant = cpu_linear.pack_weight(w), cpu_linear.pack_weight(w, invariant=True)
+    assert fast is not None and not cpu_linear.ours(fast)
+    assert invariant is not None and invariant.dim() == 4
+    for packed in (fast, invariant):
+        torch.testing.assert_close(cpu_linear.linear(x, w, None, packed).float(), F.linear(x, w).float(), **BF16)
