@@ -39,7 +39,6 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
 
 if not __package__:
     # Run as a file, this script's directory would come first on sys.path (where `benchmarks/kernels.py`
@@ -47,30 +46,24 @@ if not __package__:
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from benchmarks.harness import record
-from benchmarks.harness.decode_ceiling import Ceiling, decode_ceiling
-from benchmarks.harness.engine_batches import (
-    KINDS,
-    BatchResult,
-    make_prompts,
-    measure_batch,
-    throughput_table,
-    workload,
-    workload_table,
-)
+from benchmarks.harness.decode_ceiling import decode_ceiling
+from benchmarks.harness.engine_batches import make_prompts, measure_batch, workload
 from benchmarks.harness.engine_models import engine_model
+from benchmarks.harness.engine_report import Run, metrics, print_report
 from benchmarks.harness.generators import DTYPES, Generator, OurEngine, dtype_name, model_record
 from benchmarks.harness.hf_generate import HFGenerate, load_baseline, pad_token_id
-from benchmarks.harness.kv_fork import KVResult, blocks, kv_table, measure_kv
+from benchmarks.harness.kv_fork import blocks, measure_kv
 from benchmarks.harness.machine import memory_bandwidth
-from benchmarks.harness.output import fmt_num, log
-from benchmarks.harness.prefill_ceiling import PrefillCeiling, describe, prefill_ceiling
+from benchmarks.harness.openai_route import openai_routes
+from benchmarks.harness.output import log
+from benchmarks.harness.prefill_ceiling import prefill_ceiling
+from benchmarks.harness.roofline import measure_roofline
 from benchmarks.harness.vllm_generate import start_vllm
 from benchmarks.harness.vllm_settings import add_vllm_flags
 from server.engine import EngineConfig, LLMEngine
 from server.engine.compute_thread import on_own_thread
 
 NAME = "engine_throughput"
-RATIO_KEY = {"hf": "ratio", "vllm": "vs_vllm"}  # decode_ratio_b1 is ours/HF, decode_vs_vllm_b1 ours/vLLM
 
 
 @dataclass(frozen=True)
@@ -88,12 +81,13 @@ class BenchConfig:
     seed: int = 0
     bandwidth_mib: int = 256  # the tensor the memory bandwidth is measured on (far larger than any cache)
     bandwidth_repeats: int = 9
+    peak_size: int = 2048  # the torch.mm cube the library peak is measured on (`roofline`)
 
 
 FULL = BenchConfig()
 QUICK = BenchConfig(prompt_len=64, new_tokens=16, repeats=3, min_time_s=1.5, kv_prefix=512)  # 1,024: +12 s
 TINY = BenchConfig(batches=(1, 4), prompt_len=16, new_tokens=4, repeats=1, min_time_s=0.0, kv_requests=4)
-TINY = replace(TINY, kv_prefix=64, bandwidth_mib=16, bandwidth_repeats=3)
+TINY = replace(TINY, kv_prefix=64, bandwidth_mib=16, bandwidth_repeats=3, peak_size=256)
 
 
 # ----------------------------------------------------------------------------------------------- run
@@ -105,14 +99,6 @@ def engine_config(cfg: BenchConfig, dtype: str | None) -> EngineConfig:
     memory = cfg.kv_requests * blocks(cfg.kv_prefix + cfg.kv_suffix + cfg.kv_new_tokens, block) + 64
     slots = max(max_batch, cfg.kv_requests)
     return EngineConfig(num_kv_blocks=max(throughput, memory), max_num_seqs=slots, device="cpu", dtype=dtype)
-
-
-@dataclass
-class Run:
-    results: list[BatchResult]
-    kv: KVResult
-    ceiling: Ceiling
-    prefill: PrefillCeiling  # at the largest batch
 
 
 def run_all(cfg: BenchConfig, ours: OurEngine, others: list[Generator]) -> Run:
@@ -135,59 +121,11 @@ def run_all(cfg: BenchConfig, ours: OurEngine, others: list[Generator]) -> Run:
     log(f"KV memory: {cfg.kv_requests} requests sharing a {p}-token prefix")
     kv = ours.call(measure_kv(ours, tokens[:p], suffixes, cfg.kv_new_tokens))
     b1 = next((r.systems["ours"].decode_tps.value for r in results if r.batch == 1), math.nan)
-    dtype, model, big = dtype_name(engine.config.torch_dtype()), engine_model(engine), results[-1].systems
-    return Run(results, kv, decode_ceiling(bandwidth, model, dtype, b1), prefill_ceiling(model, big["ours"]))
-
-
-# ----------------------------------------------------------------------------------------------- report
-def print_report(cfg: BenchConfig, run: Run, dtypes: dict[str, str], vllm: dict[str, Any] | None) -> None:
-    systems = f"ours {dtypes['ours']}, HF generate {dtypes['hf']}"
-    if vllm is not None:
-        mode = "eager" if vllm.get("enforce_eager") else "compiled"
-        bind = vllm.get("env", {}).get("VLLM_CPU_OMP_THREADS_BIND")
-        systems += (
-            f", vLLM {vllm.get('vllm')} {dtypes['vllm']} ({mode}, max_num_batched_tokens "
-            f"{vllm.get('max_num_batched_tokens')}, OMP threads bound to {bind})"
-        )
-    c, bw, kv = run.ceiling, run.ceiling.bandwidth, run.kv
-    repeats = "/".join(str(r.repeats) for r in run.results)
-    print(
-        f"dtypes: {systems}.\n\nprompts {round(cfg.spread * cfg.prompt_len)}..{cfg.prompt_len} tokens, "
-        f"{cfg.new_tokens} new tokens, greedy; median of {repeats} repeats after a warm-up, ± half the "
-        "range. prefill = prompt tokens / T(1); decode = B(N-1) / (T(N) - T(1)); end-to-end = BN / T(N).\n"
-    )
-    print(throughput_table(run.results) + "\n\n" + workload_table(run.results, cfg.new_tokens) + "\n")
-    print(
-        f"Batch-1 decode ceiling: memory read bandwidth {c.read_bytes_per_s / 1e9:.1f} GB/s (matrix-vector "
-        f"product / sum over {bw['tensor_bytes'] / (1 << 20):.0f} MiB, median of {bw['repeats']}, "
-        f"{bw['threads']} threads) / {c.weight_bytes / 1e6:.0f} MB of weights read per step ({c.dtype}) = "
-        f"{fmt_num(c.ceiling_tps, 1)} tok/s; ours at batch 1: {fmt_num(c.decode_b1_tps, 1)} tok/s = "
-        f"{c.share:.0%} of it.\n\n{describe(run.prefill, run.results[-1])}\n\nKV memory: {kv.requests} "
-        f"requests sharing a {kv.prefix_tokens}-token prefix, {kv.suffix_tokens}-token distinct suffix each, "
-        f"{kv.new_tokens} new tokens, block size {kv.block_size}; blocks counted with every context alive.\n"
-    )
-    print(kv_table(kv) + "\n")
-
-
-def metrics(run: Run) -> dict[str, float | int]:
-    """Ours/HF ratios per batch size, the KV block counts, the batch-1 decode ceiling, then ours/vLLM."""
-
-    def ratios(other: str) -> dict[str, float]:
-        rows = [r for r in run.results if other in r.systems]
-        return {f"{k}_{RATIO_KEY[other]}_b{r.batch}": r.ratio(k, other).median for k in KINDS for r in rows}
-
-    return {
-        **ratios("hf"),
-        "kv_fork_ratio": run.kv.ratio,
-        "kv_blocks_fork": run.kv.fork.blocks_used,
-        "kv_blocks_nofork": run.kv.no_fork.blocks_used,
-        "mem_bw_gbs": run.ceiling.read_bytes_per_s / 1e9,
-        "decode_b1_ceiling_tps": run.ceiling.ceiling_tps,
-        "decode_b1_pct_ceiling": 100 * run.ceiling.share,
-        "linear_tflops": run.prefill.linear_flops_per_s / 1e12,
-        f"prefill_pct_ceiling_b{run.results[-1].batch}": 100 * run.prefill.share,
-        **ratios("vllm"),
-    }
+    torch_dtype, model, big = engine.config.torch_dtype(), engine_model(engine), results[-1].systems
+    ceiling = decode_ceiling(bandwidth, model, dtype_name(torch_dtype), b1)
+    prefill = prefill_ceiling(model, big["ours"])
+    rates = measure_roofline(results, model, torch_dtype, ceiling, prefill, cfg.peak_size)
+    return Run(results, kv, ceiling, prefill, rates)
 
 
 # ----------------------------------------------------------------------------------------------- main
@@ -203,6 +141,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--batches", type=int, nargs="+", help="batch sizes (default 1 16 64)")
     p.add_argument("--dtype", choices=DTYPES, help="our engine's and HF's (default: the engine's)")
+    p.add_argument(
+        "--no-openai",
+        dest="openai",
+        action="store_false",
+        help="skip the OpenAI route (Parrot's /v1 and, with --vllm-python, vLLM's api_server)",
+    )
     add_vllm_flags(p)
     args = p.parse_args(argv)
     cfg = record.configured(args, FULL, QUICK, TINY)
@@ -220,7 +164,8 @@ def main(argv: list[str] | None = None) -> None:
         max_len = min(engine.max_model_len, cfg.prompt_len + cfg.new_tokens + 16)
         vllm = start_vllm(args, folder, engine, max_len, max(cfg.batches), Path(tmp))
         try:
-            run = run_all(cfg, ours, others + ([vllm] if vllm else []))
+            with openai_routes(args, engine, config, folder, max_len, max(cfg.batches), Path(tmp)) as routes:
+                run = run_all(cfg, ours, others + ([vllm] if vllm else []) + routes)
         finally:
             ours.close()
             if vllm is not None:
@@ -243,6 +188,7 @@ def main(argv: list[str] | None = None) -> None:
         decode_ceiling=run.ceiling,
         prefill_ceiling=run.prefill,
         kv_memory={**asdict(run.kv), "ratio": run.kv.ratio},
+        roofline=run.roofline,
     )
 
 

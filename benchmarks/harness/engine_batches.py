@@ -30,7 +30,7 @@ __all__ = [
     "workload_table",
 ]
 
-LABELS = {"ours": "ours", "hf": "HF", "vllm": "vLLM"}
+LABELS = {"ours": "ours", "hf": "HF", "vllm": "vLLM", "ours_v1": "ours /v1", "vllm_v1": "vLLM /v1"}
 KINDS = {"decode": "decode_tps", "prefill": "prefill_tps", "e2e": "e2e_tps"}
 
 

@@ -55,6 +55,30 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+# The instruction sets a CPU engine's speed depends on (as Linux names them in /proc/cpuinfo): vector width,
+# native bf16 dot products, AMX's bf16 matrix tiles.
+CPU_FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+
+
+def cpu_features() -> dict[str, Any]:
+    """Which of `CPU_FEATURES` this CPU has (``/proc/cpuinfo``; empty where unreadable), and the vector
+    capability torch's own kernels chose here."""
+    import torch
+
+    flags: set[str] = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.partition(":")[2].split())
+                break
+    except OSError:
+        pass
+    return {
+        "flags": [f for f in CPU_FEATURES if f in flags],
+        "torch_capability": torch.backends.cpu.get_cpu_capability(),
+    }
+
+
 def load_average() -> float | None:
     """One-minute load average: on a shared machine, what else was running competes with the benchmark."""
     try:
@@ -69,6 +93,7 @@ def machine_info() -> dict[str, Any]:
 
     info: dict[str, Any] = {
         "cpu_model": cpu_model(),
+        "cpu_features": cpu_features(),
         "logical_cores": os.cpu_count(),
         "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "torch_threads": torch.get_num_threads(),

@@ -74,8 +74,11 @@ class Recorder:
     def header(self, what: str) -> str:
         """The report's first line: the experiment, ``what`` it ran on (model, engines), the machine."""
         m = self.machine
+        features = m.get("cpu_features") or {}
+        flags = "/".join(features.get("flags") or ["no listed"])
         return (
-            f"## {self.name} — {what}, {m['cpu_model']}, {m['usable_cores']} cores, torch {m['torch']} "
+            f"## {self.name} — {what}, {m['cpu_model']} ({flags} flags), {m['usable_cores']} cores, "
+            f"torch {m['torch']} "
             f"({m['torch_threads']} threads), load average {m['load_average_1m']} at start\n"
         )
 

@@ -27,7 +27,7 @@ from benchmarks.harness.vllm_settings import vllm_env
 from server.engine import LLMEngine
 from server.engine.config import cpu_has_native_bf16
 
-__all__ = ["WORKER_SCRIPT", "VLLMWorker", "start_vllm"]
+__all__ = ["WORKER_SCRIPT", "VLLMWorker", "start_vllm", "vllm_dtype"]
 
 WORKER_SCRIPT = Path(__file__).resolve().parents[1] / "vllm_worker.py"
 
@@ -146,6 +146,12 @@ class VLLMWorker:
         return reply
 
 
+def vllm_dtype(args: argparse.Namespace) -> str:
+    """vLLM's dtype for the flags of `vllm_settings.add_vllm_flags`: ``--vllm-dtype``, else bf16 where the
+    CPU computes it natively, else fp32 (what our engine defaults to on the same CPU)."""
+    return str(args.vllm_dtype or ("bfloat16" if cpu_has_native_bf16() else "float32"))
+
+
 def start_vllm(
     args: argparse.Namespace,
     folder: Path,
@@ -159,7 +165,7 @@ def start_vllm(
     ``--vllm-python``."""
     if not args.vllm_python:
         return None
-    dtype = args.vllm_dtype or ("bfloat16" if cpu_has_native_bf16() else "float32")
+    dtype = vllm_dtype(args)
     log(f"starting vLLM ({args.vllm_python}, {dtype}) on {folder} ...")
     env = vllm_env(engine.model_config, dtype, max_model_len, max_num_seqs, args.vllm_env)
     worker = VLLMWorker(

@@ -34,7 +34,7 @@ from benchmarks.harness import (
     vllm_settings,
 )
 from benchmarks.harness.engine_models import engine_model, export_hf_folder, hf_config_dict
-from benchmarks.harness.machine import REPO_ROOT
+from benchmarks.harness.machine import CPU_FEATURES, REPO_ROOT
 from server.engine import EngineConfig, LLMEngine
 from server.engine.config import ModelConfig
 
@@ -397,8 +397,21 @@ def test_tiny_run_without_vllm(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert "Prefill ceiling: the model's linears run at" in out and "HF " in out
     payload = json.loads((tmp_path / "r.json").read_text())
     assert payload["vllm"] is None and payload["dtypes"] == {"ours": "float32", "hf": "float32"}
-    assert set(payload["throughput"][0]["systems"]) == {"ours", "hf"}
-    assert payload["throughput"][0]["same_tokens"].keys() == {"hf"}
+    # the OpenAI route (Parrot's /v1, its own engine) is timed beside the engine API: same greedy tokens
+    assert set(payload["throughput"][0]["systems"]) == {"ours", "hf", "ours_v1"}
+    assert payload["throughput"][0]["same_tokens"].keys() == {"hf", "ours_v1"}
+    assert "ours /v1" in out
+    for kind in ("decode", "prefill", "e2e"):
+        assert float(metrics[f"{kind}_v1_vs_engine_b4"]) > 0
+    # achieved FLOP/s and bytes/s beside the machine's, and the CPU features they depend on
+    assert float(metrics["peak_gflops"]) > 0 and float(metrics["decode_gflops_b4"]) > 0
+    assert float(metrics["decode_gbs_b1"]) > 0 and float(metrics["prefill_gflops_b4"]) > 0
+    assert "library peak" in out and "of bandwidth" in out
+    roofline = payload["roofline"]
+    assert [r["batch"] for r in roofline["rows"]] == list(et.TINY.batches)
+    assert roofline["decode_flops_per_token"] > roofline["prefill_flops_per_token"] > 0
+    features = payload["machine"]["cpu_features"]
+    assert set(features["flags"]) <= set(CPU_FEATURES) and features["torch_capability"]
     assert payload["decode_ceiling"]["weight_bytes"] > 0 and payload["prefill_ceiling"]["rows"] == 2048
     assert payload["model"]["name"] == "tiny" and payload["model"]["parameters"] > 0
     kv = payload["kv_memory"]
@@ -418,11 +431,12 @@ def test_tiny_run_with_a_fake_vllm_worker(
         "bfloat16",
         "--vllm-python",
         sys.executable,
+        "--no-openai",  # the fake worker has no api_server
         "--json",
         str(tmp_path / "r.json"),
     ]
     out, metrics = run_main(argv, capsys)
-    assert "ours/vLLM" in out and "vLLM fake bfloat16" in out
+    assert "ours/vLLM" in out and "vLLM fake bfloat16" in out and "ours /v1" not in out
     for kind in ("decode", "prefill", "e2e"):
         for batch in et.TINY.batches:
             assert f"{kind}_vs_vllm_b{batch}" in metrics

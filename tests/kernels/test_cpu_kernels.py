@@ -1,9 +1,9 @@
 """Our C++ kernels for CPU against references we did not write in C++.
 
-Decode attention equals the float64 reference: outputs and log-sum-exps, every path of it (AVX-512 or AVX2 for head
-dims 32/64/128 with blocks of up to 16 and up to 8 query heads per KV head, plain loops otherwise), every
-cache dtype, empty and ragged sequences over shuffled blocks; bad tables are refused. The fused add + RMSNorm
-equals the torch ops it replaces (the Hugging Face reference's arithmetic).
+Decode attention equals the float64 reference: outputs and log-sum-exps, every path of it (AVX-512 or
+AVX2 for head dims 32/64/128 with blocks of up to 16 and up to 8 query heads per KV head, plain loops
+otherwise), every cache dtype, empty and ragged sequences over shuffled blocks; bad tables are refused.
+The fused add + RMSNorm equals the torch ops it replaces (the Hugging Face reference's arithmetic).
 """
 
 from __future__ import annotations

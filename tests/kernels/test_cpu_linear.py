@@ -251,8 +251,9 @@ def test_the_packed_gemm_refuses_what_it_cannot_run() -> None:
 
 @needs_packing
 def test_pack_weight_prefers_our_layout_and_linear_routes_to_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With the kernel built (and no AMX), a bf16 weight of even width is packed for it (4-D) and `linear` runs it at
-    any row count, 3-D inputs included; an odd width, or the kernels off, keeps oneDNN's packed weight."""
+    """With the kernel built (and no AMX), a bf16 weight of even width is packed for it (4-D) and `linear`
+    runs it at any row count, 3-D inputs included; an odd width, or the kernels off, keeps oneDNN's packed
+    weight."""
     ops: Any = _packed_ops()
     monkeypatch.setattr(cpu_linear, "_amx", lambda: False)  # on an AMX CPU oneDNN's layout is preferred
     w = torch.randn(48, 64, dtype=torch.bfloat16)
@@ -373,4 +374,6 @@ def test_on_an_amx_cpu_bf16_weights_are_packed_for_onednn(monkeypatch: pytest.Mo
     assert fast is not None and not cpu_linear.ours(fast)
     assert invariant is not None and invariant.dim() == 4
     for packed in (fast, invariant):
-        torch.testing.assert_close(cpu_linear.linear(x, w, None, packed).float(), F.linear(x, w).float(), **BF16)
+        torch.testing.assert_close(
+            cpu_linear.linear(x, w, None, packed).float(), F.linear(x, w).float(), **BF16
+        )
