@@ -46,7 +46,9 @@ def _commit(record: Mapping[str, Any]) -> str:
 
 def _machine(record: Mapping[str, Any]) -> str:
     m = record.get("machine", {})
-    device = m.get("cuda") or f"{m.get('cpu_model', '?')}, {m.get('usable_cores', '?')} cores"
+    features = m.get("cpu_features") or {}
+    flags = f" ({'/'.join(features['flags'])})" if features.get("flags") else ""
+    device = m.get("cuda") or f"{m.get('cpu_model', '?')}{flags}, {m.get('usable_cores', '?')} cores"
     return f"{device}; torch {m.get('torch', '?')}; load {m.get('load_average_1m', '?')}"
 
 

@@ -293,7 +293,8 @@ def _f32_ops() -> Any:
     return ops
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 300])  # micro-kernel tails and a second row chunk
+# micro-kernel tails with and without the next group's prefetch (rows past the first 6), a second row chunk
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 9, 11, 12, 300])
 @pytest.mark.parametrize("out_features", [8, 20, 24, 100])  # whole panels, a short last panel, groups
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_the_packed_f32_gemm_equals_a_float64_product(rows: int, out_features: int, with_bias: bool) -> None:
