@@ -18,7 +18,7 @@ from benchmarks.experiments import EXPERIMENTS, Experiment
 from benchmarks.harness.machine import output_root
 from benchmarks.harness.machine_lock import MachineBusyError
 from benchmarks.report import write_report
-from benchmarks.runner import RunOptions, load_records, run_all, select
+from benchmarks.runner import RunOptions, load_cpu_kinds, load_records, run_all, select
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -94,7 +94,9 @@ def _run(args: argparse.Namespace) -> int:
         except MachineBusyError as exc:
             print(f"python -m benchmarks run: {exc}", file=sys.stderr)
             return 2
-    page = write_report(load_records(args.results), args.docs, gpu_report.load(args.results))
+    page = write_report(
+        load_records(args.results), args.docs, gpu_report.load(args.results), load_cpu_kinds(args.results)
+    )
     print(f"results in {args.results}, page {page}")
     if failed:
         print(f"failed: {', '.join(failed)} (see their .log in {args.results})", file=sys.stderr)
@@ -110,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{e.name:<18} {e.figure:<16} {e.backend:<9} {model:<8} {e.title}")
         return 0
     if args.command == "report":
-        print(write_report(load_records(args.results), args.docs, gpu_report.load(args.results)))
+        records, kinds = load_records(args.results), load_cpu_kinds(args.results)
+        print(write_report(records, args.docs, gpu_report.load(args.results), kinds))
         return 0
     return _run(args)
 

@@ -221,6 +221,21 @@ def _run_all(
         return list(pool.map(run, experiments))
 
 
+CPU_KINDS_DIR = "cpu_kinds"  # under the results folder: runs of an experiment on other kinds of CPU
+
+
+def load_cpu_kinds(results_dir: Path = RESULTS_DIR) -> dict[str, list[dict[str, Any]]]:
+    """Records of experiments run on other kinds of CPU than their main record's (AVX2-only, AMX, ...):
+    ``<results>/cpu_kinds/<experiment>-<kind>.json``, each a runner record copied there, by experiment
+    name and in file name order. The main record keeps one machine's figures; these sit beside it."""
+    folder = results_dir / CPU_KINDS_DIR
+    kinds: dict[str, list[dict[str, Any]]] = {}
+    for experiment in EXPERIMENTS:
+        for path in sorted(folder.glob(f"{experiment.name}-*.json")):
+            kinds.setdefault(experiment.name, []).append(json.loads(path.read_text()))
+    return kinds
+
+
 def load_records(results_dir: Path = RESULTS_DIR) -> dict[str, dict[str, Any]]:
     """Every experiment's latest record in ``results_dir``, by name (experiments never run are absent)."""
     records = {}

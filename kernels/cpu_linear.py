@@ -186,16 +186,13 @@ def linear(
     if x.device.type != "cpu" or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         return F.linear(x, weight, bias)  # our kernel and oneDNN's op have no backward
     if packed is not None and ours(packed) and x.dtype == packed.dtype:
-        flat = x.reshape(-1, x.shape[-1])
-        if packed.dim() == 3:
-            f32_ops = packed_f32_ops()
-            assert f32_ops is not None  # it made the weight
-            out = f32_ops.packed_linear_f32(flat, packed, weight.shape[0], bias)
-        else:
-            ops = packed_gemm_ops()
-            assert ops is not None  # it made the weight
-            out = ops.packed_linear(flat, packed, weight.shape[0], bias)
-        return out.view(*x.shape[:-1], -1)
+        # (the kernels may have been turned off since the weight was packed: then the plain weight runs)
+        f32 = packed.dim() == 3
+        ops = packed_f32_ops() if f32 else packed_gemm_ops()
+        if ops is not None:
+            flat = x.reshape(-1, x.shape[-1])
+            gemm = ops.packed_linear_f32 if f32 else ops.packed_linear
+            return gemm(flat, packed, weight.shape[0], bias).view(*x.shape[:-1], -1)
     if x.dim() == 2 and 1 <= x.shape[0] <= GEMV_MAX_ROWS.get(x.dtype, 0):
         plain = x.dtype == weight.dtype and weight.is_contiguous()
         gemv = gemv_kernel(x.dtype) if plain else None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,11 +44,12 @@ def write_report(
     records: Mapping[str, Mapping[str, Any]],
     docs_dir: Path = DOCS_DIR,
     gpu: Mapping[str, Any] | None = None,
+    cpu_kinds: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
 ) -> Path:
     """Write the plots into ``docs_dir/img`` and the page into ``docs_dir/benchmarks.md`` (with the GPU
-    record's section when given); return its path."""
+    record's section and the runs on other kinds of CPU when given); return its path."""
     docs_dir.mkdir(parents=True, exist_ok=True)
     plots = write_plots(records, docs_dir / "img")
     page = docs_dir / PAGE
-    page.write_text(render_page(records, plots, gpu))
+    page.write_text(render_page(records, plots, gpu, cpu_kinds))
     return page

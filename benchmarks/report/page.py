@@ -72,8 +72,10 @@ def render_page(
     records: Mapping[str, Mapping[str, Any]],
     plots: Mapping[str, Sequence[str]],
     gpu: Mapping[str, Any] | None = None,
+    cpu_kinds: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
 ) -> str:
-    """The markdown page: the summary table, a section per experiment, then the GPU run's (`gpu_report`)."""
+    """The markdown page: the summary table, a section per experiment (with its runs on other kinds of CPU,
+    `runner.load_cpu_kinds`), then the GPU run's (`gpu_report`)."""
     lines = [
         "# Benchmarks: the Parrot paper's evaluation, side by side",
         "",
@@ -112,9 +114,34 @@ def render_page(
         lines += [f"![headline ratios, ours vs the paper's]({plots['summary'][0]})", "", SUMMARY_CAPTION, ""]
     for e in EXPERIMENTS:
         lines += _section(e, records.get(e.name), plots.get(e.name, ()))
+        lines += _cpu_kinds(records.get(e.name), (cpu_kinds or {}).get(e.name, ()))
     if gpu is not None:
         lines += gpu_report.section(gpu)
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _cpu_kinds(record: Mapping[str, Any] | None, others: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The experiment's figures on other kinds of CPU, a column each beside its main record's."""
+    runs = [r for r in ([record] if record else []) + list(others) if r.get("ok")]
+    if not others or not runs:
+        return []
+    keys = list(dict.fromkeys(k for r in runs for k in r.get("metrics", {})))
+    headers = ["RESULT metric", *(f"{i + 1}" for i in range(len(runs)))]
+    table = [[k, *(fmt_metric(r.get("metrics", {}).get(k), "") for r in runs)] for k in keys]
+    legend = [
+        f"{i + 1}. {_machine(r)}; `{r.get('command', '?')}`, {r.get('started_at', '?')}, "
+        f"commit `{_commit(r)}`"
+        for i, r in enumerate(runs)
+    ]
+    above = "; column 1 is the record above" if record and record.get("ok") else ""
+    return [
+        f"**On other kinds of CPU** (`benchmarks/results/cpu_kinds/`{above}):",
+        "",
+        *legend,
+        "",
+        markdown_table(headers, table, [False] + [True] * len(runs)),
+        "",
+    ]
 
 
 def _section(e: Experiment, record: Mapping[str, Any] | None, images: Sequence[str]) -> list[str]:

@@ -26,7 +26,7 @@ from benchmarks.report import (
     tolerance_check,
     write_report,
 )
-from benchmarks.runner import load_records
+from benchmarks.runner import load_cpu_kinds, load_records
 
 
 def record(name: str, metrics: dict[str, Any], payload: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -211,3 +211,26 @@ def test_the_page_flags_a_failing_tolerance_and_goal_and_not_a_passing_one(page:
     )
     assert "![headline ratios, ours vs the paper's](img/summary.png)" in page
     assert "*The plot:*" in page
+
+
+def test_runs_on_other_kinds_of_cpu_sit_beside_the_main_record(tmp_path: Path) -> None:
+    """A record under ``results/cpu_kinds/<name>-<kind>.json`` gets a column of its own in its experiment's
+    section, its machine (with the CPU's features) named; experiments without one get no such table."""
+    results = tmp_path / "results"
+    (results / "cpu_kinds").mkdir(parents=True)
+    main = record("engine_throughput", {"decode_vs_vllm_b64": 1.32, "mem_bw_gbs": 49.5})
+    main["machine"] = {"cpu_model": "AMD EPYC", "usable_cores": 2, "cpu_features": {"flags": ["avx512_bf16"]}}
+    avx2 = record("engine_throughput", {"decode_vs_vllm_b64": 0.88, "peak_gflops": 104.0})
+    avx2["machine"] = {"cpu_model": "AMD EPYC", "usable_cores": 2, "cpu_features": {"flags": ["avx2", "fma"]}}
+    (results / "engine_throughput.json").write_text(json.dumps(main))
+    (results / "cpu_kinds" / "engine_throughput-avx2.json").write_text(json.dumps(avx2))
+    (results / "multi_turn.json").write_text(json.dumps(RECORDS["multi_turn"]))
+    kinds = load_cpu_kinds(results)
+    assert list(kinds) == ["engine_throughput"]
+    assert kinds["engine_throughput"][0]["metrics"] == avx2["metrics"]
+    page = write_report(load_records(results), tmp_path / "docs", None, kinds).read_text()
+    assert page.count("**On other kinds of CPU**") == 1
+    assert "1. AMD EPYC (avx512_bf16), 2 cores" in page and "2. AMD EPYC (avx2/fma), 2 cores" in page
+    rows = {line.split("|")[1].strip(): line for line in page.splitlines() if line.startswith("| ")}
+    assert "1.32" in rows["decode_vs_vllm_b64"] and "0.88" in rows["decode_vs_vllm_b64"]
+    assert "n/a" in rows["peak_gflops"] and "104" in rows["peak_gflops"]  # a metric only one run has

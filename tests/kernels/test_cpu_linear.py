@@ -378,3 +378,15 @@ def test_on_an_amx_cpu_bf16_weights_are_packed_for_onednn(monkeypatch: pytest.Mo
         torch.testing.assert_close(
             cpu_linear.linear(x, w, None, packed).float(), F.linear(x, w).float(), **BF16
         )
+
+
+def test_a_weight_packed_for_kernels_turned_off_since_runs_its_plain_weight(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An engine's weights are packed once; a model whose kernels are turned off later (a second engine
+    over the same weights, for an A/B) computes with the plain weight instead of failing."""
+    _f32_ops()
+    w, x = torch.randn(40, 24), torch.randn(3, 24)
+    packed = cpu_linear.pack_weight(w)
+    monkeypatch.setattr(cpu_linear, "packed_f32_ops", lambda: None)
+    torch.testing.assert_close(cpu_linear.linear(x, w, None, packed), F.linear(x, w), rtol=1e-5, atol=1e-5)
