@@ -109,7 +109,9 @@ def _compile_flags() -> tuple[str, ...]:
 
 
 def _build_tag() -> str:
-    """A digest of what the binary depends on: the CPU's instruction sets, torch, the flags, the sources."""
+    """A digest of what the binary depends on: the CPU's instruction sets, torch, the flags, the sources and
+    where they lie (torch's builder records their paths: two installs sharing one build folder, a checkout
+    and a wheel say, would rebuild it at every start in turn)."""
     flags = ""
     try:
         with open("/proc/cpuinfo") as f:
@@ -119,6 +121,7 @@ def _build_tag() -> str:
     text = "|".join(
         [
             platform.machine(),
+            str(_CSRC.resolve()),
             flags,
             torch.__version__,
             *_compile_flags(),

@@ -136,7 +136,9 @@ def test_the_console_script_serves_the_tiny_model(venv: Venv, elsewhere: Path) -
             stderr=subprocess.STDOUT,
         )
     try:
-        url = served_url(proc, log)
+        # The engine builds the C++ kernels from the wheel's own sources before it serves: a cold build,
+        # 75-90 s on two cores.
+        url = served_url(proc, log, timeout=300)
         wait_healthy(proc, url)
         body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 4, "ignore_eos": True}
         r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
