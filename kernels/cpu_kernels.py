@@ -13,12 +13,12 @@ the small elementwise parts of a layer (RoPE with the KV write, SwiGLU's activat
   kernels still ran on one thread, see `_compile_flags`: a lower bound); float32 on an AVX2 EPYC, in the
   engine: decode 1.09x at batch 16, 1.16x at 64.
 * **Residual add + RMSNorm** (``rms_norm_cpu.cpp``): ``h += delta`` then the norm, in one pass per row with
-  the reference's roundings; the model uses it for bf16 and fp16 (3-4x the ~9 torch ops it replaces at
-  1-64 rows), not for fp32, whose norms stay bit-identical to Hugging Face's.
+  the reference's roundings (3-4x the ~9 torch ops it replaces at 1-64 rows); fp32 sums the squares in
+  another order than torch, so its norms are not bit-identical to Hugging Face's (`kernels.layer_ops`).
 * **RoPE + KV write** (``rope_kv_cpu.cpp``): q and k rotated out of the fused q/k/v projection and the
   step's k and v written into their cache slots, one pass per token (was ~7 ops per layer); and
   **silu(gate) * up** (``silu_mul_cpu.cpp``, was 2 ops and a temporary). Both with the reference's roundings,
-  for bf16 and fp16 only, like the norm.
+  for fp32, bf16 and fp16, like the norm.
 * **Linears of few rows** (``gemv_cpu.cpp``, float32 and bf16): a decode step reads every weight once; FMA
   or AVX512-BF16 dot products over the plain weight read it faster than oneDNN's GEMM at few rows
   (`kernels.cpu_linear` has the figures and the row counts each dtype takes).
@@ -178,14 +178,14 @@ def add_rms_norm_kernel() -> AddRMSNorm | None:
 
 def rope_write_kv_kernel() -> RopeWriteKV | None:
     """RoPE of q and k with the step's KV written to the cache, built on the first call; None as for
-    `paged_decode_kernel` (bf16/fp16 only: fp32 keeps the reference's ops)."""
+    `paged_decode_kernel`."""
     ops = _ops()
     return None if ops is None else ops.rope_write_kv
 
 
 def silu_mul_kernel() -> SiluMul | None:
     """SwiGLU's ``silu(gate) * up`` over the fused projection, built on the first call; None as for
-    `paged_decode_kernel` (bf16/fp16 only)."""
+    `paged_decode_kernel`."""
     ops = _ops()
     return None if ops is None else ops.silu_mul
 

@@ -110,9 +110,10 @@ std::tuple<at::Tensor, at::Tensor> rope_write_kv(const at::Tensor& qkv, const at
                  reinterpret_cast<T*>(v_cache.data_ptr()), slot_ptr, tokens, heads, kv_heads, d);
   };
   switch (dtype) {
+    case at::kFloat: run(static_cast<float*>(nullptr)); break;
     case at::kBFloat16: run(static_cast<c10::BFloat16*>(nullptr)); break;
     case at::kHalf: run(static_cast<c10::Half*>(nullptr)); break;
-    default: TORCH_CHECK(false, "rope_write_kv: bfloat16 or float16 (float32 keeps the reference's ops), not ", dtype);
+    default: TORCH_CHECK(false, "rope_write_kv: float32, bfloat16 or float16, not ", dtype);
   }
   return {q, k};
 }

@@ -101,20 +101,22 @@ def test_empty_steps_launch_nothing() -> None:
 
 
 def test_layer_ops_choose_by_device_and_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
-    """fp32 keeps the torch ops everywhere; CPU half precision takes the C++ ops (where built); CUDA half
-    precision the Triton ones, unless ``PARROT_LAYER_KERNELS=0``; a head dim that is no power of two
-    keeps the torch RoPE."""
+    """On CPU every float dtype takes the C++ ops (where built); on CUDA fp32 keeps the torch ops and half
+    precision takes the Triton ones, unless ``PARROT_LAYER_KERNELS=0``; a head dim that is no power of two
+    keeps the torch RoPE there."""
     from kernels import cpu_kernels
 
     x32 = torch.zeros(2, 8)
-    assert layer_ops.add_rms_norm_op(x32) is None
-    assert layer_ops.rope_write_kv_op(x32, 8) is None
-    assert layer_ops.silu_mul_op(x32) is None
+    assert layer_ops.add_rms_norm_op(x32) is cpu_kernels.add_rms_norm_kernel()
+    assert layer_ops.rope_write_kv_op(x32, 8) is cpu_kernels.rope_write_kv_kernel()
+    assert layer_ops.silu_mul_op(x32) is cpu_kernels.silu_mul_kernel()
+    assert layer_ops.add_rms_norm_op(torch.zeros(2, 8, dtype=torch.float64)) is None
     x16 = torch.zeros(2, 8, dtype=torch.bfloat16)
     assert layer_ops.silu_mul_op(x16) is cpu_kernels.silu_mul_kernel()
     assert layer_ops.add_rms_norm_op(x16) is cpu_kernels.add_rms_norm_kernel()
     if DEVICE == "cuda":
         xc = x16.cuda()
+        assert layer_ops.silu_mul_op(x32.cuda()) is None
         assert layer_ops.silu_mul_op(xc) is _ops().silu_mul
         assert layer_ops.rope_write_kv_op(xc, 96) is None
         monkeypatch.setenv(layer_ops.DISABLE_ENV, "0")
