@@ -48,6 +48,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from server.auth_first import AuthFirstMiddleware, GuardedRoute, guarded_routes, header_guard
 from server.body_limit import BodyLimitMiddleware
 from server.engine import EngineError
 from server.engine.api import error_response
@@ -55,9 +56,12 @@ from server.malloc_tuning import release_free_memory
 from server.openai_api import OpenAIAPIError, create_openai_router
 from server.registration import EngineLimitError, HeartbeatError, heartbeat_problem, registration_refusal
 from server.security import (
+    AuthError,
     SecurityConfig,
     api_key_guard,
+    auth_error_response,
     bearer_token,
+    check_api_key,
     cluster_token_guard,
     install_auth_handler,
 )
@@ -131,6 +135,15 @@ def _classify(exc: Exception) -> tuple[int, str]:
     return 500, "internal_error"
 
 
+def _refusal(exc: Exception) -> JSONResponse | None:
+    """The answer to a guard's refusal before the route runs (None: not a typed refusal)."""
+    if isinstance(exc, AuthError):
+        return auth_error_response(exc)
+    if isinstance(exc, _TYPED):
+        return _with_retry_after(error_response(*_classify(exc), str(exc)), exc)
+    return None
+
+
 def _histogram(name: str, documentation: str, histogram: Histogram) -> HistogramMetricFamily:
     family = HistogramMetricFamily(name, documentation)
     family.add_metric([], histogram.buckets(), histogram.total)
@@ -182,18 +195,30 @@ class _ManagerCollector(Collector):
         yield from families.values()
 
 
-async def _session(
-    request: Request, session_id: str, authorization: Annotated[str | None, Header()] = None
-) -> Session:
-    """The authenticated session of a session-scoped route (401/403/404 otherwise).
+@header_guard
+async def _session(request: Request) -> Session:
+    """The authenticated session of a session-scoped route (401/403/404 otherwise), checked before the
+    body is read (`server.auth_first`).
 
     ``async`` although it does no I/O: FastAPI would run a plain function on its thread pool, a thread hop
     per request for a dictionary lookup (and one the simulator's virtual clock cannot see).
     """
-    return request.app.state.manager.session(session_id, bearer_token(authorization))
+    token = bearer_token(request.headers.get("authorization"))
+    return request.app.state.manager.session(request.path_params["session_id"], token)
 
 
 SessionDep = Annotated[Session, Depends(_session)]
+
+
+@header_guard
+async def _batch_session(request: Request) -> None:
+    """A batch reaches its session with that session's token; one that would create the session (no session
+    has its id yet) needs an API key too when the server has keys (`--api-key`), sent as ``X-API-Key``
+    beside the client-chosen session token."""
+    if request.path_params["session_id"] in request.app.state.manager.sessions:
+        await _session(request)
+    else:
+        check_api_key(request, request.app.state.security.api_keys)
 
 
 def create_app(
@@ -294,12 +319,18 @@ def create_app(
         return response
 
     app.add_middleware(BodyLimitMiddleware, max_bytes=MAX_BODY_BYTES)  # chunked bodies too
-    # The API key guards the OpenAI routes here, where they are mounted (none configured: open).
-    app.include_router(
-        create_openai_router(manager), dependencies=[Depends(api_key_guard(security.api_keys))]
-    )
+    # Outermost: a request without its route's credential is refused before any body is read.
+    guarded: list[GuardedRoute] = []  # every route with its guards: filled below, once all exist
+    app.add_middleware(AuthFirstMiddleware, routes=guarded, refusal=_refusal)
+    # The API key guards every generating route: the OpenAI routes here, where they are mounted, and the
+    # opening of a session (whose token then guards the session's routes); none configured: open.
+    require_api_key = api_key_guard(security.api_keys)
+    with_api_key = [Depends(require_api_key)]
+    openai_router = create_openai_router(manager)
+    app.include_router(openai_router, dependencies=with_api_key)
 
-    app.include_router(create_ui_router(manager, security.cluster_token))  # /ui and the routes it reads
+    ui_router = create_ui_router(manager, security.cluster_token)
+    app.include_router(ui_router)  # /ui and the routes it reads
 
     @app.get("/health", responses={503: {"description": "the process is up but no engine is in service"}})
     async def health() -> JSONResponse:
@@ -385,7 +416,7 @@ def create_app(
         await manager.unregister_engine(engine_id)
         return Response(status_code=204)
 
-    @app.post("/v1/sessions")
+    @app.post("/v1/sessions", dependencies=with_api_key)
     async def create_session(
         request: Request, req: CreateSessionRequest | None = None
     ) -> CreateSessionResponse:
@@ -441,6 +472,7 @@ def create_app(
 
     @app.post(
         "/v1/sessions/{session_id}/batch",
+        dependencies=[Depends(_batch_session)],
         response_class=StreamingResponse,
         responses={200: {"content": {"application/x-ndjson": {}}, "description": _BATCH_ANSWER}},
     )
@@ -464,4 +496,6 @@ def create_app(
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
+    guarded += guarded_routes(app.router) + guarded_routes(openai_router, require_api_key)
+    guarded += guarded_routes(ui_router)
     return app

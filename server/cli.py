@@ -124,7 +124,10 @@ def bind_listener(prog: str, host: str, port: int) -> socket.socket:
     a one-line error at once (exit 2), not after the load. Port 0 binds a free port (`listener_url` says
     which). Hand the socket to `serve`: nothing can take the port in between."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET  # as uvicorn chooses
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP, not 0: asyncio turns Nagle off (TCP_NODELAY) only on sockets whose protocol says TCP, and
+    # accepted connections inherit it. Without it every response on a kept-alive connection waits out the
+    # peer's delayed ACK (~40 ms a request).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         # As uvicorn does: a restart is not refused over the last run's connections in TIME_WAIT; a port
         # another server listens on still is.

@@ -21,11 +21,11 @@ import itertools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from parrot.protocol import (
     ErrorBody,
@@ -220,11 +220,11 @@ def create_openai_router(backend: OpenAIBackend) -> APIRouter:
         response_model=None,
         responses={200: {"model": OpenAICompletionResponse}, 400: {"model": ErrorResponse}},
     )
-    async def completions(req: OpenAICompletionRequest) -> JSONResponse | StreamingResponse:
+    async def completions(request: Request, req: OpenAICompletionRequest) -> JSONResponse | StreamingResponse:
         try:
             reject_unsupported(req)
             engine = backend.engine_for(req.model)
-            prompts = completion_prompts(engine, req.prompt)
+            prompts = await _off_loop_if_large(request, completion_prompts, engine, req.prompt)
             guided = guided_of(req.response_format, req.structured_outputs)
             sampling = sampling_for(req, req.max_tokens, engine, prompts, guided, req.logprobs)
             return await _serve(backend, engine, prompts, sampling, req, chat=False)
@@ -236,12 +236,14 @@ def create_openai_router(backend: OpenAIBackend) -> APIRouter:
         response_model=None,
         responses={200: {"model": OpenAIChatCompletionResponse}, 400: {"model": ErrorResponse}},
     )
-    async def chat_completions(req: OpenAIChatCompletionRequest) -> JSONResponse | StreamingResponse:
+    async def chat_completions(
+        request: Request, req: OpenAIChatCompletionRequest
+    ) -> JSONResponse | StreamingResponse:
         try:
             reject_unsupported(req)
             engine = backend.engine_for(req.model)
             tools = chat_tools(req)
-            prompts = [chat_prompt(engine, req, tools)]
+            prompts = [await _off_loop_if_large(request, chat_prompt, engine, req, tools)]
             max_tokens = (
                 req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             )
@@ -288,6 +290,20 @@ def create_openai_router(backend: OpenAIBackend) -> APIRouter:
 def _error(e: EngineError | OpenAIAPIError) -> JSONResponse:
     param = e.param if isinstance(e, OpenAIAPIError) else None
     return error_response(e.http_status, e.error_type, str(e), param=param, code=e.error_type)
+
+
+# A request body over this many bytes has its prompt rendered and tokenized on a worker thread: a 1 MB prompt
+# takes ~1.5 s to encode, which on the event loop would stall every other request and /health.
+OFF_LOOP_BODY_BYTES = 32 * 1024
+_R = TypeVar("_R")
+
+
+async def _off_loop_if_large(request: Request, work: Callable[..., _R], *args: Any) -> _R:
+    """``work(*args)`` on a worker thread when ``request``'s body is large (or of unknown size), else here."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) <= OFF_LOOP_BODY_BYTES:
+        return work(*args)
+    return await asyncio.to_thread(work, *args)
 
 
 # option name -> the values that mean "not used" (anything else is rejected with a 400)

@@ -26,6 +26,8 @@ from server.openai_tools import (
 # OpenAI's own default; a client that wants greedy output passes ``temperature=0``.
 DEFAULT_TEMPERATURE = 1.0
 MAX_N = 16  # choices per prompt (each is a generate of its own)
+# Generations one request may ask for: its prompts times n (a 2 KiB body could otherwise ask for thousands).
+MAX_GENERATIONS = 256
 
 
 class OpenAIAPIError(Exception):
@@ -74,6 +76,13 @@ def reject_unsupported(req: OpenAICompletionRequest | OpenAIChatCompletionReques
             raise UnsupportedOptionError(f"{name}={value!r} is not supported by this server", name)
     if req.n is not None and not 1 <= req.n <= MAX_N:
         raise OpenAIAPIError(f"n must be in [1, {MAX_N}], got {req.n}", "n")
+    prompts = _prompt_count(req.prompt) if isinstance(req, OpenAICompletionRequest) else 1
+    if prompts * (req.n or 1) > MAX_GENERATIONS:
+        raise OpenAIAPIError(
+            f"{prompts} prompts with n={req.n or 1} ask for {prompts * (req.n or 1)} generations, over the "
+            f"{MAX_GENERATIONS} one request may ask for: send the prompts in several requests",
+            "prompt",
+        )
     top = req.logprobs if isinstance(req, OpenAICompletionRequest) else req.top_logprobs
     name = "logprobs" if isinstance(req, OpenAICompletionRequest) else "top_logprobs"
     if top is not None and not 0 <= top <= MAX_LOGPROBS:
@@ -114,6 +123,11 @@ def chat_tools(req: OpenAIChatCompletionRequest) -> ChatTools | None:
         return None
     parallel = req.parallel_tool_calls is not False
     return ChatTools(functions, calls_schema(functions, names, parallel) if mode == "required" else None)
+
+
+def _prompt_count(prompt: str | list[str] | list[int] | list[list[int]]) -> int:
+    """How many prompts ``prompt`` holds: one text or token list, or a list of them."""
+    return 1 if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int) else len(prompt)
 
 
 def completion_prompts(

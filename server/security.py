@@ -7,7 +7,8 @@ the default file (``$PARROT_CACHE_DIR`` or ``~/.cache/parrot-serve``, ``cluster_
 exist yet is created with a fresh token, readable only by its owner (0600) — so a manager and engines
 started by one user on one machine agree with no setup, and another machine gets the file (or the variable).
 
-**API keys** (``--api-key``, ``$PARROT_API_KEY``) guard the OpenAI-compatible routes when set.
+**API keys** (``--api-key``, ``$PARROT_API_KEY``), when set, guard every route that generates: the
+OpenAI-compatible routes and the opening of a session (whose own token then guards its routes).
 
 Every comparison is constant-time (`hmac.compare_digest`); a secret is never logged or echoed.
 """
@@ -24,12 +25,14 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from parrot.protocol import ErrorBody, ErrorResponse
+from parrot.protocol import API_KEY_ENV, API_KEY_HEADER, ErrorBody, ErrorResponse
 
+from server.auth_first import header_guard
 from server.engine.gguf_loader import cache_dir
 
 __all__ = [
     "API_KEY_ENV",
+    "API_KEY_HEADER",
     "CLUSTER_TOKEN_ENV",
     "AuthError",
     "ClusterToken",
@@ -37,18 +40,19 @@ __all__ = [
     "api_key_guard",
     "api_keys_from",
     "bearer_token",
+    "check_api_key",
     "check_secret",
     "cluster_token_guard",
     "default_token_path",
     "install_auth_handler",
     "load_cluster_token",
     "matches_any",
+    "presented_api_key",
 ]
 
 log = logging.getLogger(__name__)
 
 CLUSTER_TOKEN_ENV = "PARROT_CLUSTER_TOKEN"
-API_KEY_ENV = "PARROT_API_KEY"
 TOKEN_FILE_NAME = "cluster_token"
 # What a caller is told to use, named in every refusal (the setting, never the secret).
 CLUSTER_TOKEN_HINT = (
@@ -56,7 +60,8 @@ CLUSTER_TOKEN_HINT = (
     "file given with --cluster-token-file (by default the file the manager logged at start)"
 )
 API_KEY_HINT = (
-    f"send 'Authorization: Bearer <API key>' with one of the keys the server was started with "
+    f"send 'Authorization: Bearer <API key>' (or '{API_KEY_HEADER}: <API key>', which a session's requests "
+    f"use beside their session token) with one of the keys the server was started with "
     f"(--api-key or ${API_KEY_ENV})"
 )
 
@@ -193,10 +198,9 @@ def matches_any(presented: str, secrets_: Sequence[str]) -> bool:
     return found
 
 
-def check_secret(authorization: str | None, accepted: Sequence[str], what: str, hint: str) -> None:
-    """Raise `AuthError` unless the Authorization header carries one of ``accepted``: 401 without a
-    bearer token, 403 with a wrong one. ``what`` names the credential, ``hint`` says how to send it."""
-    token = bearer_token(authorization)
+def check_secret(token: str | None, accepted: Sequence[str], what: str, hint: str) -> None:
+    """Raise `AuthError` unless ``token`` (None: none was sent) is one of ``accepted``: 401 without a
+    token, 403 with a wrong one. ``what`` names the credential, ``hint`` says how to send it."""
     slug = what.lower().replace(" ", "_")
     if token is None:
         raise AuthError(f"this route needs the {what}: {hint}", 401, f"missing_{slug}")
@@ -214,9 +218,10 @@ def cluster_token_guard(token: str) -> Guard:
     """
 
     async def require_cluster_token(request: Request) -> None:
-        check_secret(request.headers.get("authorization"), (token,), "cluster token", CLUSTER_TOKEN_HINT)
+        presented = bearer_token(request.headers.get("authorization"))
+        check_secret(presented, (token,), "cluster token", CLUSTER_TOKEN_HINT)
 
-    return require_cluster_token
+    return header_guard(require_cluster_token)
 
 
 def api_key_guard(keys: Sequence[str]) -> Guard:
@@ -224,10 +229,20 @@ def api_key_guard(keys: Sequence[str]) -> Guard:
     accepted = tuple(keys)
 
     async def require_api_key(request: Request) -> None:
-        if accepted:
-            check_secret(request.headers.get("authorization"), accepted, "API key", API_KEY_HINT)
+        check_api_key(request, accepted)
 
-    return require_api_key
+    return header_guard(require_api_key)
+
+
+def presented_api_key(request: Request) -> str | None:
+    """The API key a request carries: its ``X-API-Key`` header, else its bearer token."""
+    return request.headers.get(API_KEY_HEADER) or bearer_token(request.headers.get("authorization"))
+
+
+def check_api_key(request: Request, keys: Sequence[str]) -> None:
+    """Raise `AuthError` unless ``request`` carries one of ``keys`` (none configured: all pass)."""
+    if keys:
+        check_secret(presented_api_key(request), keys, "API key", API_KEY_HINT)
 
 
 def auth_error_response(exc: AuthError) -> JSONResponse:

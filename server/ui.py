@@ -10,10 +10,11 @@ from __future__ import annotations
 from importlib.resources import files
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Header, Query, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response, StreamingResponse
 from parrot.protocol import ClusterView, GetVariableResponse, SessionDag
 
+from server.auth_first import header_guard
 from server.security import bearer_token, cluster_token_guard, matches_any
 from server.serve.manager import Manager
 from server.serve.sessions import Session
@@ -39,13 +40,13 @@ _PAGE_HEADERS = {
 }
 
 
-async def _viewer(
-    request: Request, session_id: str, authorization: Annotated[str | None, Header()] = None
-) -> Session:
+@header_guard
+async def _viewer(request: Request) -> Session:
     """The session of a view route, for its own token or the cluster token (401/403/404 otherwise, as on
     every session route). ``async``: a dictionary lookup needs no thread hop."""
     manager: Manager = request.app.state.manager
-    token = bearer_token(authorization)
+    session_id = request.path_params["session_id"]
+    token = bearer_token(request.headers.get("authorization"))
     if token is not None and matches_any(token, (request.app.state.security.cluster_token,)):
         return manager.sessions.find(session_id)
     return manager.session(session_id, token)

@@ -21,7 +21,7 @@ from typing import Any, Literal
 import httpx
 from langchain_core.language_models import LangSmithParams
 from langchain_core.utils import from_env, secret_from_env
-from parrot.protocol import SamplingConfig
+from parrot.protocol import API_KEY_HEADER, SamplingConfig
 from parrot.sampling import check_sampling
 from parrot.tokens import ServerTokenizer
 from parrot.urls import BASE_URL_ENV, DEFAULT_BASE_URL, ServerURL
@@ -141,6 +141,7 @@ class ParrotModelBase(BaseModel):
             headers = {}
             if self.api_key is not None:
                 headers["Authorization"] = f"Bearer {self.api_key.get_secret_value()}"
+                headers[API_KEY_HEADER] = self.api_key.get_secret_value()  # a session's, beside its token
             self._connection = ServerConnection(
                 self.base_url,
                 timeout=self.timeout,

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 import parrot as P
 from parrot.errors import ParrotError
-from parrot.protocol import Criteria
+from parrot.protocol import API_KEY_HEADER, Criteria
 
 from langchain_parrot._http import ServerConnection
 from langchain_parrot.submission import Effect, Fetch, Program, RunClient
@@ -147,6 +147,7 @@ def open_session(connection: ServerConnection | None) -> Iterator[P.Session | No
         timeout=connection.timeout,  # type: ignore[arg-type]
         client=connection.client,
         connect_retries=connection.max_retries,
+        api_key=connection.headers.get(API_KEY_HEADER),
     )
     session.__enter__()
     try:
@@ -207,6 +208,7 @@ async def open_session_async(connection: ServerConnection | None) -> AsyncIterat
         timeout=connection.timeout,  # type: ignore[arg-type]
         client=connection.async_client,
         connect_retries=connection.max_retries,
+        api_key=connection.headers.get(API_KEY_HEADER),
     )
     await session.__aenter__()
     try:

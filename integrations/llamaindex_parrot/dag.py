@@ -34,6 +34,7 @@ class ParrotServer(Protocol):
 
     timeout: float
     get_timeout: float
+    api_key: str | None
 
 
 class _End:
@@ -44,7 +45,7 @@ _END = _End()
 
 
 def _session(llm: ParrotServer) -> P.Session:
-    return P.Session(llm.base_url, timeout=llm.timeout)
+    return P.Session(llm.base_url, timeout=llm.timeout, api_key=llm.api_key)
 
 
 def _settle(llm: ParrotServer, plan: Plan) -> P.Variable | str | None:

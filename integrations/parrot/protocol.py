@@ -341,22 +341,11 @@ class TransformSpec(_Strict):
         return self
 
     def _check_regex(self) -> None:
+        # The pattern itself (its syntax, size and groups) is checked by the server, which compiles it with
+        # RE2 under a size and memory bound; compiling it here with Python's `re` would run an unbounded
+        # compile (deep nesting, huge alternations) while the request is still being validated.
         if not self.pattern:
             raise ValueError("transform 'regex' needs a non-empty 'pattern'")
-        try:
-            compiled = re.compile(self.pattern)
-        except re.error as e:
-            raise ValueError(f"invalid regex pattern {self.pattern!r}: {e}") from None
-        n = compiled.groups
-        if self.group is None:
-            if n > 1:
-                raise ValueError(f"pattern {self.pattern!r} has {n} groups; choose one with 'group'")
-        elif isinstance(self.group, int):
-            if not 0 <= self.group <= n:
-                raise ValueError(f"group {self.group} is out of range: {self.pattern!r} has {n} group(s)")
-        elif self.group not in compiled.groupindex:
-            names = sorted(compiled.groupindex) or "none"
-            raise ValueError(f"pattern {self.pattern!r} has no group named {self.group!r} (named: {names})")
 
 
 # ------------------------------------------------------------------------------------- template grammar
@@ -382,6 +371,8 @@ class TransformSpec(_Strict):
 #   * a name is either an input or an output, never both.
 
 Role = Literal["input", "output"]
+# The most placeholders one template may hold (each one is a boundary the server tracks and renders).
+MAX_TEMPLATE_PLACEHOLDERS = 4096
 ROLES: tuple[Role, ...] = ("input", "output")
 _HSPACE = " \t"
 
@@ -444,10 +435,11 @@ def _parse_placeholder(template: str, start: int) -> TemplatePlaceholder:
     """Parse the placeholder whose ``{{`` is at ``start``."""
     close = template.find("}}", start + 2)
     # A placeholder never spans lines or contains another "{{": stopping there points at the real culprit
-    # (the unclosed "{{") instead of some "}}" much later in the template.
-    newline = template.find("\n", start + 2)
-    reopen = template.find("{{", start + 2)
-    if close < 0 or 0 <= newline < close or 0 <= reopen < close:
+    # (the unclosed "{{") instead of some "}}" much later in the template. Both searches end at ``close``,
+    # so parsing stays linear in the template's length however many placeholders it has.
+    newline = template.find("\n", start + 2, max(close, 0))
+    reopen = template.find("{{", start + 2, max(close, 0))
+    if close < 0 or newline >= 0 or reopen >= 0:
         raise TemplateError(
             f"unclosed '{{{{' ({_snippet(template[start : start + 30])}): close the placeholder with '}}}}' "
             "on the same line, or write '{{{{' for a literal '{{'",
@@ -520,17 +512,20 @@ def _check_placeholder(
     template: str, piece: TemplatePlaceholder, first: TemplatePlaceholder, previous: TemplatePiece | None
 ) -> None:
     """The rules between placeholders, for ``piece`` given its name's first use and the piece before it."""
-    where = "line {}, column {}".format(*_line_col(template, first.start))
+
+    def where() -> str:  # only when refusing: finding a line is linear in the template
+        return "line {}, column {}".format(*_line_col(template, first.start))
+
     if first is not piece and first.role != piece.role:
         raise TemplateError(
-            f"{piece.name!r} is used as both {first.role} (at {where}) and {piece.role}: "
+            f"{piece.name!r} is used as both {first.role} (at {where()}) and {piece.role}: "
             "a name is either an input or an output; rename one",
             template,
             piece.start,
         )
     if first is not piece and piece.role == "output":
         raise TemplateError(
-            f"output {piece.name!r} appears twice (first at {where}): an output is produced once; "
+            f"output {piece.name!r} appears twice (first at {where()}): an output is produced once; "
             "rename one, or read it as an {{input:...}} in a following call",
             template,
             piece.start,
@@ -549,13 +544,23 @@ def parse_template(template: str) -> list[TemplatePiece]:
 
     Adjacent text is merged (two `TemplateText` are never neighbours); placeholders may be. Raises
     `TemplateError` (with the line and column) for a malformed placeholder, adjacent outputs, an output
-    used twice, a name used as both input and output, or a template without any output. See the grammar
+    used twice, a name used as both input and output, more than `MAX_TEMPLATE_PLACEHOLDERS` placeholders,
+    or a template without any output. Linear in the template's length. See the grammar
     in the comment above.
     """
     pieces: list[TemplatePiece] = []
     first_use: dict[str, TemplatePlaceholder] = {}
+    placeholders = 0
     for piece in _scan(template):
         if isinstance(piece, TemplatePlaceholder):
+            placeholders += 1
+            if placeholders > MAX_TEMPLATE_PLACEHOLDERS:
+                raise TemplateError(
+                    f"over {MAX_TEMPLATE_PLACEHOLDERS} placeholders: split the call, or pass repeated text "
+                    "as one input value",
+                    template,
+                    piece.start,
+                )
             previous = pieces[-1] if pieces else None
             _check_placeholder(template, piece, first_use.setdefault(piece.name, piece), previous)
         pieces.append(piece)
@@ -591,6 +596,11 @@ def placeholder_names(pieces: Sequence[TemplatePiece], role: Role) -> list[str]:
 # ------------------------------------------------------------------------------------------------ calls
 Criteria = Literal["latency", "throughput"]
 
+
+# A server started with API keys (``--api-key``) needs one to open a session; a session's requests carry it in
+# this header, beside their session token in ``Authorization``. Clients read the key from the variable.
+API_KEY_HEADER = "X-API-Key"
+API_KEY_ENV = "PARROT_API_KEY"
 
 # Ids a client may choose for its variables (so a whole DAG can be sent in one request, see `BatchRequest`).
 VAR_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"

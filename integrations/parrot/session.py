@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import secrets
 import threading
 import time
@@ -33,6 +34,8 @@ from parrot.errors import (
     error_from_transport,
 )
 from parrot.protocol import (
+    API_KEY_ENV,
+    API_KEY_HEADER,
     CRITERIA,
     BatchApplied,
     BatchCreateVariable,
@@ -139,7 +142,8 @@ class Session:
     everyone's, which is what makes a common system prompt cheap — and what lets another tenant tell, from a
     faster answer, that a prefix was sent before. ``connect_retries``: how many more times a request is tried
     when no connection to the server could be made (nothing was sent, so retrying is always safe), with
-    backoff from 0.25 s.
+    backoff from 0.25 s. ``api_key``: the key a server started with ``--api-key`` needs to open a session
+    (default: ``$PARROT_API_KEY``), sent as ``X-API-Key`` beside the session's own token.
     """
 
     def __init__(
@@ -151,6 +155,7 @@ class Session:
         client: httpx.Client | httpx.AsyncClient | None = None,
         cache_salt: str | None = None,
         connect_retries: int = 0,
+        api_key: str | None = None,
     ) -> None:
         if connect_retries < 0:
             raise ValueError(f"connect_retries must be >= 0, got {connect_retries}")
@@ -159,6 +164,7 @@ class Session:
         self.timeout = timeout
         self.poll_timeout = poll_timeout
         self.cache_salt = cache_salt
+        self._api_key = api_key if api_key is not None else (os.environ.get(API_KEY_ENV, "").strip() or None)
         self._given_client = client
         self._client: httpx.Client | httpx.AsyncClient | None = None
         self._mode: Literal["sync", "async"] | None = None
@@ -590,6 +596,8 @@ class Session:
         self, body: dict[str, Any] | None, params: dict[str, Any] | None, wait: float, auth: bool
     ) -> dict[str, Any]:
         headers = {"Authorization": f"Bearer {self._token}"} if auth else {}
+        if self._api_key is not None:
+            headers[API_KEY_HEADER] = self._api_key
         # A long poll may legitimately take `wait` seconds before the answer starts.
         return {"json": body, "params": params, "headers": headers, "timeout": self.timeout + wait}
 

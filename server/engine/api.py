@@ -35,6 +35,7 @@ from parrot.protocol import (
     ErrorResponse,
 )
 
+from server.auth_first import AuthFirstMiddleware, GuardedRoute, guarded_routes
 from server.body_limit import BodyLimitMiddleware
 from server.engine.detokenize import IncrementalDetokenizer
 from server.engine.engine import GenerationStream, LLMEngine
@@ -42,7 +43,7 @@ from server.engine.errors import EngineError
 from server.engine.manager_link import ManagerLink
 from server.engine.request import GenerateResult
 from server.engine.sampling import SamplingParams
-from server.security import cluster_token_guard, install_auth_handler
+from server.security import AuthError, auth_error_response, cluster_token_guard, install_auth_handler
 
 # A fill carries token ids as JSON (~6-8 bytes each): 64 MiB holds a few million, beyond any context window.
 MAX_ENGINE_BODY_BYTES = 64 * 1024 * 1024
@@ -61,6 +62,10 @@ def error_response(
         error=ErrorBody(type=error_type, message=message, op_index=op_index, param=param, code=code)
     )
     return JSONResponse(body.model_dump(exclude_none=True), status_code=status)
+
+
+def _refusal(exc: Exception) -> JSONResponse | None:
+    return auth_error_response(exc) if isinstance(exc, AuthError) else None
 
 
 def _sse(payload: str) -> str:
@@ -93,6 +98,9 @@ def create_engine_app(
 
     app = FastAPI(title="Parrot engine", version="1", lifespan=lifespan)
     app.add_middleware(BodyLimitMiddleware, max_bytes=MAX_ENGINE_BODY_BYTES)
+    # Outermost: without the cluster token a request is refused before any of its body is read.
+    guarded: list[GuardedRoute] = []  # the API's routes with their guards, filled once they exist
+    app.add_middleware(AuthFirstMiddleware, routes=guarded, refusal=_refusal)
     install_auth_handler(app)
     guard = [] if cluster_token is None else [Depends(cluster_token_guard(cluster_token))]
     api = APIRouter(dependencies=guard)
@@ -173,6 +181,7 @@ def create_engine_app(
         return EngineFreeContextResponse(context_id=req.context_id)
 
     app.include_router(api)
+    guarded += guarded_routes(api)
     return app
 
 

@@ -54,6 +54,7 @@ __all__ = [
     "input_vars",
     "prefix_hash",
     "prefix_hashes",
+    "prompt_chars",
     "render_prompt",
     "text_before",
 ]
@@ -248,6 +249,19 @@ def _value(call: CallIR, step_index: int, values: Mapping[str, str], var_id: str
         return values[var_id]
     except KeyError:
         raise MissingValueError(var_id, name, call.call_id, step_index) from None
+
+
+def prompt_chars(call: CallIR, step_index: int, values: Mapping[str, str]) -> int:
+    """How many characters `render_prompt` would make of step ``step_index``, computed from the texts'
+    and values' lengths without rendering; a value not in ``values`` counts 0 (a lower bound while some
+    are still unknown). An input used many times counts each time."""
+    total = 0
+    for step in call.steps[: step_index + 1]:
+        for fill in step.fills:
+            total += len(fill.text) if isinstance(fill, TextFill) else len(values.get(fill.var_id, ""))
+        if step.index < step_index:
+            total += len(values.get(step.gen.var_id, ""))
+    return total
 
 
 def text_before(call: CallIR, var_id: str, values: Mapping[str, str]) -> str | None:

@@ -39,6 +39,7 @@ from parrot.protocol import (
     BatchGet,
     BatchRequest,
     BatchSetVariable,
+    CallError,
     ClusterView,
     CreateSessionRequest,
     CreateSessionResponse,
@@ -70,6 +71,7 @@ from server.serve.ir import (
     build_call,
     input_vars,
     prefix_hashes,
+    prompt_chars,
     render_prompt,
     text_before,
 )
@@ -195,6 +197,9 @@ class ManagerConfig:
     # Remote engines send a heartbeat this often; one silent for `engine_timeout` is out of service.
     heartbeat_interval: float = 2.0
     engine_timeout: float = 10.0
+    # The most characters a step's rendered prompt may have: checked from its texts' and values' lengths
+    # before rendering (an input repeated in a template multiplies its value), far above any model's window.
+    max_prompt_chars: int = 1 << 20
     # How many times a step (or an OpenAI request that has streamed nothing) whose engine failed runs again
     # on another engine before it fails naming the engines.
     max_step_retries: int = 2
@@ -257,6 +262,7 @@ class _Prepared:
     namespace: str
     boundaries: list[tuple[int, str]]
     progress: _CallProgress | None
+    refusal: str | None = None  # why the step fails instead of running (its prompt was not rendered)
 
 
 @dataclass
@@ -688,6 +694,9 @@ class Manager:
             validate_transforms(placeholder.transforms)
         outputs = {p.name: p.var_id or VariableTable.new_id() for p in req.placeholders if p.role == "output"}
         call = build_call(req, outputs)
+        chars = prompt_chars(call, len(call.steps) - 1, {})  # its text and literal values: known now
+        if chars > self.config.max_prompt_chars:
+            raise CallError(self._prompt_too_long(chars))
         self._check_call_quota(session, call)
         graph.add_call(call)
         session.calls.append(CallOutline.of(call))
@@ -696,6 +705,13 @@ class Manager:
                 self._settled(session, var_id)
         self._dispatch(session)
         return SubmitCallResponse(call_id=call.call_id, outputs=call.outputs)
+
+    def _prompt_too_long(self, chars: int) -> str:
+        return (
+            f"the prompt renders to {chars} characters (or more), over the server's limit of "
+            f"{self.config.max_prompt_chars} (ManagerConfig.max_prompt_chars): shorten the values, or "
+            "repeat a long input fewer times in the template"
+        )
 
     def _check_call_quota(self, session: Session, call: CallIR) -> None:
         """Refuse ``call`` beyond the session's quotas (variables, unfinished steps, their max_tokens).
@@ -802,8 +818,11 @@ class Manager:
         call = node.call
         progress = self._calls.pop((session.session_id, call.call_id), None)
         values = self._values(session.graph, node, progress)
-        prompt = render_prompt(call, node.id.index, values)
         namespace = _namespace(call.cache_salt or session.cache_salt)
+        chars = prompt_chars(call, node.id.index, values)
+        if chars > self.config.max_prompt_chars:
+            return _Prepared("", namespace, [], progress, refusal=self._prompt_too_long(chars))
+        prompt = render_prompt(call, node.id.index, values)
         boundaries: list[tuple[int, str]] = []
         if self.config.prefix_sharing:
             boundaries = [(off, namespace + h) for off, h in prefix_hashes(call, node.id.index, values)]
@@ -876,6 +895,8 @@ class Manager:
         `EngineFailedError` naming the engines. A later step of a call runs where the call's context is,
         unless that engine left service: its prompt (the earlier steps' raw outputs included) is then
         filled whole on another engine, which gives the same tokens the context held."""
+        if prep.refusal is not None:
+            raise RequestTooLargeError(prep.refusal)
         failures: list[str] = []
         pinned = prep.progress.engine if prep.progress is not None else None
         while True:
@@ -903,7 +924,7 @@ class Manager:
         # A call's steps share one context chain, so one engine; engines of one model share a tokenizer.
         serving = [pinned] if pinned is not None else self._serving(node.call.model)
         tokenizer = self.engines[serving[0]].tokenizer
-        token_ids = tokenizer.encode(prep.prompt)
+        token_ids = await _encode(tokenizer, prep.prompt)
         shared, shared_key = [], None
         if self.config.prefix_sharing and pinned is None:
             shared, shared_key = self._shared_prefix(tokenizer, node, prep, token_ids)
@@ -1442,6 +1463,17 @@ class Manager:
         for task in list(self._cleanups):  # their engines' connections close as the tasks end
             task.cancel()
         await asyncio.gather(*self._cleanups, return_exceptions=True)
+
+
+# Prompts longer than this are tokenized on a worker thread (the tokenizer releases the GIL): a 1 MB prompt
+# takes ~1.5 s to encode, which on the event loop would stall every session and /health.
+ENCODE_OFF_LOOP_CHARS = 32 * 1024
+
+
+async def _encode(tokenizer: Any, text: str) -> list[int]:
+    if len(text) <= ENCODE_OFF_LOOP_CHARS:
+        return list(tokenizer.encode(text))
+    return list(await asyncio.to_thread(tokenizer.encode, text))
 
 
 def _namespace(cache_salt: str | None) -> str:

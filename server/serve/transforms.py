@@ -222,8 +222,23 @@ def validate_transforms(
     for spec in checked:
         if spec.type == "regex":
             assert spec.pattern is not None  # the spec validator requires it
-            _compile(spec.pattern, limits)
+            _check_group(spec, _compile(spec.pattern, limits))
     return checked
+
+
+def _check_group(spec: TransformSpec, compiled: Any) -> None:
+    """Raise `TransformPatternError` unless ``spec.group`` names a group of ``compiled`` (or, left out, the
+    pattern has at most one group to take)."""
+    pattern, n, group = spec.pattern or "", compiled.groups, spec.group
+    if group is None:
+        if n > 1:
+            raise TransformPatternError(pattern, f"it has {n} groups; choose one with 'group'")
+    elif isinstance(group, int):
+        if not 0 <= group <= n:
+            raise TransformPatternError(pattern, f"group {group} is out of range: it has {n} group(s)")
+    elif group not in compiled.groupindex:
+        names = sorted(compiled.groupindex) or "none"
+        raise TransformPatternError(pattern, f"it has no group named {group!r} (named: {names})")
 
 
 def apply_transforms(

@@ -1,6 +1,7 @@
-"""`--api-key`: with keys configured, the OpenAI routes refuse requests without one (401) or with another
-(403), accept any configured key, and leave the rest of the API (sessions, health) as it was. The clients
-(the OpenAI-style HTTP call, LangChain's models, LlamaIndex's LLM) pass a key through."""
+"""`--api-key`: with keys configured, every generating route refuses requests without one (401) or with
+another (403) and accepts any configured key: the OpenAI routes, and the opening of a session (whose token
+then guards its routes); health needs none. The clients (`parrot.Session`, the OpenAI-style HTTP call,
+LangChain's models and runnables, LlamaIndex's LLM) pass a key through."""
 
 from __future__ import annotations
 
@@ -58,8 +59,33 @@ def test_the_openai_routes_need_a_configured_key(
         assert r.status_code == 200, r.text
 
 
-def test_the_rest_of_the_api_needs_no_key(served: LaunchedServer) -> None:
+def test_opening_a_session_needs_a_key_too_and_health_needs_none(served: LaunchedServer) -> None:
     assert httpx.get(f"{served.url}/health").status_code == 200
+
+    @P.semantic_function(max_tokens=2)
+    def echo(x):  # type: ignore[no-untyped-def]
+        """Say {{input:x}}: {{output:y}}"""
+
+    with pytest.raises(P.AuthError, match="--api-key"), P.Session(served.url, api_key=None) as s:
+        echo("a").get()
+    assert not s.session_id or s.session_id not in served.manager.sessions  # nothing was created
+    with pytest.raises(P.AuthError), P.Session(served.url, api_key="key-three"):
+        echo("a").get()
+    with P.Session(served.url, api_key=KEYS[1]):  # the key rides beside the session's own token
+        assert isinstance(echo("a").get(), str)
+    r = httpx.post(f"{served.url}/v1/sessions", json={})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "missing_api_key"
+    r = httpx.post(f"{served.url}/v1/sessions", json={}, headers=_bearer(KEYS[0]))
+    assert r.status_code == 200, r.text
+    session = r.json()
+    # An open session's routes take its token alone: the key opened it.
+    auth = _bearer(session["token"])
+    r = httpx.get(f"{served.url}/v1/sessions/{session['session_id']}/steps", headers=auth)
+    assert r.status_code == 200, r.text
+
+
+def test_the_key_comes_from_the_environment(served: LaunchedServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PARROT_API_KEY", KEYS[0])
 
     @P.semantic_function(max_tokens=2)
     def echo(x):  # type: ignore[no-untyped-def]

@@ -157,3 +157,29 @@ def test_an_engine_on_port_0_registers_the_port_it_bound(tmp_path: Path) -> None
             assert engine["url"] == url and engine["alive"]
         finally:
             stop(proc)
+
+
+def test_the_listener_turns_nagle_off_on_every_connection_it_accepts() -> None:
+    # asyncio sets TCP_NODELAY only on sockets whose protocol is TCP; a listener made with protocol 0 gave
+    # every kept-alive response a delayed-ACK wait (~40 ms a request).
+    import asyncio
+
+    from server.cli import bind_listener
+
+    async def accepted_nodelay() -> int:
+        seen: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+        class Record(asyncio.Protocol):
+            def connection_made(self, transport: asyncio.BaseTransport) -> None:
+                sock = transport.get_extra_info("socket")
+                seen.set_result(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+
+        listener = bind_listener("test", "127.0.0.1", 0)
+        server = await asyncio.get_running_loop().create_server(Record, sock=listener)
+        async with server:
+            _, writer = await asyncio.open_connection(*listener.getsockname()[:2])
+            value = await asyncio.wait_for(seen, 10)
+            writer.close()
+        return value
+
+    assert asyncio.run(accepted_nodelay()) != 0
