@@ -21,7 +21,7 @@ import itertools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar
 
@@ -227,7 +227,9 @@ def create_openai_router(backend: OpenAIBackend) -> APIRouter:
             prompts = await _off_loop_if_large(request, completion_prompts, engine, req.prompt)
             guided = guided_of(req.response_format, req.structured_outputs)
             sampling = sampling_for(req, req.max_tokens, engine, prompts, guided, req.logprobs)
-            return await _serve(backend, engine, prompts, sampling, req, chat=False)
+            return await _unless_client_leaves(
+                request, _serve(backend, engine, prompts, sampling, req, chat=False)
+            )
         except (EngineError, OpenAIAPIError) as e:
             return _error(e)
 
@@ -257,7 +259,8 @@ def create_openai_router(backend: OpenAIBackend) -> APIRouter:
                 guided = tools.guide
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
             sampling = sampling_for(req, max_tokens, engine, prompts, guided, logprobs)
-            return await _serve(backend, engine, prompts, sampling, req, chat=True, tools=tools)
+            served = _serve(backend, engine, prompts, sampling, req, chat=True, tools=tools)
+            return await _unless_client_leaves(request, served)
         except (EngineError, OpenAIAPIError) as e:
             return _error(e)
 
@@ -304,6 +307,35 @@ async def _off_loop_if_large(request: Request, work: Callable[..., _R], *args: A
     if length.isdigit() and int(length) <= OFF_LOOP_BODY_BYTES:
         return work(*args)
     return await asyncio.to_thread(work, *args)
+
+
+async def _unless_client_leaves(
+    request: Request, answer: Coroutine[Any, Any, JSONResponse | StreamingResponse]
+) -> JSONResponse | StreamingResponse:
+    """``answer``'s response, unless the client disconnects first: then ``answer`` is cancelled (its
+    generations aborted, their contexts freed) and nobody is answered. A streamed answer returns as soon as
+    its first tokens exist; from then on the stream itself stops when the client leaves."""
+    work = asyncio.ensure_future(answer)
+    left = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({work, left}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        left.cancel()
+        if not work.done():
+            work.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await left
+    if work.cancelled() or not work.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await work  # its release (abort and free) runs to the end
+        return JSONResponse({}, status_code=499)  # the client is gone: this is never read
+    return work.result()
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client of ``request`` (whose body was read) has disconnected."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 # option name -> the values that mean "not used" (anything else is rejected with a 400)

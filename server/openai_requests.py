@@ -13,6 +13,7 @@ from parrot.protocol import OpenAIChatCompletionRequest, OpenAICompletionRequest
 
 from server.engine.engine import LLMEngine
 from server.engine.sampling import MAX_LOGPROBS, GuidedDecoding, SamplingParams
+from server.engine.special_text import SpecialText
 from server.openai_tools import (
     ToolRequestError,
     calls_schema,
@@ -153,8 +154,11 @@ def completion_prompts(
 
 def chat_prompt(engine: LLMEngine, req: OpenAIChatCompletionRequest, tools: ChatTools | None) -> list[int]:
     """The messages rendered by the tokenizer's chat template, then encoded without adding BOS again; the
-    tools offered through the template where it takes them, else in a system message."""
-    messages = render_messages(req.messages)
+    tools offered through the template where it takes them, else in a system message. Messages are text:
+    a special-token string in a message's content encodes as plain text, never as a control token
+    (`SpecialText`); only the template's own markers are control tokens."""
+    specials = SpecialText.of(engine.tokenizer)
+    messages = [{**m, "content": specials.mask(m["content"])} for m in render_messages(req.messages)]
     extra: dict[str, Any] = {}
     if tools is not None:
         if "tools" in (getattr(engine.tokenizer, "chat_template", None) or ""):
@@ -167,7 +171,7 @@ def chat_prompt(engine: LLMEngine, req: OpenAIChatCompletionRequest, tools: Chat
         )
     except Exception as e:  # jinja errors: a template that refuses these messages (e.g. role order)
         raise InvalidPromptError(f"the chat template cannot render these messages: {e}") from e
-    ids: list[int] = engine.tokenizer.encode(text, add_special_tokens=False)
+    ids = specials.encode(engine.tokenizer, text, add_special_tokens=False)
     if not ids:
         raise InvalidPromptError("the rendered chat prompt has no tokens")
     return ids

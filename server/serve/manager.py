@@ -59,6 +59,7 @@ from parrot.protocol import (
 
 from server.engine import EngineError, LLMEngine, SamplingParams
 from server.engine.errors import EngineDrainingError, EngineFailedError, engine_unavailable
+from server.engine.special_text import SpecialText
 from server.serve.dag_view import engine_views, session_dag, session_summary
 from server.serve.deduction import StepObjective, objective
 from server.serve.disagg_engine import DisaggregatedEngine
@@ -262,6 +263,7 @@ class _Prepared:
     namespace: str
     boundaries: list[tuple[int, str]]
     progress: _CallProgress | None
+    specials: SpecialText  # the model's special-token strings, masked in the values (`SpecialText.mask`)
     refusal: str | None = None  # why the step fails instead of running (its prompt was not rendered)
 
 
@@ -299,6 +301,7 @@ class Manager:
         self._prefix_fills: dict[tuple[str, tuple[int, ...]], asyncio.Future[None]] = {}
         # Prefix hash -> dispatched steps (not finished) whose prompt has a segment boundary there.
         self._inflight: Counter[str] = Counter()
+        self._special_texts: dict[str, SpecialText] = {}  # per model: its tokenizer's special strings
         # Engine index -> OpenAI requests' contexts routed there and not finished: an engine's stats lag
         # behind a burst (a request counts there only once its fill reaches the engine).
         self._openai_routed: Counter[int] = Counter()
@@ -817,17 +820,18 @@ class Manager:
         """Render a step's prompt and count its prefix boundaries as in flight (`_release_prepared`)."""
         call = node.call
         progress = self._calls.pop((session.session_id, call.call_id), None)
-        values = self._values(session.graph, node, progress)
+        specials = self._special_text(call.model)
+        values = self._values(session.graph, node, progress, specials)
         namespace = _namespace(call.cache_salt or session.cache_salt)
         chars = prompt_chars(call, node.id.index, values)
         if chars > self.config.max_prompt_chars:
-            return _Prepared("", namespace, [], progress, refusal=self._prompt_too_long(chars))
+            return _Prepared("", namespace, [], progress, specials, refusal=self._prompt_too_long(chars))
         prompt = render_prompt(call, node.id.index, values)
         boundaries: list[tuple[int, str]] = []
         if self.config.prefix_sharing:
             boundaries = [(off, namespace + h) for off, h in prefix_hashes(call, node.id.index, values)]
             self._inflight.update(h for _, h in boundaries)
-        return _Prepared(prompt, namespace, boundaries, progress)
+        return _Prepared(prompt, namespace, boundaries, progress, specials)
 
     def _release_prepared(self, prep: _Prepared) -> None:
         for _, digest in prep.boundaries:
@@ -924,7 +928,7 @@ class Manager:
         # A call's steps share one context chain, so one engine; engines of one model share a tokenizer.
         serving = [pinned] if pinned is not None else self._serving(node.call.model)
         tokenizer = self.engines[serving[0]].tokenizer
-        token_ids = await _encode(tokenizer, prep.prompt)
+        token_ids = await _encode(tokenizer, prep.specials, prep.prompt)
         shared, shared_key = [], None
         if self.config.prefix_sharing and pinned is None:
             shared, shared_key = self._shared_prefix(tokenizer, node, prep, token_ids)
@@ -960,7 +964,7 @@ class Manager:
         if isinstance(first, TextFill) and first.name is None and prep.boundaries:
             candidates.append(prep.boundaries[0])
         for offset, digest in sorted(candidates, reverse=True):
-            prefix = tokenizer.encode(prep.prompt[:offset])
+            prefix = prep.specials.encode(tokenizer, prep.prompt[:offset])
             while prefix and (token_ids[: len(prefix)] != prefix or len(prefix) >= len(token_ids)):
                 prefix.pop()
             if len(prefix) >= self.config.min_shared_prefix_tokens:
@@ -1086,17 +1090,17 @@ class Manager:
             raise
         if not self.config.prefix_sharing:
             await self._free(engine_index, context_id)
-        elif last and self._continued(session, node, prep.prompt):
+        elif last and self._continued(session, node, prep.prompt, prep.specials):
             # What a consumer continuing this prompt renders is the prompt, then the variable's value.
-            value_text = render_value(transformed.value, transformed.kind)
-            canonical = engine.tokenizer.encode(prep.prompt + value_text)
+            value_text = prep.specials.mask(render_value(transformed.value, transformed.kind))
+            canonical = prep.specials.encode(engine.tokenizer, prep.prompt + value_text)
             await self._keep_as_value(engine_index, namespace, context_id, held, canonical)
         else:
             await self._keep(engine_index, namespace, context_id, held)
         return transformed.value, transformed.kind
 
     @staticmethod
-    def _continued(session: Session, node: StepNode, prompt: str) -> bool:
+    def _continued(session: Session, node: StepNode, prompt: str, specials: SpecialText) -> bool:
         """Whether a pending consumer of the step's output continues its prompt: the consumer's text before
         the value is exactly ``prompt`` (a reviewer quoting the writer's prompt and answer)."""
         graph = session.graph
@@ -1105,7 +1109,7 @@ class Manager:
             for var_id in consumer.call.input_vars:
                 var = graph.variables.get(var_id)
                 if var.value is not None:
-                    values[var_id] = render_value(var.value, var.kind)
+                    values[var_id] = specials.mask(render_value(var.value, var.kind))
             if text_before(consumer.call, node.output, values) == prompt:
                 return True
         return False
@@ -1137,15 +1141,18 @@ class Manager:
         await self._free(engine_index, context_id)
         await self._keep(engine_index, namespace, fresh, canonical)
 
-    def _values(self, graph: SessionGraph, node: StepNode, progress: _CallProgress | None) -> dict[str, str]:
+    def _values(
+        self, graph: SessionGraph, node: StepNode, progress: _CallProgress | None, specials: SpecialText
+    ) -> dict[str, str]:
         """The text of every variable the step's prompt renders: the inputs of this step *and* of the
-        call's earlier steps (the prompt repeats them), and the earlier outputs as generated."""
+        call's earlier steps (the prompt repeats them), and the earlier outputs as generated. Input values
+        are a user's text: their special-token strings are masked, so they encode as text."""
         values: dict[str, str] = {}
         for step in node.call.steps[: node.id.index + 1]:
             for var_id in input_vars(step):
                 var = graph.variables.get(var_id)
                 assert var.value is not None, "a ready step has every input, and its earlier steps had theirs"
-                values[var_id] = render_value(var.value, var.kind)
+                values[var_id] = specials.mask(render_value(var.value, var.kind))
         # Earlier outputs of the same call enter the prompt as generated (before transforms): the prompt
         # then continues the previous step's context exactly.
         if progress is not None:
@@ -1256,6 +1263,18 @@ class Manager:
     def engine_for(self, model: str | None) -> Engine:
         self._refuse_if_draining("requests")
         return self.engines[self._pick_engine(self._serving(model))]
+
+    def _special_text(self, model: str | None) -> SpecialText:
+        """The special-token strings of ``model``'s tokenizer (none while no engine serves it: the step
+        fails before anything is encoded)."""
+        try:
+            engine = self.engines[self._serving(model)[0]]
+        except (NoEngineError, ModelNotFoundError):
+            return SpecialText(())
+        found = self._special_texts.get(engine.model_name)
+        if found is None:  # engines of one model share a tokenizer
+            found = self._special_texts[engine.model_name] = SpecialText.of(engine.tokenizer)
+        return found
 
     def _serving(self, model: str | None) -> list[int]:
         """The engines in service for ``model`` (None: any); `ModelNotFoundError` when none serves it,
@@ -1470,10 +1489,10 @@ class Manager:
 ENCODE_OFF_LOOP_CHARS = 32 * 1024
 
 
-async def _encode(tokenizer: Any, text: str) -> list[int]:
+async def _encode(tokenizer: Any, specials: SpecialText, text: str) -> list[int]:
     if len(text) <= ENCODE_OFF_LOOP_CHARS:
-        return list(tokenizer.encode(text))
-    return list(await asyncio.to_thread(tokenizer.encode, text))
+        return specials.encode(tokenizer, text)
+    return await asyncio.to_thread(specials.encode, tokenizer, text)
 
 
 def _namespace(cache_salt: str | None) -> str:

@@ -83,8 +83,8 @@ class Prompts:
 
 @pytest.fixture
 def prompts(served: LaunchedServer, monkeypatch: pytest.MonkeyPatch) -> Prompts:
-    """Record every prompt the server renders (the manager's `render_prompt`) and every text the
-    OpenAI endpoints tokenize (they alone pass ``add_special_tokens``)."""
+    """Record every prompt the server renders (the manager's `render_prompt`) and every text prompt
+    ``/v1/completions`` tokenizes."""
     import server.serve.manager as manager_module
 
     seen = Prompts()
@@ -96,15 +96,15 @@ def prompts(served: LaunchedServer, monkeypatch: pytest.MonkeyPatch) -> Prompts:
         return text
 
     monkeypatch.setattr(manager_module, "render_prompt", recording_render)
-    tokenizer = served.engines[0].tokenizer
-    encode = tokenizer.encode
+    import server.openai_api as openai_module
 
-    def recording_encode(text: Any, *args: Any, **kwargs: Any) -> Any:
-        if "add_special_tokens" in kwargs and isinstance(text, str):
-            seen.completions.append(text)
-        return encode(text, *args, **kwargs)
+    prompts_of = openai_module.completion_prompts
 
-    monkeypatch.setattr(tokenizer, "encode", recording_encode)
+    def recording_prompts(engine: Any, prompt: Any) -> Any:
+        seen.completions += [prompt] if isinstance(prompt, str) else [p for p in prompt if isinstance(p, str)]
+        return prompts_of(engine, prompt)
+
+    monkeypatch.setattr(openai_module, "completion_prompts", recording_prompts)
     return seen
 
 

@@ -131,3 +131,23 @@ def test_a_large_prompt_is_tokenized_off_the_event_loop(served: LaunchedServer) 
     )
     assert r.status_code in (400, 413) and "context window" in r.json()["error"]["message"], r.text
     assert slowest < 1.0
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_a_generation_stops_when_its_non_streaming_client_leaves(served: LaunchedServer, route: str) -> None:
+    engine = served.engines[0]
+    before = engine.stats().decode_tokens_computed
+    body: dict = {"model": "tiny", "max_tokens": 3000, "ignore_eos": True, "temperature": 0}
+    body |= (
+        {"prompt": "Once"}
+        if route == "/v1/completions"
+        else {"messages": [{"role": "user", "content": "hi"}]}
+    )
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(served.url + route, json=body, timeout=httpx.Timeout(30, read=0.5))
+    deadline = time.monotonic() + 30
+    while engine.stats().running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.stats().running == 0
+    computed = engine.stats().decode_tokens_computed - before
+    assert computed < 2000, f"{computed} of 3000 tokens computed after the client left"
