@@ -210,6 +210,15 @@ async def _session(request: Request) -> Session:
 SessionDep = Annotated[Session, Depends(_session)]
 
 
+def _owner(request: Request) -> tuple[str, str | None]:
+    """Who opens a session, for the sessions-per-client quota — its tenant where the server has API keys,
+    else the client's address — and that tenant (None without keys), whose sessions share cached prefixes
+    by default and with no other tenant's (`tenant_of`: the salt a session without its own gets)."""
+    tenant: str | None = getattr(request.state, "tenant", None)
+    address = request.client.host if request.client is not None else ""
+    return tenant or address, tenant
+
+
 @header_guard
 async def _batch_session(request: Request) -> None:
     """A batch reaches its session with that session's token; one that would create the session (no session
@@ -218,7 +227,7 @@ async def _batch_session(request: Request) -> None:
     if request.path_params["session_id"] in request.app.state.manager.sessions:
         await _session(request)
     else:
-        check_api_key(request, request.app.state.security.api_keys)
+        request.state.tenant = check_api_key(request, request.app.state.security.api_keys)
 
 
 def create_app(
@@ -353,6 +362,19 @@ def create_app(
         body["error"] = {"type": NoEngineError.error_type, "message": message}
         return JSONResponse(body, status_code=503)
 
+    @app.get(
+        "/health/ready",
+        responses={503: {"description": "draining (shutting down), or no engine is in service"}},
+    )
+    async def ready() -> JSONResponse:
+        """Readiness, for a load balancer: 503 once the server drains (it finishes what runs and takes no
+        new work) or while no engine is in service; else `health`'s 200. ``/health`` stays liveness."""
+        if manager.draining:
+            message = "the server is draining: it finishes what runs and takes no new work"
+            error = {"type": ServerDrainingError.error_type, "message": message}
+            return JSONResponse({"status": "draining", "error": error}, status_code=503)
+        return await health()
+
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
         return PlainTextResponse(generate_latest(registry).decode(), media_type="text/plain; version=0.0.4")
@@ -420,8 +442,9 @@ def create_app(
     async def create_session(
         request: Request, req: CreateSessionRequest | None = None
     ) -> CreateSessionResponse:
-        client = request.client.host if request.client is not None else ""
-        return manager.create_session(req.cache_salt if req is not None else None, client=client)
+        client, tenant = _owner(request)
+        salt = req.cache_salt if req is not None and req.cache_salt is not None else tenant
+        return manager.create_session(salt, client=client)
 
     @app.delete("/v1/sessions/{session_id}", status_code=204)
     async def delete_session(s: SessionDep) -> Response:
@@ -484,8 +507,11 @@ def create_app(
     ) -> StreamingResponse:
         """Apply operations in order, then wait for one variable: a whole DAG in one round trip — the
         session's creation too, with ``create`` (the client chose its id and token)."""
-        client = request.client.host if request.client is not None else ""
-        s = manager.open_session(session_id, bearer_token(authorization), req.create, client=client)
+        client, tenant = _owner(request)
+        create = req.create
+        if create is not None and create.cache_salt is None and tenant is not None:
+            create = create.model_copy(update={"cache_salt": tenant})
+        s = manager.open_session(session_id, bearer_token(authorization), create, client=client)
         applied = await manager.apply_batch(s, req)  # before the answer starts: an error gets its own status
 
         async def lines() -> AsyncIterator[str]:

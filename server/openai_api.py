@@ -223,6 +223,7 @@ def create_openai_router(backend: OpenAIBackend) -> APIRouter:
     async def completions(request: Request, req: OpenAICompletionRequest) -> JSONResponse | StreamingResponse:
         try:
             reject_unsupported(req)
+            req = _salted(request, req)
             engine = backend.engine_for(req.model)
             prompts = await _off_loop_if_large(request, completion_prompts, engine, req.prompt)
             guided = guided_of(req.response_format, req.structured_outputs)
@@ -243,6 +244,7 @@ def create_openai_router(backend: OpenAIBackend) -> APIRouter:
     ) -> JSONResponse | StreamingResponse:
         try:
             reject_unsupported(req)
+            req = _salted(request, req)
             engine = backend.engine_for(req.model)
             tools = chat_tools(req)
             prompts = [await _off_loop_if_large(request, chat_prompt, engine, req, tools)]
@@ -307,6 +309,18 @@ async def _off_loop_if_large(request: Request, work: Callable[..., _R], *args: A
     if length.isdigit() and int(length) <= OFF_LOOP_BODY_BYTES:
         return work(*args)
     return await asyncio.to_thread(work, *args)
+
+
+_Request = TypeVar("_Request", OpenAICompletionRequest, OpenAIChatCompletionRequest)
+
+
+def _salted(request: Request, req: _Request) -> _Request:
+    """``req`` with its tenant's cache salt when it sends none and the server has API keys: prefixes are
+    shared among one key's requests, never across keys unless a client sends the same salt."""
+    tenant = getattr(request.state, "tenant", None)
+    if req.cache_salt is None and tenant is not None:
+        return req.model_copy(update={"cache_salt": tenant})
+    return req
 
 
 async def _unless_client_leaves(

@@ -15,6 +15,7 @@ Every comparison is constant-time (`hmac.compare_digest`); a secret is never log
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 import os
@@ -48,6 +49,7 @@ __all__ = [
     "load_cluster_token",
     "matches_any",
     "presented_api_key",
+    "tenant_of",
 ]
 
 log = logging.getLogger(__name__)
@@ -229,7 +231,7 @@ def api_key_guard(keys: Sequence[str]) -> Guard:
     accepted = tuple(keys)
 
     async def require_api_key(request: Request) -> None:
-        check_api_key(request, accepted)
+        request.state.tenant = check_api_key(request, accepted)
 
     return header_guard(require_api_key)
 
@@ -239,10 +241,21 @@ def presented_api_key(request: Request) -> str | None:
     return request.headers.get(API_KEY_HEADER) or bearer_token(request.headers.get("authorization"))
 
 
-def check_api_key(request: Request, keys: Sequence[str]) -> None:
-    """Raise `AuthError` unless ``request`` carries one of ``keys`` (none configured: all pass)."""
-    if keys:
-        check_secret(presented_api_key(request), keys, "API key", API_KEY_HINT)
+def check_api_key(request: Request, keys: Sequence[str]) -> str | None:
+    """Raise `AuthError` unless ``request`` carries one of ``keys``; returns its tenant (`tenant_of`), or
+    None when no keys are configured (every request passes, all one tenant)."""
+    if not keys:
+        return None
+    key = presented_api_key(request)
+    check_secret(key, keys, "API key", API_KEY_HINT)
+    assert key is not None  # check_secret refuses a missing key
+    return tenant_of(key)
+
+
+def tenant_of(api_key: str) -> str:
+    """The tenant an API key stands for, as logs, quotas and cache namespaces name it (a digest: never the
+    key itself)."""
+    return "tenant-" + hashlib.sha256(api_key.encode()).hexdigest()[:16]
 
 
 def auth_error_response(exc: AuthError) -> JSONResponse:

@@ -118,6 +118,15 @@ def create_engine_app(
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
+    @app.get("/health/ready", responses={503: {"description": "the engine is draining"}})
+    async def ready() -> JSONResponse:
+        """Readiness: 503 once the engine drains (it announced a graceful shutdown to its manager: it
+        finishes what runs and takes no new work); else 200."""
+        if link is not None and link.draining:
+            body = {"type": "engine_draining", "message": "the engine is draining: it takes no new work"}
+            return JSONResponse({"status": "draining", "error": body}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
     @api.get("/info")
     async def info() -> EngineInfo:
         stats = engine.stats()

@@ -118,3 +118,23 @@ def test_clients_pass_the_key(served: LaunchedServer) -> None:
     assert chat.invoke("hi").content is not None
     with pytest.raises(P.AuthError):
         ChatParrot(base_url=served.url, api_key="nope", max_tokens=2, max_retries=0).invoke("hi")
+
+
+def test_cached_prefixes_are_shared_within_a_key_and_never_across_keys(served: LaunchedServer) -> None:
+    # Another tenant could otherwise tell from a fast answer that a prompt's prefix was sent before.
+    engine = served.engines[0]
+    prompt = " ".join(f"fact {i} is private to one tenant." for i in range(60))
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 1}
+
+    def computed(key: str, **extra: str) -> int:
+        before = engine.stats().prefill_tokens_computed
+        r = httpx.post(f"{served.url}/v1/completions", json=body | extra, headers=_bearer(key), timeout=60)
+        assert r.status_code == 200, r.text
+        return engine.stats().prefill_tokens_computed - before
+
+    full = len(engine.tokenizer.encode(prompt))
+    assert computed(KEYS[0]) == full
+    assert computed(KEYS[0]) < full  # the same key reuses its cached prefix
+    assert computed(KEYS[1]) == full  # another key does not see it
+    assert computed(KEYS[1], cache_salt="shared-by-choice") == full
+    assert computed(KEYS[0], cache_salt="shared-by-choice") < full  # crossing keys is an explicit opt-in

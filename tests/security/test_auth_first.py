@@ -86,7 +86,7 @@ def test_an_engine_refuses_from_the_headers() -> None:
 def test_every_route_but_the_open_ones_has_header_guards(served: LaunchedServer) -> None:
     # Every route the app serves is in the middleware's table (a route missing there would have its
     # credential checked only after its body is parsed), and every one but the open ones is guarded.
-    open_routes = {"/health", "/metrics", "/ui", "/ui/{name}"}
+    open_routes = {"/health", "/health/ready", "/metrics", "/ui", "/ui/{name}"}
     (middleware,) = [m for m in served.app.user_middleware if m.cls is AuthFirstMiddleware]
     routes = middleware.kwargs["routes"]
     table = {(method, g.route.path_format): g.guards for g in routes for method in g.route.methods}

@@ -445,6 +445,8 @@ def test_sigterm_drains_an_engine_process_through_the_manager(
         placed_before = sum(s.manager.placement.placed.values())
         proc.proc.send_signal(signal.SIGTERM)
         wait_until(lambda: s.manager._remote[engine_id].draining, timeout=30)  # told before it stops
+        ready = httpx.get(f"{proc.url}/health/ready", timeout=10)  # readiness says so while it runs
+        assert ready.status_code == 503 and ready.json()["status"] == "draining", ready.text
         later = [LONG(session.variable(f"placed elsewhere {i}")) for i in range(3)]
         assert all(o.get(timeout=120) for o in later)
         assert first.get(timeout=120)

@@ -42,6 +42,7 @@ def test_sigterm_refuses_new_work_and_finishes_what_runs() -> None:
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_healthy(proc, url)
+        assert httpx.get(f"{url}/health/ready", timeout=10).status_code == 200
         delivered: list[str] = []
         try:
             _drain_while_running(url, proc, delivered)
@@ -76,6 +77,10 @@ def _drain_while_running(url: str, proc: subprocess.Popen[bytes], delivered: lis
         assert refused.status_code == 503, refused.text
         assert refused.json()["error"]["type"] == "server_draining"
         assert "shutting down" in refused.json()["error"]["message"]
+        # Readiness says so too, while liveness still answers (a load balancer stops routing here).
+        ready = httpx.get(f"{url}/health/ready", timeout=10)
+        assert ready.status_code == 503 and ready.json()["error"]["type"] == "server_draining", ready.text
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
         completion = httpx.post(f"{url}/v1/completions", json={"prompt": "Once", "max_tokens": 4}, timeout=10)
         assert completion.status_code == 503, completion.text
         with pytest.raises(P.ParrotError, match="shutting down"):
