@@ -328,7 +328,8 @@ class Manager:
         self, req: EngineRegistration, cluster_token: str | None = None
     ) -> EngineRegistered:
         """Add the remote engine at ``req.url`` (its model and tokenizer are read from it first). An engine
-        registering again under its name (restarted) replaces its old entry, which goes out of service.
+        registering again under its name or at its URL (restarted, renamed) replaces its old entry, which
+        goes out of service.
         ``cluster_token`` goes with every call the manager makes to the engine."""
         try:
             engine = await RemoteEngine.connect(req.url, req.name, token=cluster_token)
@@ -337,8 +338,8 @@ class Manager:
                 f"cannot register engine {req.name!r}: {e} — give a URL where this manager reaches the "
                 "engine's HTTP API (python -m server.engine --public-url)"
             ) from e
-        for engine_id, link in self._remote.items():
-            if link.name == req.name and link.alive:
+        for engine_id, link in list(self._remote.items()):
+            if (link.name == req.name or link.url == engine.url) and link.alive:
                 await self._retire(engine_id, "it registered again")
         self.engines.append(engine)
         engine_id = len(self.engines) - 1

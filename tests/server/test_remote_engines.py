@@ -21,6 +21,7 @@ from server.engine.manager_link import ManagerLink
 from server.launcher import LaunchedServer, launch
 from server.serve.manager import ManagerConfig
 from tests.processes import free_port, wait_until
+from tests.security.conftest import serving
 
 
 @contextmanager
@@ -172,3 +173,25 @@ def test_a_drain_that_never_empties_ends_at_its_timeout() -> None:
     client, beats = _draining_manager([5])
     asyncio.run(_registered_link(client).drain(timeout=0.1, poll=0.01))
     assert 2 <= len(beats) < 100
+
+
+def test_an_engine_registering_again_at_its_url_under_another_name_replaces_its_entry() -> None:
+    engine = LLMEngine.from_pretrained("tiny", EngineConfig(num_kv_blocks=64))
+    # Registered by hand (no heartbeats): a manager that waits long enough for them.
+    with launch("tiny", engines=0, manager_config=ManagerConfig(engine_timeout=120)) as manager:
+        url, auth = manager.url, manager.cluster_headers
+        app = create_engine_app(engine, None, cluster_token=manager.cluster_token)
+        with serving(app) as engine_url:
+            _register_twice(url, auth, engine_url)
+    engine.shutdown()
+
+
+def _register_twice(url: str, auth: dict[str, str], engine_url: str) -> None:
+    ids = []
+    for name in ("first-name", "second-name"):
+        r = httpx.post(f"{url}/v1/engines", json={"url": engine_url, "name": name}, headers=auth, timeout=30)
+        assert r.status_code == 200, r.text
+        ids.append(r.json()["engine_id"])
+    alive = [e for e in httpx.get(f"{url}/v1/engines", headers=auth).json() if e["alive"]]
+    # One engine at one address: the old entry went out of service.
+    assert [(e["engine_id"], e["name"]) for e in alive] == [(ids[1], "second-name")]
