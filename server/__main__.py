@@ -31,6 +31,7 @@ from server.cli import (
     add_listen_args,
     add_memory_args,
     bind_listener,
+    connection_limits,
     exit_if_extra_missing,
     exit_with_error,
     program_name,
@@ -218,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         scheduling=args.scheduling,
         sjf_aging_s=args.sjf_aging_s,
     )
+    limits = connection_limits(prog, args)
     listener = bind_listener(prog, args.host, args.port)  # before any model loads: a port in use fails now
     try:
         engines = _engines(args, p, prog, config)
@@ -257,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.network_delay is not None:
             app = NetworkDelayMiddleware(app, *args.network_delay)
         drain = functools.partial(manager.drain, args.drain_timeout)
-        serve(app, listener, args.drain_timeout, drain, log)
+        serve(app, listener, args.drain_timeout, drain, log, limits)
     finally:
         listener.close()
         for engine in engines:

@@ -16,6 +16,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
+from server.connection_limits import ConnectionLimits, guarded_h11
+
 if TYPE_CHECKING:
     from starlette.types import ASGIApp
 
@@ -82,6 +84,27 @@ def add_listen_args(parser: argparse.ArgumentParser, port: int) -> None:
     """``--host`` and ``--port`` (default ``port``), which `bind_listener` binds."""
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     parser.add_argument("--port", type=int, default=port, help="port to listen on (0: a free one, logged)")
+    defaults = ConnectionLimits()
+    parser.add_argument(
+        "--head-timeout",
+        type=float,
+        default=defaults.head_timeout_s,
+        help="seconds a client may take to send a request's line and headers (then the connection closes)",
+    )
+    parser.add_argument(
+        "--max-connections-per-client",
+        type=int,
+        default=defaults.max_per_client,
+        help="connections one client address may hold open at once (more are answered 503 and closed)",
+    )
+
+
+def connection_limits(prog: str, args: argparse.Namespace) -> ConnectionLimits:
+    """The `ConnectionLimits` of the flags `add_listen_args` added (a bad value: a one-line error)."""
+    try:
+        return ConnectionLimits(args.head_timeout, args.max_connections_per_client)
+    except ValueError:
+        exit_with_error(prog, "--head-timeout and --max-connections-per-client must be positive")
 
 
 def _fraction(text: str) -> float:
@@ -154,17 +177,23 @@ def serve(
     drain_timeout: float,
     drain: Callable[[], Awaitable[object]] | None,
     log: logging.Logger,
+    limits: ConnectionLimits | None = None,
 ) -> None:
     """Serve ``app`` on ``sock`` (from `bind_listener`) until a signal; the first one drains (``drain``,
     then up to ``drain_timeout`` seconds for in-flight requests: `server.engine.draining`). Logs the URL
-    it serves on, with the port actually bound."""
+    it serves on, with the port actually bound. ``limits`` bound each connection (`ConnectionLimits`)."""
     import uvicorn  # the server extra: imported only to serve
 
     from server.engine.draining import DrainingServer
 
     host, port = sock.getsockname()[:2]
     config = uvicorn.Config(
-        app, host=host, port=port, log_level="info", timeout_graceful_shutdown=drain_timeout
+        app,
+        host=host,
+        port=port,
+        log_level="info",
+        timeout_graceful_shutdown=drain_timeout,
+        http=guarded_h11(limits or ConnectionLimits()),
     )
     log.info("serving on %s", listener_url(sock))
     DrainingServer(config, drain).run(sockets=[sock])

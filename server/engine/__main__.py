@@ -27,6 +27,7 @@ from server.cli import (
     add_listen_args,
     add_memory_args,
     bind_listener,
+    connection_limits,
     exit_with_error,
     program_name,
     serve,
@@ -170,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             except (OSError, ValueError) as e:
                 raise SystemExit(f"{prog}: {e}") from None
             log.info("cluster token from %s", token.source)
+            limits = connection_limits(prog, args)
             listener = cleanup.enter_context(bind_listener(prog, args.host, args.port))
         try:
             engine = LLMEngine.from_pretrained(args.model, engine_config(args))
@@ -192,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
             link = ManagerLink(args.manager, url, name, engine.stats, cluster_token=token.value)
         app = create_engine_app(engine, link, cluster_token=token.value)
         drain = None if link is None else functools.partial(link.drain, args.drain_timeout)
-        serve(app, listener, args.drain_timeout, drain, log)
+        serve(app, listener, args.drain_timeout, drain, log, limits)
         return 0
 
 
