@@ -29,6 +29,13 @@ class InvalidSamplingParamsError(InvalidRequestError):
     error_type = "invalid_sampling_params"
 
 
+class GuidedDecodingTooCostlyError(InvalidSamplingParamsError):
+    """A constraint too costly to enforce: over a complexity bound before compiling, a compile over its
+    time limit, or a token mask over its time budget while generating (the request alone fails)."""
+
+    error_type = "guided_decoding_too_costly"
+
+
 class PromptTooLongError(InvalidRequestError):
     """The context would exceed the model's context window or the whole KV cache."""
 

@@ -1,9 +1,11 @@
 """Constrained decoding: a grammar compiled once per constraint, a matcher per request, and the token mask
 it puts on the logits before sampling (xgrammar, the grammar library vLLM and SGLang use).
 
-Compiling walks the whole vocabulary, so it runs on a thread of its own, never on the engine loop; its cost
-is bounded by the constraint's size (`GuidedDecoding.validate`). Matching is incremental: filling one
-request's mask costs microseconds per token (`benchmarks/guided_decoding.py` measures it).
+Compiling walks the whole vocabulary, so it runs on worker threads, never on the engine loop, with a time
+limit; its cost is bounded by the constraint's size and a regex's expanded repetitions
+(`GuidedDecoding.validate`). Matching is incremental: filling one request's mask costs microseconds per
+token (`benchmarks/guided_decoding.py` measures it), and a request whose masks overrun their time budget
+fails alone.
 """
 
 from __future__ import annotations
@@ -11,13 +13,14 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
-from server.engine.errors import InvalidSamplingParamsError
+from server.engine.errors import GuidedDecodingTooCostlyError, InvalidSamplingParamsError
 from server.engine.sampling import GuidedDecoding
 
 try:
@@ -102,8 +105,21 @@ def choice_grammar(choices: Iterable[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+# Compiles run on this many threads (xgrammar's compiler is thread-safe), so one slow compile does not hold
+# the others; a request whose grammar is not compiled within COMPILE_TIMEOUT_S fails (the compile goes on,
+# and a later request of the same constraint finds it cached).
+COMPILE_THREADS = 2
+COMPILE_TIMEOUT_S = 30.0
+# The token mask of one request is filled on the engine's thread, between the forward pass and sampling: a
+# constraint whose matcher state explodes (an ambiguous pattern) would hold every request of the batch, so
+# a request whose one mask takes over MASK_STEP_BUDGET_S, or whose masks take over MASK_TOTAL_BUDGET_S in
+# all, fails alone.
+MASK_STEP_BUDGET_S = 0.25
+MASK_TOTAL_BUDGET_S = 10.0
+
+
 class GrammarCompiler:
-    """Compiles `GuidedDecoding` constraints for one tokenizer on a worker thread; xgrammar caches each
+    """Compiles `GuidedDecoding` constraints for one tokenizer on worker threads; xgrammar caches each
     compiled grammar, so a constraint sent again (every request of one schema) compiles once."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int]) -> None:
@@ -112,18 +128,38 @@ class GrammarCompiler:
         self._stop_token_ids = sorted(stop_token_ids)
         self._compiler: Any = None
         self._lock = threading.Lock()
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self._executor = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar")
 
-    def submit(self, guided: GuidedDecoding, done: Compiled) -> None:
-        """Compile ``guided`` off the caller's thread; ``done(grammar, error)`` runs on the worker."""
+    def submit(self, guided: GuidedDecoding, done: Compiled, timeout_s: float = COMPILE_TIMEOUT_S) -> None:
+        """Compile ``guided`` off the caller's thread; ``done(grammar, error)`` runs once, on a worker: with
+        the grammar, the compile's error, or `GuidedDecodingTooCostlyError` after ``timeout_s``."""
+        settled = threading.Lock()
+
+        def settle(grammar: CompiledGrammar | None, error: BaseException | None) -> None:
+            if settled.acquire(blocking=False):
+                done(grammar, error)
+
+        def late() -> None:
+            settle(
+                None,
+                GuidedDecodingTooCostlyError(
+                    f"guided {guided.kind} did not compile within {timeout_s:g} s: send a smaller constraint"
+                ),
+            )
+
+        timer = threading.Timer(timeout_s, late)
+        timer.daemon = True
+        timer.start()
 
         def run() -> None:
             try:
                 grammar = self.compile(guided)
             except BaseException as e:  # a library failure fails this request, not the worker
-                done(None, e)
+                settle(None, e)
             else:
-                done(grammar, None)
+                settle(grammar, None)
+            finally:
+                timer.cancel()
 
         self._executor.submit(run)
 
@@ -167,12 +203,26 @@ class Guide:
 
     def __init__(self, grammar: CompiledGrammar) -> None:
         self._matcher = xgr.GrammarMatcher(grammar)
+        self.mask_s = 0.0  # time spent filling this request's masks
+        self._over_budget: str | None = None
 
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
+        started = time.perf_counter()
         self._matcher.fill_next_token_bitmask(bitmask, row)
+        spent = time.perf_counter() - started
+        self.mask_s += spent
+        if spent > MASK_STEP_BUDGET_S or self.mask_s > MASK_TOTAL_BUDGET_S:
+            self._over_budget = (
+                f"the constraint's token mask took {spent:.2f} s for one token ({self.mask_s:.2f} s in all), "
+                f"over its budget ({MASK_STEP_BUDGET_S:g} s a token, {MASK_TOTAL_BUDGET_S:g} s a request): "
+                "its pattern is too ambiguous to enforce; make it more specific"
+            )
 
     def accept(self, token_id: int) -> None:
-        """Advance past a sampled token (sampled under this guide's mask, so the grammar allows it)."""
+        """Advance past a sampled token (sampled under this guide's mask, so the grammar allows it); a
+        guide over its mask budget raises `GuidedDecodingTooCostlyError` instead."""
+        if self._over_budget is not None:
+            raise GuidedDecodingTooCostlyError(self._over_budget)
         if not self._matcher.accept_token(token_id):
             raise InvalidSamplingParamsError(f"token {token_id} breaks the request's grammar")
 

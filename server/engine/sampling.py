@@ -11,7 +11,8 @@ import torch
 from parrot.protocol import sampling_problem
 
 from kernels.device_tensors import device_tensor
-from server.engine.errors import InvalidSamplingParamsError
+from server.engine.errors import GuidedDecodingTooCostlyError, InvalidSamplingParamsError
+from server.engine.guide_cost import MAX_REPETITION_PRODUCT, repetition_product
 
 _TINY = torch.finfo(torch.float32).tiny
 # A client's constraint is bounded before anything compiles it: the grammar compiler's time and memory grow
@@ -72,6 +73,12 @@ class GuidedDecoding:
                 raise InvalidSamplingParamsError(f"guided json_schema is not valid JSON: {e}") from None
             if not isinstance(schema, dict | bool):
                 raise InvalidSamplingParamsError("guided json_schema must be a JSON object (a JSON Schema)")
+        if self.kind == "regex" and (product := repetition_product(self.value)) > MAX_REPETITION_PRODUCT:  # type: ignore[arg-type]
+            raise GuidedDecodingTooCostlyError(
+                f"guided regex repeats up to {product} times when its bounded repetitions are expanded "
+                f"(nested counts multiply), over {MAX_REPETITION_PRODUCT}: use * or + for long runs, or "
+                "smaller counts"
+            )
 
 
 @dataclass(frozen=True)

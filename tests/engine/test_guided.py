@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import queue
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,9 +22,17 @@ import torch
 from parrot.protocol import EngineGenerateResponse
 
 from server.engine import EngineConfig, LLMEngine, SamplingParams
+from server.engine import guided as guided_module
 from server.engine.api import create_engine_app
-from server.engine.errors import InvalidSamplingParamsError, RequestAbortedError
-from server.engine.guided import Guide, choice_grammar, guided_from_structured_outputs, structured_outputs
+from server.engine.errors import GuidedDecodingTooCostlyError, InvalidSamplingParamsError, RequestAbortedError
+from server.engine.guide_cost import repetition_product
+from server.engine.guided import (
+    GrammarCompiler,
+    Guide,
+    choice_grammar,
+    guided_from_structured_outputs,
+    structured_outputs,
+)
 from server.engine.sampling import MAX_GUIDE_CHARS, GuidedDecoding
 from server.serve.remote_engine import result_of
 from tests.engine.conftest import _hf_model, prompts
@@ -141,6 +151,9 @@ async def test_unconstrained_requests_batched_with_guided_ones_are_unchanged(tin
         (GuidedDecoding("json_object", "x"), "takes no value"),
         (GuidedDecoding("grammar", "root ::= undefined_rule"), "cannot be compiled"),
         (GuidedDecoding("yaml", "a"), "kind must be one of"),  # type: ignore[arg-type]
+        # 33 characters, 50,000 expanded repetitions: its masks took over a second a token within 30.
+        (GuidedDecoding("regex", "(([a-z0-9]{1,50}){1,50}){1,20}"), "repeats up to 50000 times"),
+        (GuidedDecoding("regex", "a{1,100000}"), "use \\* or \\+ for long runs"),
     ],
 )
 async def test_a_bad_constraint_fails_its_request_only(
@@ -308,3 +321,49 @@ async def test_a_grammar_refusing_a_token_fails_its_request_not_its_batch(
     failed = [o for o in outcomes if isinstance(o, InvalidSamplingParamsError)]
     assert len(failed) == 1 and "breaks the request's grammar" in str(failed[0])
     assert sum(isinstance(o, tuple) for o in outcomes) == 2 and tiny.stats().running == 0
+
+
+@pytest.mark.parametrize(
+    ("pattern", "product"),
+    [
+        (r"(([a-z0-9]{1,50}){1,50}){1,20}", 50_000),
+        (r"\d{1,3}(\.\d{1,3}){3}", 9),
+        (r"(\w{1,20}\s){1,10}", 200),
+        (r"(a|b)*c+x{3,}", 1),  # unbounded loops are not expanded
+        (r"[{]{2}\{(\d{1,5})\}", 5),  # braces in a class or escaped are text
+        (r"((a){3})(b{4}){2}", 8),
+    ],
+)
+def test_a_regex_costs_the_product_of_its_nested_repetitions(pattern: str, product: int) -> None:
+    assert repetition_product(pattern) == product
+
+
+async def test_a_guide_over_its_mask_budget_fails_its_request_not_its_batch(
+    tiny: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(guided_module, "MASK_STEP_BUDGET_S", 0.0)  # every mask overruns
+    guided = SamplingParams(max_tokens=20, guided=GuidedDecoding("regex", r"\d{1,8}"))
+    plain = SamplingParams(max_tokens=4, ignore_eos=True)
+    outcomes = await asyncio.gather(
+        _generate(tiny, "n", guided), _generate(tiny, "plain", plain), return_exceptions=True
+    )
+    assert isinstance(outcomes[0], GuidedDecodingTooCostlyError), outcomes[0]
+    assert "token mask took" in str(outcomes[0]) and outcomes[0].error_type == "guided_decoding_too_costly"
+    assert isinstance(outcomes[1], tuple) and tiny.stats().running == 0
+
+
+def test_a_compile_over_its_time_limit_fails_its_request(tiny: LLMEngine) -> None:
+    compiler = GrammarCompiler(tiny.tokenizer, tiny.vocab_size, tiny.eos_token_ids)  # nothing cached yet
+    answers: queue.Queue[tuple[object, BaseException | None]] = queue.Queue()
+    try:
+        compiler.submit(GuidedDecoding("json_object"), lambda g, e: answers.put((g, e)), timeout_s=0.001)
+        grammar, error = answers.get(timeout=60)
+        assert grammar is None and isinstance(error, GuidedDecodingTooCostlyError)
+        assert "did not compile within 0.001 s" in str(error)
+        time.sleep(0.5)
+        assert answers.empty()  # the compile that finished later answers nobody a second time
+        compiler.submit(GuidedDecoding("json_object"), lambda g, e: answers.put((g, e)))
+        grammar, error = answers.get(timeout=60)
+        assert error is None and grammar is not None
+    finally:
+        compiler.shutdown()
