@@ -327,23 +327,29 @@ async def _unless_client_leaves(
     request: Request, answer: Coroutine[Any, Any, JSONResponse | StreamingResponse]
 ) -> JSONResponse | StreamingResponse:
     """``answer``'s response, unless the client disconnects first: then ``answer`` is cancelled (its
-    generations aborted, their contexts freed) and nobody is answered. A streamed answer returns as soon as
-    its first tokens exist; from then on the stream itself stops when the client leaves."""
-    work = asyncio.ensure_future(answer)
-    left = asyncio.ensure_future(_disconnected(request))
+    generations aborted, their contexts freed) and nobody is answered. ``answer`` runs here, inline (it
+    routes the request before anything else runs); a watcher cancels it. A streamed answer returns as soon
+    as its first tokens exist; from then on the stream itself stops when the client leaves."""
+    task = asyncio.current_task()
+    assert task is not None
+    left = False
+
+    async def watch() -> None:
+        nonlocal left
+        await _disconnected(request)
+        left = True
+        task.cancel()
+
+    watcher = asyncio.create_task(watch())
     try:
-        await asyncio.wait({work, left}, return_when=asyncio.FIRST_COMPLETED)
+        return await answer
+    except asyncio.CancelledError:
+        if not left:
+            raise
+        task.uncancel()  # our own cancellation, done: the client is gone
+        return JSONResponse({}, status_code=499)  # never read
     finally:
-        left.cancel()
-        if not work.done():
-            work.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await left
-    if work.cancelled() or not work.done():
-        with contextlib.suppress(asyncio.CancelledError):
-            await work  # its release (abort and free) runs to the end
-        return JSONResponse({}, status_code=499)  # the client is gone: this is never read
-    return work.result()
+        watcher.cancel()
 
 
 async def _disconnected(request: Request) -> None:

@@ -180,6 +180,10 @@ class ManagerConfig:
     # Scheduling (server.serve.scheduler): tokens an engine runs at once (None: its KV cache in tokens),
     # and at most while it runs latency-critical work; rounds before a waiting step goes first.
     engine_capacity_tokens: int | None = None
+    # Steps placed on one engine at once (None: as many as its tokens allow). Twice an engine's default batch
+    # keeps it fed; the rest wait in the manager's queue, where tenants and apps take turns (`fair_ranks`),
+    # instead of in the engine's, where one tenant's flood would run before another's next step.
+    engine_max_steps: int | None = 128
     latency_cap_tokens: int = 4096
     aging_rounds: int = 8
     # Whether the scheduler sees shared prefixes and cached contexts (off: an ablation, where steps go by
@@ -995,6 +999,7 @@ class Manager:
         return QueuedRequest(
             key=_request_key(session, node),
             app=session.session_id,
+            tenant=session.client,
             seq=self.placement.next_seq(),
             tokens=len(token_ids) - len(shared) + node.step.gen.sampling.max_tokens,
             criteria=goal.criteria,
@@ -1405,7 +1410,16 @@ class Manager:
                 continue
             capacity, latency_cap = self._caps(engine)
             routed = isinstance(engine, OpenAIBackendEngine)  # its prefix cache is its only KV sharing
-            states.append(EngineState(i, capacity, latency_cap, model=engine.model_name, cache_routed=routed))
+            states.append(
+                EngineState(
+                    i,
+                    capacity,
+                    latency_cap,
+                    model=engine.model_name,
+                    cache_routed=routed,
+                    max_steps=self.config.engine_max_steps,
+                )
+            )
         return states
 
     def _caps(self, engine: Engine) -> tuple[int, int]:

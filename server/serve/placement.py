@@ -149,6 +149,7 @@ class Placement:
             replace(
                 e,
                 running=self._running[e.engine_id],
+                steps=self._steps[e.engine_id],
                 latency_running=self._latency[e.engine_id] > 0,
                 prefixes=frozenset(self._prefixes.get(e.engine_id, ())),
             )

@@ -4,8 +4,10 @@
 assignments; it does no I/O and reads no clock, so the manager and the simulator (`server.sim`) drive the
 very same decisions.
 
-Order: requests that have waited ``aging_rounds`` scheduling rounds first (no starvation), then by
-topological depth (an app's earlier stages first), then by arrival (FIFO). For each request, the first
+Order: tenants take turns, and within a tenant its apps (`fair_ranks`: one tenant's flood of queued steps
+never holds back another's next step); within an app, and between equal turns, requests that have waited
+``aging_rounds`` scheduling rounds first (no starvation), then by topological depth (an app's earlier
+stages first), then by arrival (FIFO). For each request, the first
 branch that applies places it:
 
 1. **pinned** — a later step of a multi-step call continues its call's context: its engine only.
@@ -44,13 +46,13 @@ it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Any, Literal
 
 from parrot.protocol import Criteria
 
-__all__ = ["Decision", "EngineState", "QueuedRequest", "Reason", "SchedulerConfig", "schedule"]
+__all__ = ["Decision", "EngineState", "QueuedRequest", "Reason", "SchedulerConfig", "fair_ranks", "schedule"]
 
 Reason = Literal["pinned", "task_group", "queue_prefix", "context", "find_engine"]
 
@@ -63,7 +65,8 @@ class QueuedRequest:
     group within its app (None: none). ``shared_prefix``: a key of its prompt's leading constant text (equal
     keys: same prefix), or None. ``cached``: engine id -> how many of its prompt tokens a context on that
     engine already holds. ``pinned``: the only engine it may run on. ``model``: None for any. ``waited``:
-    scheduling rounds it has already waited.
+    scheduling rounds it has already waited. ``tenant``: who sent it (an API key's tenant, else a client
+    address), the unit of fair share.
     """
 
     key: str
@@ -78,6 +81,7 @@ class QueuedRequest:
     pinned: int | None = None
     model: str | None = None
     waited: int = 0
+    tenant: str = ""
 
     @property
     def latency_bound(self) -> bool:
@@ -103,12 +107,18 @@ class EngineState:
     # Its only KV sharing is its own prefix cache (an OpenAI backend): a request alone follows a prefix
     # running here too, as a cache-aware router's would, unless this engine is far busier (`_balanced`).
     cache_routed: bool = False
+    # Requests placed here and not finished, and the most it takes at once (None: no count cap). Beyond it
+    # requests wait in the manager's queue, where tenants take turns, not in the engine's.
+    steps: int = 0
+    max_steps: int | None = None
 
     def cap_for(self, criteria: Criteria | None) -> int:
         """The running-token cap a request with ``criteria`` must respect here."""
         return self.latency_cap if criteria == "latency" or self.latency_running else self.capacity
 
-    def fits(self, tokens: int, criteria: Criteria | None) -> bool:
+    def fits(self, tokens: int, criteria: Criteria | None, requests: int = 1) -> bool:
+        if self.max_steps is not None and self.steps + requests > self.max_steps:
+            return False
         return self.running + tokens <= self.cap_for(criteria)
 
     def serves(self, model: str | None) -> bool:
@@ -141,13 +151,24 @@ def schedule(
     state = {e.engine_id: e for e in engines}
     decision = Decision()
     placed: set[str] = set()
-    ordered = sorted(queue, key=lambda r: (r.waited < config.aging_rounds, r.depth, r.seq))
+
+    def urgency(r: QueuedRequest) -> tuple[bool, int, int]:
+        return (r.waited < config.aging_rounds, r.depth, r.seq)
+
+    rank = fair_ranks(queue, urgency)
+    ordered = sorted(queue, key=lambda r: (rank[r.key], urgency(r)))
     for request in ordered:
         if request.key in placed:
             continue
         if _oversized(request, state.values()):
             decision.unfit.append(request.key)
             placed.add(request.key)
+            continue
+        if not _could_fit(request, state):
+            # Nothing fits it alone, so no batch with it does either: skip before gathering one (a pass over
+            # thousands of queued requests while the engines are full stays linear).
+            if request.waited >= config.aging_rounds:
+                break  # reserve: let the engines drain for it
             continue
         batch, reason = _batch_of(request, ordered, placed)
         engine, reason = _place(batch, reason, state, config.prefix_slack_tokens)
@@ -169,6 +190,7 @@ def schedule(
         state[engine] = replace(
             current,
             running=current.running + sum(r.tokens for r in batch),
+            steps=current.steps + len(batch),
             latency_running=current.latency_running or bound,
             prefixes=current.prefixes | keys if keys else current.prefixes,
         )
@@ -204,8 +226,9 @@ def _place(
     cap: Criteria | None = "latency" if any(r.latency_bound for r in batch) else None
     if reason == "pinned":
         pinned = state.get(batch[0].pinned)  # type: ignore[arg-type]
-        return (pinned.engine_id if pinned is not None and pinned.fits(tokens, cap) else None), reason
-    fitting = [e for e in state.values() if e.serves(batch[0].model) and e.fits(tokens, cap)]
+        fits = pinned is not None and pinned.fits(tokens, cap, len(batch))
+        return (pinned.engine_id if fits and pinned is not None else None), reason
+    fitting = [e for e in state.values() if e.serves(batch[0].model) and e.fits(tokens, cap, len(batch))]
     if not fitting:
         return None, reason
     # Groups and prefix batches prefer an engine holding their prefix too; then find_engine's rule.
@@ -229,6 +252,15 @@ def _place(
     return _find_engine(fitting, criteria), reason
 
 
+def _could_fit(request: QueuedRequest, state: Mapping[int, EngineState]) -> bool:
+    """Whether some engine ``request`` may run on has room for it alone now."""
+    cap: Criteria | None = "latency" if request.latency_bound else None
+    if request.pinned is not None:
+        pinned = state.get(request.pinned)
+        return pinned is not None and pinned.fits(request.tokens, cap)
+    return any(e.serves(request.model) and e.fits(request.tokens, cap) for e in state.values())
+
+
 def _balanced(e: EngineState, least: int, slack: int) -> bool:
     """Whether ``e`` is not far busier than the least loaded engine (``least`` running tokens): imbalanced
     only past both ``slack`` more tokens and 1.5 times as many."""
@@ -240,6 +272,28 @@ def _find_engine(fitting: list[EngineState], criteria: Criteria | None) -> int:
         return min(fitting, key=lambda e: (e.running, e.engine_id)).engine_id
     # Throughput: keep off engines running latency-bound work, then the least loaded.
     return min(fitting, key=lambda e: (e.latency_running, e.running, e.engine_id)).engine_id
+
+
+def fair_ranks(queue: Sequence[QueuedRequest], urgency: Callable[[QueuedRequest], Any]) -> dict[str, int]:
+    """Each request's turn in a round robin over tenants, and within a tenant over its apps: a tenant's
+    k-th request (its apps taking turns, each app's requests in ``urgency`` order) comes before any
+    tenant's (k+1)-th, so a tenant's flood of queued steps never holds back another tenant's next one. With
+    one tenant and one app the turns are the ``urgency`` order itself."""
+    by_app: dict[tuple[str, str], list[QueuedRequest]] = {}
+    for r in queue:
+        by_app.setdefault((r.tenant, r.app), []).append(r)
+    app_turn: dict[str, int] = {}
+    for requests in by_app.values():
+        for turn, r in enumerate(sorted(requests, key=urgency)):
+            app_turn[r.key] = turn
+    by_tenant: dict[str, list[QueuedRequest]] = {}
+    for r in queue:
+        by_tenant.setdefault(r.tenant, []).append(r)
+    rank: dict[str, int] = {}
+    for requests in by_tenant.values():
+        for turn, r in enumerate(sorted(requests, key=lambda r: (app_turn[r.key], urgency(r)))):
+            rank[r.key] = turn
+    return rank
 
 
 def _oversized(request: QueuedRequest, engines: Iterable[EngineState]) -> bool:

@@ -68,7 +68,7 @@ class Session:
     calls: list[CallOutline] = field(default_factory=list)
     # Its prompts' KV is shared only with requests carrying the same salt (None: with everyone).
     cache_salt: str | None = None
-    client: str = ""  # the address that created it (its sessions_per_client quota)
+    client: str = ""  # who created it: its tenant (an API key's), else its address (quota and fair share)
     waiters: int = 0  # requests of its client waiting on it now (a long-poll get): it is not idle
     queued_tokens: int = 0  # max_tokens of its unfinished steps, as of the last quota check (an estimate)
 

@@ -206,3 +206,31 @@ def test_caps_are_never_violated(requests: list, states: list) -> None:  # type:
         if mine:
             assert total <= (engine.latency_cap if latency else engine.capacity)
         assert all(r.pinned in (None, engine.engine_id) for r in mine)
+
+
+def test_tenants_take_turns_so_a_flood_never_holds_back_another_tenants_step() -> None:
+    flood = [req(f"f{i}", i, tokens=10, tenant="a", app="batch", shared_prefix="p") for i in range(2000)]
+    victim = req("v", 5000, tokens=10, tenant="b", app="chat", criteria="latency")
+    # Two free places: the flood's first step and the victim's (its turn comes before the flood's second).
+    state = [EngineState(0, 100_000, 4096, steps=62, max_steps=64)]
+    assert set(schedule([*flood, victim], state).assignments) == {"f0", "v"}
+    # Aged flood steps do not jump the turns either: aging orders steps within a turn.
+    aged = [replace(r, waited=100) for r in flood]
+    assert set(schedule([*aged, victim], state).assignments) == {"f0", "v"}
+
+
+def test_apps_of_one_tenant_take_turns_and_one_app_keeps_its_own_order() -> None:
+    a = [req(f"a{i}", i, tenant="t", app="a", depth=1 - i % 2) for i in range(4)]  # a1, a3 at depth 0
+    b = [req("b0", 10, tenant="t", app="b")]
+    state = [EngineState(0, 100_000, 4096, max_steps=2)]
+    assert set(schedule([*a, *b], state).assignments) == {"a1", "b0"}  # a's first turn: its shallowest
+    assert set(schedule(a, [replace(state[0], max_steps=3)]).assignments) == {"a1", "a3", "a0"}
+
+
+def test_an_engine_takes_at_most_max_steps_requests() -> None:
+    queue = [req(f"r{i}", i, tokens=1) for i in range(10)]
+    d = schedule(queue, [EngineState(0, 1000, 300, steps=3, max_steps=7)])
+    assert sorted(d.assignments) == ["r0", "r1", "r2", "r3"]
+    assert schedule(queue, [EngineState(0, 1000, 300, max_steps=None)]).assignments.keys() == {
+        r.key for r in queue
+    }
