@@ -19,6 +19,11 @@ each, with its own HTTP connections, as separate users have). Reported:
   and, for a server this tool started, after the manager dropped its prefix cache too — the blocks
   nothing should hold any more: ``kv_blocks_leaked``.
 
+Fairness mode (``--fairness CALLS``, `benchmarks.harness.load_fairness`): a server with two API keys (two
+tenants); one tenant's session queues CALLS calls at once, the other's single calls are timed alone and
+during that flood (p50s and their ratio), and a kept-alive connection's request latency beside a fresh
+connection's.
+
 Fault mode (``--kill-engine-every S``): one of the engines is a remote engine process
 (``python -m server.engine --model tiny --manager URL``); every S seconds the tool SIGKILLs it and starts a
 new one, which joins again. Lost variables are then the work the kill lost.
@@ -32,6 +37,7 @@ route for that; it is what makes the leak count exact). Or ``--url`` points at a
 
     python -m benchmarks.load [--quick | --tiny] [--json PATH] [--sessions N] [--engines N]
         [--max-tokens N] [--kill-engine-every S] [--url URL --server-pid PID] [--cluster-token-file PATH]
+        [--fairness CALLS]
 
 The last line is ``RESULT load sessions=... errors=... p99_s=... rss_growth_pct=... kv_blocks_leaked=...
 lost_variables=...`` (plus ``sessions_per_s``, ``calls_per_s``, ``p50_s``, ``engine_kills``).
@@ -55,6 +61,7 @@ if not __package__:
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from benchmarks.harness.flags import add_size_flags, sized
+from benchmarks.harness.load_fairness import fairness_table, run_fairness
 from benchmarks.harness.load_probes import RssSampler, rss_bytes, settled_blocks, wait_for_engines
 from benchmarks.harness.load_report import Report, result_metrics, summarize, table
 from benchmarks.harness.load_server import (
@@ -62,6 +69,7 @@ from benchmarks.harness.load_server import (
     HostedServer,
     RemoteEngine,
     engine_killer,
+    free_port,
     host_server,
 )
 from benchmarks.harness.load_sessions import run_wave
@@ -164,6 +172,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--cluster-token-file", metavar="PATH", help=f"the cluster token (default: ${CLUSTER_TOKEN_ENV})"
     )
+    parser.add_argument(
+        "--fairness",
+        type=int,
+        metavar="CALLS",
+        help="tenant-fairness mode: one tenant floods CALLS calls, another's call latency is measured",
+    )
     parser.add_argument("--host-server", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.kill_engine_every is not None and args.url:
@@ -173,6 +187,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.kill_engine_every is not None and args.kill_engine_every <= 0:
         parser.error("--kill-engine-every must be positive")
+    if args.fairness is not None and (args.fairness < 1 or args.url or args.kill_engine_every):
+        parser.error("--fairness needs a positive call count and a server started here (no --url or kills)")
     return args
 
 
@@ -209,6 +225,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.host_server is not None:
         host_server(args.host_server, args.engines or FULL.engines)
+        return
+    if args.fairness is not None:
+        fair = run_fairness(args.fairness, free_port())
+        print(fairness_table(fair))
+        if args.json:
+            write_json(args.json, {"report": asdict(fair), "machine": machine_info()})
+        print(result_line(f"{NAME}_fairness", asdict(fair)))
         return
     cfg = build_config(args)
     started = time.perf_counter()

@@ -191,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=None,
         metavar="KEY",
-        help="an API key the OpenAI routes require (repeat for several; default: $PARROT_API_KEY, else none)",
+        help="an API key the OpenAI routes and the opening of sessions require; a key is a tenant "
+        "(repeat for several; default: $PARROT_API_KEY, else none)",
     )
     security.add_argument("--max-engines", type=int, default=64, help="remote engines in service at once")
     args = p.parse_args(argv)
