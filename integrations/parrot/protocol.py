@@ -194,6 +194,7 @@ class EngineStats(BaseModel):
     evictions: int
     grouped_decode_steps: int
     max_model_len: int
+    max_num_seqs: int = 0  # the most requests one step runs (0: not said)
     draining: bool = False  # it is shutting down gracefully: place no new work there; what runs finishes
     role: str = "both"  # "prefill" | "decode" | "both" (colocated): what the manager places there
     kv_leases: int = 0  # contexts' KV lent to other engines (disaggregated serving), held until released

@@ -446,6 +446,7 @@ class LLMEngine(KVExchange, GeneratesBySubmit):
             evictions=self._scheduler.num_evictions,
             grouped_decode_steps=self._runner.grouped_decode_steps,
             max_model_len=self.max_model_len,
+            max_num_seqs=self.config.max_num_seqs,
             role=self.config.role,
             kv_leases=len(self._leases),
             decode_step_s=self._timing.decode_step_s,

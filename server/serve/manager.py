@@ -180,10 +180,11 @@ class ManagerConfig:
     # Scheduling (server.serve.scheduler): tokens an engine runs at once (None: its KV cache in tokens),
     # and at most while it runs latency-critical work; rounds before a waiting step goes first.
     engine_capacity_tokens: int | None = None
-    # Steps placed on one engine at once (None: as many as its tokens allow). Twice an engine's default batch
-    # keeps it fed; the rest wait in the manager's queue, where tenants and apps take turns (`fair_ranks`),
-    # instead of in the engine's, where one tenant's flood would run before another's next step.
-    engine_max_steps: int | None = 128
+    # Steps placed on one engine at once; None: twice the batch it reports (`EngineStats.max_num_seqs`),
+    # enough to keep it fed, and no count cap for an engine that does not say. The rest wait in the
+    # manager's queue, where tenants and apps take turns (`fair_ranks`), instead of in the engine's, where one
+    # tenant's flood would run before another's next step (a victim's call waited out a 1,999-call flood).
+    engine_max_steps: int | None = None
     latency_cap_tokens: int = 4096
     aging_rounds: int = 8
     # Whether the scheduler sees shared prefixes and cached contexts (off: an ablation, where steps go by
@@ -1408,7 +1409,7 @@ class Manager:
         for i, engine in enumerate(self.engines):
             if not self._in_service(i):
                 continue
-            capacity, latency_cap = self._caps(engine)
+            capacity, latency_cap, max_steps = self._caps(engine)
             routed = isinstance(engine, OpenAIBackendEngine)  # its prefix cache is its only KV sharing
             states.append(
                 EngineState(
@@ -1417,20 +1418,23 @@ class Manager:
                     latency_cap,
                     model=engine.model_name,
                     cache_routed=routed,
-                    max_steps=self.config.engine_max_steps,
+                    max_steps=max_steps,
                 )
             )
         return states
 
-    def _caps(self, engine: Engine) -> tuple[int, int]:
-        """An engine's token capacity (the config's, else its KV cache in tokens) and latency cap (an OpenAI
-        backend's own where configured, else the config's)."""
+    def _caps(self, engine: Engine) -> tuple[int, int, int | None]:
+        """An engine's token capacity (the config's, else its KV cache in tokens), latency cap (an OpenAI
+        backend's own where configured, else the config's) and most steps at once (`engine_max_steps`)."""
         stats = engine.stats()
         capacity = self.config.engine_capacity_tokens or stats.blocks_total * stats.block_size
         cap = self.config.latency_cap_tokens
         if isinstance(engine, OpenAIBackendEngine) and engine.latency_cap_tokens is not None:
             cap = engine.latency_cap_tokens
-        return capacity, min(cap, capacity)
+        steps = self.config.engine_max_steps
+        if steps is None and stats.max_num_seqs > 0:
+            steps = 2 * stats.max_num_seqs
+        return capacity, min(cap, capacity), steps
 
     def _pick_engine(self, candidates: list[int]) -> int:
         """The least loaded engine (lowest index on ties). Its load: the requests it reports, or the OpenAI

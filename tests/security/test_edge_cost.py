@@ -151,3 +151,27 @@ def test_a_generation_stops_when_its_non_streaming_client_leaves(served: Launche
     assert engine.stats().running == 0
     computed = engine.stats().decode_tokens_computed - before
     assert computed < 2000, f"{computed} of 3000 tokens computed after the client left"
+
+
+def test_another_sessions_call_is_not_held_behind_a_flood(served: LaunchedServer) -> None:
+    # One session queues 600 calls at once; another session's call, sent just after, runs in its turn: it
+    # ends long before the flood does (it used to wait for the whole flood in the engine's queue).
+    import parrot as P
+
+    def fn(template: str, tokens: int) -> P.SemanticFunction:
+        sampling = P.SamplingConfig(max_tokens=tokens, ignore_eos=True)
+        return P.SemanticFunction.from_template(template, name="f", sampling=sampling)
+
+    flood, victim = fn("Topic {{input:t}}: {{output:o}}", 8), fn("Quick {{input:q}}: {{output:a}}", 2)
+    assert served.manager._engine_states()[0].max_steps == 2 * served.engines[0].config.max_num_seqs
+    with P.Session(served.url, timeout=300) as flooding:
+        outputs = [flood(f"t{i}") for i in range(600)]
+        flooding.flush()
+        started = time.monotonic()
+        with P.Session(served.url) as s:
+            victim(s.variable("q")).get(timeout=300)
+        victim_s = time.monotonic() - started
+        for out in outputs:
+            out.get(timeout=300)
+        flood_s = time.monotonic() - started
+    assert victim_s < flood_s / 3, (victim_s, flood_s)
