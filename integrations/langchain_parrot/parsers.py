@@ -16,6 +16,7 @@ and partial JSON as LangChain parses them), `CommaSeparatedListOutputParser`, `N
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -101,10 +102,16 @@ def _unsupported(parser: Any, why: str) -> UnsupportedParserError:
 
 def _list_regex(parser: Any, pattern: str, multiline: bool) -> TransformSpec:
     source = f"(?m){pattern}" if multiline else pattern
+    # Checked here, on the client that wrote the pattern (the server checks it again with RE2): LangChain's
+    # list parsers take one group, or the whole match.
     try:
-        return P.transforms.regex(source, findall=True)
-    except ValueError as e:  # pydantic's ValidationError: several groups, or a pattern Python rejects
+        groups = re.compile(source).groups
+    except re.error as e:
         raise _unsupported(parser, f"its pattern {pattern!r} is not a one-group regex ({e})") from None
+    if groups > 1:
+        why = f"its pattern {pattern!r} is not a one-group regex (it has {groups} groups)"
+        raise _unsupported(parser, why)
+    return P.transforms.regex(source, findall=True)
 
 
 def _transform(parser: Any) -> TransformSpec | None:
