@@ -32,6 +32,7 @@ class SpecialText:
     strings: tuple[str, ...]
     _find: re.Pattern[str] | None = field(default=None, repr=False, compare=False)
     _stand_ins: re.Pattern[str] | None = field(default=None, repr=False, compare=False)
+    _stand_in_of: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def of(cls, tokenizer: Any) -> SpecialText:
@@ -45,14 +46,14 @@ class SpecialText:
         # Longest first: where one special string contains another, the longer one is masked whole.
         find = re.compile("|".join(re.escape(s) for s in strings))
         last = chr(_FIRST_STAND_IN + len(strings) - 1)
-        return cls(strings, find, re.compile(f"[{chr(_FIRST_STAND_IN)}-{last}]"))
+        stand_in_of = {s: chr(_FIRST_STAND_IN + i) for i, s in enumerate(strings)}
+        return cls(strings, find, re.compile(f"[{chr(_FIRST_STAND_IN)}-{last}]"), stand_in_of)
 
     def mask(self, text: str) -> str:
         """``text`` (a user's) with each special-token string replaced by its stand-in."""
         if self._find is None:
             return text
-        index = {s: chr(_FIRST_STAND_IN + i) for i, s in enumerate(self.strings)}
-        return self._find.sub(lambda m: index[m.group()], text)
+        return self._find.sub(lambda m: self._stand_in_of[m.group()], text)
 
     def encode(self, tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[int]:
         """``text``'s token ids: as ``tokenizer.encode`` gives them, but each stand-in (from `mask`) encoded

@@ -164,7 +164,8 @@ def schedule(
             decision.unfit.append(request.key)
             placed.add(request.key)
             continue
-        if not _could_fit(request, state):
+        alone: Reason = "pinned" if request.pinned is not None else "find_engine"
+        if _place([request], alone, state, config.prefix_slack_tokens)[0] is None:
             # Nothing fits it alone, so no batch with it does either: skip before gathering one (a pass over
             # thousands of queued requests while the engines are full stays linear).
             if request.waited >= config.aging_rounds:
@@ -250,15 +251,6 @@ def _place(
     elif reason == "context":
         reason = "find_engine"
     return _find_engine(fitting, criteria), reason
-
-
-def _could_fit(request: QueuedRequest, state: Mapping[int, EngineState]) -> bool:
-    """Whether some engine ``request`` may run on has room for it alone now."""
-    cap: Criteria | None = "latency" if request.latency_bound else None
-    if request.pinned is not None:
-        pinned = state.get(request.pinned)
-        return pinned is not None and pinned.fits(request.tokens, cap)
-    return any(e.serves(request.model) and e.fits(request.tokens, cap) for e in state.values())
 
 
 def _balanced(e: EngineState, least: int, slack: int) -> bool:

@@ -68,7 +68,7 @@ def test_fault_mode_needs_a_survivor() -> None:
         load.build_config(load.parse_args(["--engines", "1", "--kill-engine-every", "5"]))
 
 
-def run_tool(tmp_path: Path, *argv: str) -> tuple[dict[str, str], dict[str, Any]]:
+def run_tool(tmp_path: Path, *argv: str, result: str = "load") -> tuple[dict[str, str], dict[str, Any]]:
     out = tmp_path / "load.json"
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.load", "--tiny", "--json", str(out), *argv],
@@ -79,7 +79,7 @@ def run_tool(tmp_path: Path, *argv: str) -> tuple[dict[str, str], dict[str, Any]
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]
-    assert last.startswith("RESULT load "), proc.stdout
+    assert last.startswith(f"RESULT {result} "), proc.stdout
     metrics = dict(kv.split("=", 1) for kv in last.split()[2:])
     return metrics, json.loads(out.read_text())
 
@@ -107,18 +107,8 @@ def test_engine_killed_under_load_loses_nothing(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(600)
 def test_fairness_mode_times_a_victim_tenant_beside_a_flood(tmp_path: Path) -> None:
-    out = tmp_path / "fair.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.load", "--fairness", "300", "--json", str(out)],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=540,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    last = proc.stdout.strip().splitlines()[-1]
-    assert last.startswith("RESULT load_fairness "), proc.stdout
-    report = json.loads(out.read_text())["report"]
+    _, payload = run_tool(tmp_path, "--fairness", "300", result="load_fairness")
+    report = payload["report"]
     assert report["flood_calls"] == 300 and report["victim_calls_during_flood"] >= 1
     assert report["victim_alone_p50_s"] > 0 and report["victim_ratio"] > 0
     # Nagle off on the listener: a kept-alive request is not slower than a fresh connection's (it was
