@@ -84,6 +84,19 @@ def test_opening_a_session_needs_a_key_too_and_health_needs_none(served: Launche
     assert r.status_code == 200, r.text
 
 
+async def test_an_async_session_passes_the_key_too(served: LaunchedServer) -> None:
+    @P.semantic_function(max_tokens=2)
+    def echo(x):  # type: ignore[no-untyped-def]
+        """Say {{input:x}}: {{output:y}}"""
+
+    async with P.Session(served.url, api_key=KEYS[0]):
+        first = echo("a")
+        assert isinstance(await echo(first).aget(), str)  # a literal, then a future as input
+    with pytest.raises(P.AuthError):
+        async with P.Session(served.url, api_key=None):
+            await echo("a").aget()
+
+
 def test_the_key_comes_from_the_environment(served: LaunchedServer, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PARROT_API_KEY", KEYS[0])
 
