@@ -64,6 +64,7 @@ from server.security import (
     check_api_key,
     cluster_token_guard,
     install_auth_handler,
+    requester,
 )
 from server.serve.dag_view import step_info
 from server.serve.graph import GraphError
@@ -214,9 +215,7 @@ def _owner(request: Request) -> tuple[str, str | None]:
     """Who opens a session, for the sessions-per-client quota — its tenant where the server has API keys,
     else the client's address — and that tenant (None without keys), whose sessions share cached prefixes
     by default and with no other tenant's (`tenant_of`: the salt a session without its own gets)."""
-    tenant: str | None = getattr(request.state, "tenant", None)
-    address = request.client.host if request.client is not None else ""
-    return tenant or address, tenant
+    return requester(request), getattr(request.state, "tenant", None)
 
 
 @header_guard

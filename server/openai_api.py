@@ -69,6 +69,7 @@ from server.openai_requests import (
     sampling_for,
 )
 from server.openai_tools import parse_tool_calls
+from server.security import requester
 from server.serve.errors import ModelNotFoundError
 from server.serve.output_lengths import LengthEstimate
 
@@ -96,9 +97,11 @@ class OpenAIBackend(Protocol):
         token_ids: list[int],
         cache_salt: str | None,
         priority: float | None = None,
+        *,
+        tenant: str | None = None,
     ) -> None:
         """Create ``context_id`` holding ``token_ids`` (from a cached prefix where the backend has one);
-        ``priority`` orders it in an SJF engine's queue."""
+        ``priority`` and ``tenant`` order it in the engine's waiting queue."""
         ...
 
     def estimate_length(
@@ -160,8 +163,10 @@ class StaticBackend:
         token_ids: list[int],
         cache_salt: str | None,
         priority: float | None = None,
+        *,
+        tenant: str | None = None,
     ) -> None:
-        await engine.fill(context_id, token_ids, priority=priority)
+        await engine.fill(context_id, token_ids, priority=priority, tenant=tenant)
 
     def estimate_length(
         self, engine: LLMEngine, token_ids: list[int], sampling: SamplingParams
@@ -229,7 +234,7 @@ def create_openai_router(backend: OpenAIBackend) -> APIRouter:
             guided = guided_of(req.response_format, req.structured_outputs)
             sampling = sampling_for(req, req.max_tokens, engine, prompts, guided, req.logprobs)
             return await _unless_client_leaves(
-                request, _serve(backend, engine, prompts, sampling, req, chat=False)
+                request, _serve(backend, engine, prompts, sampling, req, requester(request), chat=False)
             )
         except (EngineError, OpenAIAPIError) as e:
             return _error(e)
@@ -261,7 +266,8 @@ def create_openai_router(backend: OpenAIBackend) -> APIRouter:
                 guided = tools.guide
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
             sampling = sampling_for(req, max_tokens, engine, prompts, guided, logprobs)
-            served = _serve(backend, engine, prompts, sampling, req, chat=True, tools=tools)
+            tenant = requester(request)
+            served = _serve(backend, engine, prompts, sampling, req, tenant, chat=True, tools=tools)
             return await _unless_client_leaves(request, served)
         except (EngineError, OpenAIAPIError) as e:
             return _error(e)
@@ -382,11 +388,13 @@ async def _serve(
     prompts: list[list[int]],
     sampling: SamplingParams,
     req: OpenAICompletionRequest | OpenAIChatCompletionRequest,
+    tenant: str,
     chat: bool,
     tools: ChatTools | None = None,
 ) -> JSONResponse | StreamingResponse:
     """Fill a fresh context per prompt and choice (``n`` per prompt), generate from each, answer (or
-    stream); contexts are always freed.
+    stream); contexts are always freed. ``tenant`` (who sent it) takes turns with other tenants in the
+    engine's waiting queue.
 
     A streaming answer starts only once every generate has produced its first token, so that bad input
     still answers with a status code rather than an error event inside a 200 stream. Until then nothing
@@ -395,7 +403,7 @@ async def _serve(
     """
     for attempt in itertools.count(1):
         try:
-            return await _serve_on(backend, engine, prompts, sampling, req, chat, tools)
+            return await _serve_on(backend, engine, prompts, sampling, req, tenant, chat, tools)
         except EngineError as e:
             if not await backend.retry_elsewhere(engine, e, attempt):
                 raise
@@ -409,6 +417,7 @@ async def _serve_on(
     prompts: list[list[int]],
     sampling: SamplingParams,
     req: OpenAICompletionRequest | OpenAIChatCompletionRequest,
+    tenant: str,
     chat: bool,
     tools: ChatTools | None,
 ) -> JSONResponse | StreamingResponse:
@@ -423,13 +432,15 @@ async def _serve_on(
     try:
         await _gather_all(
             [
-                backend.fill_prompt(engine, j.context_id, j.prompt, req.cache_salt, _priority(req, j))
+                backend.fill_prompt(
+                    engine, j.context_id, j.prompt, req.cache_salt, _priority(req, j), tenant=tenant
+                )
                 for j in jobs
             ]
         )
         for j in jobs:
             j.stream = engine.submit_generate(
-                j.context_id, j.sampling, stream=bool(req.stream), priority=_priority(req, j)
+                j.context_id, j.sampling, stream=bool(req.stream), priority=_priority(req, j), tenant=tenant
             )
         meta = _Meta(
             id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",

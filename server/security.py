@@ -252,6 +252,13 @@ def check_api_key(request: Request, keys: Sequence[str]) -> str | None:
     return tenant_of(key)
 
 
+def requester(request: Request) -> str:
+    """Who sent ``request``, as quotas and fair turns count it: its tenant where the server has API keys
+    (`check_api_key` set ``request.state.tenant``), else the client's address."""
+    tenant: str | None = getattr(request.state, "tenant", None)
+    return tenant or (request.client.host if request.client is not None else "")
+
+
 def tenant_of(api_key: str) -> str:
     """The tenant an API key stands for, as logs, quotas and cache namespaces name it (a digest: never the
     key itself)."""

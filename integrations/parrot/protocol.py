@@ -100,6 +100,13 @@ class SamplingConfig(_Strict):
 
 
 # ----------------------------------------------------------------------------------------- engine API
+MAX_TENANT_CHARS = 128  # an engine request's ``tenant``: an id, not data
+_TENANT_DOC = (
+    "who sent it (the manager sends a session's tenant): tenants take turns in the engine's waiting "
+    "queue, so one tenant's flood never holds back another's next request; None: one tenant in all"
+)
+
+
 class EngineFillRequest(_Strict):
     """Append tokens (or text, tokenized by the engine without special tokens) to a context.
 
@@ -117,6 +124,7 @@ class EngineFillRequest(_Strict):
     parent_len: int | None = Field(default=None, ge=0)
     # Its place in the engine's waiting queue under scheduling "sjf", as `EngineGenerateRequest.priority`.
     priority: float | None = Field(default=None, allow_inf_nan=False)
+    tenant: str | None = Field(default=None, max_length=MAX_TENANT_CHARS, description=_TENANT_DOC)
 
     @model_validator(mode="after")
     def _one_input(self) -> EngineFillRequest:
@@ -146,6 +154,7 @@ class EngineGenerateRequest(_Strict):
     # Lower starts sooner when the engine runs scheduling "sjf" (the manager sends the predicted output
     # length); it orders only the waiting queue, with aging. None: ranked as an average request.
     priority: float | None = Field(default=None, allow_inf_nan=False)
+    tenant: str | None = Field(default=None, max_length=MAX_TENANT_CHARS, description=_TENANT_DOC)
 
 
 class EngineGenerateResponse(BaseModel):

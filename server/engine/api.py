@@ -154,7 +154,12 @@ def create_engine_app(
         if ids is None:
             ids = engine.tokenizer.encode(req.text, add_special_tokens=False)
         n = await engine.fill(
-            req.context_id, ids, req.parent_context_id, parent_len=req.parent_len, priority=req.priority
+            req.context_id,
+            ids,
+            req.parent_context_id,
+            parent_len=req.parent_len,
+            priority=req.priority,
+            tenant=req.tenant,
         )
         return EngineFillResponse(context_id=req.context_id, num_tokens=n)
 
@@ -169,6 +174,7 @@ def create_engine_app(
                 latency_cap=req.latency_cap,
                 parent_len=req.parent_len,
                 priority=req.priority,
+                tenant=req.tenant,
             )
             return _response(req.context_id, result)
         handle = engine.submit_generate(
@@ -178,6 +184,7 @@ def create_engine_app(
             latency_cap=req.latency_cap,
             parent_len=req.parent_len,
             priority=req.priority,
+            tenant=req.tenant,
         )
         first = await _first_event(handle)  # validation errors answer with a status code, not a stream
         return StreamingResponse(

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import torch
-from parrot.protocol import EngineStats
+from parrot.protocol import MAX_TENANT_CHARS, EngineStats
 
 from server.engine import cuda_graphs
 from server.engine.block_manager import BlockAllocator
@@ -121,6 +121,7 @@ class _Submit:
     latency_cap: int | None = None  # a generate's latency cap (`Scheduler`); None: none
     parent_len: int | None = None  # fork from the parent's first this many tokens; None: all of them
     priority: float | None = None  # its place in the waiting queue under "sjf" (lower: sooner)
+    tenant: str | None = None  # who sent it: tenants take turns in the waiting queue
     remote: RemotePrefix | None = None  # a new context's leading KV, held by another engine
     grammar: CompiledGrammar | None = None  # a guided generate's grammar, once compiled
 
@@ -364,6 +365,7 @@ class LLMEngine(KVExchange, GeneratesBySubmit):
         *,
         parent_len: int | None = None,
         priority: float | None = None,
+        tenant: str | None = None,
         remote: RemotePrefix | None = None,
     ) -> int:
         """Append ``token_ids`` to a context (created, or forked from the parent, if new); compute their KV.
@@ -372,7 +374,8 @@ class LLMEngine(KVExchange, GeneratesBySubmit):
         its length when the fork happens; None: all of them). The fork shares the parent's full blocks and
         copies a partial last block when it first writes into it. Only with ``parent_context_id``, and only
         when the context is new. A fork from a busy parent waits for the parent's request to finish.
-        ``priority``: as `generate`'s (a call's fill may carry its generate's, so the whole call is ordered).
+        ``priority``, ``tenant``: as `generate`'s (a call's fill carries its generate's, so the whole call is
+        ordered).
         ``remote``: the new context starts with KV another engine holds and attends on this engine's behalf
         (`server.engine.remote_kv`; Mutel's attention parallelism): ``token_ids`` follow it, and everything
         this context holds here is what comes after it. Only for a new context without a parent.
@@ -387,6 +390,7 @@ class LLMEngine(KVExchange, GeneratesBySubmit):
                 list(token_ids),
                 parent_len=parent_len,
                 priority=priority,
+                tenant=tenant,
                 remote=remote,
             )
         )
@@ -402,6 +406,7 @@ class LLMEngine(KVExchange, GeneratesBySubmit):
         latency_cap: int | None = None,
         parent_len: int | None = None,
         priority: float | None = None,
+        tenant: str | None = None,
     ) -> GenerationStream:
         """Start a generate; the returned stream yields token ids and then its `result()`. The arguments
         are `generate`'s."""
@@ -416,6 +421,7 @@ class LLMEngine(KVExchange, GeneratesBySubmit):
                 latency_cap,
                 parent_len,
                 priority,
+                tenant,
             )
         )
         return GenerationStream(self, sink)
@@ -639,6 +645,10 @@ class LLMEngine(KVExchange, GeneratesBySubmit):
             raise InvalidRequestError(
                 f"{kind}: priority must be a finite number (lower starts sooner), not {cmd.priority!r}"
             )
+        if cmd.tenant is not None and len(cmd.tenant) > MAX_TENANT_CHARS:
+            raise InvalidRequestError(
+                f"{kind}: tenant is {len(cmd.tenant)} characters, over {MAX_TENANT_CHARS}: send a short id"
+            )
         if cmd.parent_len is not None:
             if cmd.parent_id is None:
                 raise InvalidRequestError(
@@ -752,6 +762,7 @@ class LLMEngine(KVExchange, GeneratesBySubmit):
             handle=cmd.sink,
             latency_cap=cmd.latency_cap,
             priority=None if cmd.priority is None else float(cmd.priority),
+            tenant=cmd.tenant,
         )
         if cmd.sampling is not None:
             req.generator = make_generator(cmd.sampling)

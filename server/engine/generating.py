@@ -26,6 +26,7 @@ class GeneratesBySubmit:
         latency_cap: int | None = None,
         parent_len: int | None = None,
         priority: float | None = None,
+        tenant: str | None = None,
     ) -> Any:
         raise NotImplementedError
 
@@ -38,6 +39,7 @@ class GeneratesBySubmit:
         latency_cap: int | None = None,
         parent_len: int | None = None,
         priority: float | None = None,
+        tenant: str | None = None,
     ) -> GenerateResult:
         """Generate from the end of a context (forked from the parent first if the context is new).
 
@@ -48,6 +50,8 @@ class GeneratesBySubmit:
         ``priority``: a finite number, lower starts sooner, when the engine runs ``scheduling="sjf"`` (the
         manager sends the predicted output length; None: ranked as an average request). It orders only the
         waiting queue, with aging (`server.engine.ordering`), and never preempts; ignored under ``fcfs``.
+        ``tenant``: who sent it (an id of at most 128 characters): tenants take turns in the waiting queue
+        under either scheduling; None: traffic that names no tenant (one tenant in all).
         """
         stream = self.submit_generate(
             context_id,
@@ -57,6 +61,7 @@ class GeneratesBySubmit:
             latency_cap=latency_cap,
             parent_len=parent_len,
             priority=priority,
+            tenant=tenant,
         )
         result: GenerateResult = await stream.result()
         return result
@@ -70,6 +75,7 @@ class GeneratesBySubmit:
         latency_cap: int | None = None,
         parent_len: int | None = None,
         priority: float | None = None,
+        tenant: str | None = None,
     ) -> AsyncIterator[int]:
         """Yield token ids as they are sampled; leaving the loop early aborts the request. The arguments are
         `generate`'s."""
@@ -81,6 +87,7 @@ class GeneratesBySubmit:
             latency_cap=latency_cap,
             parent_len=parent_len,
             priority=priority,
+            tenant=tenant,
         )
         try:
             async for token_id in stream:

@@ -24,6 +24,11 @@ starts before it: the scheduler admits from the head, and nothing overtakes a he
 waits at most ``aging_s`` plus the time that the requests queued before it, requests preempted meanwhile and
 those already running take to make room — however many shorter requests keep arriving.
 
+**Tenants take turns** (both policies). Among the requests of the last class (neither resumed nor aged), a
+request's place is first its *turn* — it is its tenant's k-th such request in the policy's order — then the
+policy's order: one tenant's flood of queued requests never holds back another tenant's next request by more
+than one request of each tenant. Traffic that names no tenant is one tenant, so its order is the policy's.
+
 The engine has no notion of a task group: a group's members are separate requests. Equal priorities keep
 arrival order, so a manager that gives a group's members one priority (and submits them together) keeps
 them adjacent in the queue.
@@ -56,6 +61,7 @@ class Queued(Generic[T]):
     priority: float  # lower runs sooner; a missing priority is already replaced (`default_priority`)
     latency_critical: bool = False  # carries a latency objective: ranked before throughput work
     resumed: bool = False  # preempted after it started: back before everything else
+    tenant: str = ""  # who sent it: tenants take turns (`tenant_turns`); "" for traffic that names none
 
 
 def check_policy(policy: str, aging_s: float) -> None:
@@ -82,18 +88,32 @@ def order_waiting(
     queue: Sequence[Queued[T]], now: float, policy: SchedulingPolicy, aging_s: float
 ) -> list[Queued[T]]:
     """``queue`` (in its current order) in the order to admit it at time ``now`` (see the module doc)."""
-    if policy == "fcfs":
-        return list(queue)
 
     def key(indexed: tuple[int, Queued[T]]) -> tuple[float, ...]:
         position, e = indexed
         if e.resumed:
             return (0, position)
-        if is_aged(e, now, aging_s):
+        if policy == "sjf" and is_aged(e, now, aging_s):
             return (1, e.seq)
+        if policy == "fcfs":
+            return (2, position)
         return (2, 0 if e.latency_critical else 1, e.priority, e.seq)
 
-    return [e for _, e in sorted(enumerate(queue), key=key)]
+    keyed = sorted((key(pe), pe[1]) for pe in enumerate(queue))
+    turns = tenant_turns([e for k, e in keyed if k[0] == 2])
+    return [e for _, e in sorted(keyed, key=lambda ke: (ke[0][0], turns.get(id(ke[1]), 0), ke[0]))]
+
+
+def tenant_turns(ordered: Sequence[Queued[T]]) -> dict[int, int]:
+    """Each entry's turn (by ``id``) in a round robin over tenants: a tenant's k-th entry in ``ordered``
+    gets turn k, so one tenant's flood of queued requests never holds back another tenant's next one.
+    With one tenant the turns follow ``ordered`` itself."""
+    seen: dict[str, int] = {}
+    turns: dict[int, int] = {}
+    for e in ordered:
+        turns[id(e)] = seen.get(e.tenant, 0)
+        seen[e.tenant] = turns[id(e)] + 1
+    return turns
 
 
 def next_reorder_at(queue: Sequence[Queued[T]], now: float, aging_s: float) -> float:

@@ -50,6 +50,9 @@ class Request:
     # Lower starts sooner when the engine orders its waiting queue shortest-first (``scheduling="sjf"``,
     # `server.engine.ordering`); the manager sends the predicted output length. None: an average request.
     priority: float | None = None
+    # Who sent it (the manager sends the session's tenant): tenants take turns in the waiting queue
+    # (`server.engine.ordering`); None: traffic that names no tenant, one tenant in all.
+    tenant: str | None = None
     guide: Guide | None = None  # a guided generate's grammar state
     logprobs: list[TokenLogprob] | None = None  # each token's, when the sampling asked for them
 

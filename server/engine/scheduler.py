@@ -102,7 +102,12 @@ class Scheduler:
             self._priority_sum += priority
             self._priority_count += 1
         self._queued[req] = Queued(
-            req, next(self._arrivals), self.clock(), priority, latency_critical=req.latency_cap is not None
+            req,
+            next(self._arrivals),
+            self.clock(),
+            priority,
+            latency_critical=req.latency_cap is not None,
+            tenant=req.tenant or "",
         )
         self.waiting.append(req)
         self._reorder = True
@@ -142,8 +147,7 @@ class Scheduler:
             scheduled.add(req.request_id)
             batch.append(ScheduledChunk(req, n))
         running_tokens = self.running_tokens
-        if self.scheduling == "sjf":
-            self._order_waiting()
+        self._order_waiting()
         while self.waiting and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             reserved = reserved_tokens(req)
@@ -162,15 +166,19 @@ class Scheduler:
         return batch
 
     def _order_waiting(self) -> None:
-        """Sort the waiting queue into SJF order when it may have changed: something was queued or
-        requeued, or a request reached the aging time."""
+        """Sort the waiting queue into the policy's order, tenants taking turns, when it may have changed:
+        something was queued or requeued, or (under sjf) a request reached the aging time. Under fcfs a
+        queue of one tenant is already in order."""
         now = self.clock()
         if not self._reorder and now < self._reorder_at:
             return
-        queue = [self._queued[r] for r in self.waiting]
-        self.waiting = deque(e.item for e in order_waiting(queue, now, "sjf", self.sjf_aging_s))
-        self._reorder_at = next_reorder_at(queue, now, self.sjf_aging_s)
         self._reorder = False
+        queue = [self._queued[r] for r in self.waiting]
+        if self.scheduling == "fcfs" and len({e.tenant for e in queue}) <= 1:
+            return
+        self.waiting = deque(e.item for e in order_waiting(queue, now, self.scheduling, self.sjf_aging_s))
+        if self.scheduling == "sjf":
+            self._reorder_at = next_reorder_at(queue, now, self.sjf_aging_s)
 
     def _within_caps(self, total: int, head: Request) -> bool:
         """Whether the running reservations would stay within every token cap with ``head`` admitted

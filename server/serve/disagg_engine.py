@@ -82,10 +82,11 @@ class DisaggregatedEngine(GeneratesBySubmit):
         *,
         parent_len: int | None = None,
         priority: float | None = None,
+        tenant: str | None = None,
     ) -> int:
         """As `LLMEngine.fill`, on the prefill engine."""
         return await self.prefill.fill(
-            context_id, token_ids, parent_context_id, parent_len=parent_len, priority=priority
+            context_id, token_ids, parent_context_id, parent_len=parent_len, priority=priority, tenant=tenant
         )
 
     def submit_generate(
@@ -98,10 +99,11 @@ class DisaggregatedEngine(GeneratesBySubmit):
         latency_cap: int | None = None,
         parent_len: int | None = None,
         priority: float | None = None,
+        tenant: str | None = None,
     ) -> DisaggregatedGeneration:
         """As `LLMEngine.submit_generate`: the first token on the prefill engine, the rest on the decode
         engine over the prompt's KV where it is."""
-        options = {"latency_cap": latency_cap, "priority": priority}
+        options = {"latency_cap": latency_cap, "priority": priority, "tenant": tenant}
         return DisaggregatedGeneration(
             self, context_id, sampling or SamplingParams(), parent_context_id, parent_len, stream, options
         )

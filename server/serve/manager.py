@@ -182,8 +182,8 @@ class ManagerConfig:
     engine_capacity_tokens: int | None = None
     # Steps placed on one engine at once; None: twice the batch it reports (`EngineStats.max_num_seqs`),
     # enough to keep it fed, and no count cap for an engine that does not say. The rest wait in the
-    # manager's queue, where tenants and apps take turns (`fair_ranks`), instead of in the engine's, where one
-    # tenant's flood would run before another's next step (a victim's call waited out a 1,999-call flood).
+    # manager's queue, where tenants and apps take turns (`fair_ranks`); in the engine's, tenants take turns
+    # too (each fill and generate carries its session's tenant).
     engine_max_steps: int | None = None
     latency_cap_tokens: int = 4096
     aging_rounds: int = 8
@@ -1060,7 +1060,9 @@ class Manager:
             self.steps.started(record, engine_index, self.engine_name(engine_index), self._clock())
             record.prompt_tokens = len(token_ids)
         try:
-            saved = await self._fill_from_cache(engine_index, namespace, context_id, token_ids, priority)
+            saved = await self._fill_from_cache(
+                engine_index, namespace, context_id, token_ids, priority, session.client
+            )
             if record is not None:
                 record.prefill_tokens_saved = saved
             # A latency-bound step carries the engine's latency cap, so the engine keeps its batch under
@@ -1071,7 +1073,12 @@ class Manager:
                 text = self._texts.setdefault((session.session_id, step.gen.var_id), text)
             text.start(engine.tokenizer, sampling.stop)
             stream = engine.submit_generate(
-                context_id, sampling, stream=True, latency_cap=latency_cap, priority=priority
+                context_id,
+                sampling,
+                stream=True,
+                latency_cap=latency_cap,
+                priority=priority,
+                tenant=session.client,
             )
             async for token_id in stream:  # readers of the variable's text see each token as it comes
                 text.push(token_id)
@@ -1210,15 +1217,16 @@ class Manager:
         context_id: int,
         token_ids: list[int],
         priority: float | None = None,
+        tenant: str | None = None,
     ) -> int:
         """Make ``context_id`` hold ``token_ids``: a fork of the leading tokens they share with a kept
         context (held against eviction while the fork is made), filled with the rest; returns how many
-        were forked (not computed). ``priority``: the request's place in an SJF engine's queue (its
-        prefill is ordered as its generation is)."""
+        were forked (not computed). ``priority``, ``tenant``: the request's place in the engine's queue
+        (its prefill is ordered as its generation is)."""
         match = self._cached_match(engine_index, namespace, token_ids)
         engine = self.engines[engine_index]
         if match is None:
-            await engine.fill(context_id, token_ids, priority=priority)
+            await engine.fill(context_id, token_ids, priority=priority, tenant=tenant)
             return 0
         self._prefixes.acquire(match.entry)
         try:
@@ -1228,6 +1236,7 @@ class Manager:
                 match.entry.context_id,
                 parent_len=None if match.whole else match.length,
                 priority=priority,
+                tenant=tenant,
             )
         finally:
             self._prefixes.release(match.entry)
@@ -1315,6 +1324,8 @@ class Manager:
         token_ids: list[int],
         cache_salt: str | None,
         priority: float | None = None,
+        *,
+        tenant: str | None = None,
     ) -> None:
         """An OpenAI request's prompt: forked from the longest cached token prefix, the rest filled; refused
         first if the engine would miss the SLOs (`ManagerConfig.slo`), whose TPOT objective also resizes a
@@ -1324,10 +1335,10 @@ class Manager:
             if isinstance(engine, DisaggregatedEngine):
                 await engine.tune_prefill_chunk(self.config.slo)
         if not self.config.openai_prefix_cache:
-            await engine.fill(context_id, token_ids, priority=priority)
+            await engine.fill(context_id, token_ids, priority=priority, tenant=tenant)
             return
         index = self._index_of(engine)
-        await self._fill_from_cache(index, _namespace(cache_salt), context_id, token_ids, priority)
+        await self._fill_from_cache(index, _namespace(cache_salt), context_id, token_ids, priority, tenant)
 
     def _admit(self, engine: Engine, token_ids: list[int], cache_salt: str | None) -> None:
         """Mutel's early rejection, from the engine's measured step times and queued prompt work (no

@@ -135,9 +135,10 @@ class OpenAIBackendEngine(GeneratesBySubmit):
         *,
         parent_len: int | None = None,
         priority: float | None = None,
+        tenant: str | None = None,
     ) -> int:
         """As `LLMEngine.fill`; nothing is sent (the backend sees the tokens with the generate)."""
-        del priority  # orders only a generate, which carries its own
+        del priority, tenant  # order only a generate, which carries its own
         self._check_tokens(token_ids)
         new = context_id not in self._contexts
         ctx = self._context(context_id, parent_context_id, parent_len, create=True)
@@ -163,11 +164,12 @@ class OpenAIBackendEngine(GeneratesBySubmit):
         latency_cap: int | None = None,
         parent_len: int | None = None,
         priority: float | None = None,
+        tenant: str | None = None,
     ) -> TaskStream:
         """Start a generate: the context's tokens go as the prompt; its answer's tokens are appended to it.
         ``latency_cap`` is the scheduler's (the backend batches as it does); ``priority`` is forwarded when
         the backend is configured to take it."""
-        del latency_cap
+        del latency_cap, tenant  # the backend orders its own queue
         sampling = sampling or SamplingParams()
         sampling.validate(self.vocab_size)
         ctx = self._context(context_id, parent_context_id, parent_len, create=False)

@@ -139,15 +139,17 @@ class RemoteEngine(GeneratesBySubmit):
         *,
         parent_len: int | None = None,
         priority: float | None = None,
+        tenant: str | None = None,
     ) -> int:
         """As `LLMEngine.fill`: ``parent_len`` forks from the parent's first ``parent_len`` tokens;
-        ``priority`` orders it in the engine's waiting queue."""
+        ``priority`` and ``tenant`` order it in the engine's waiting queue."""
         body = EngineFillRequest(
             context_id=context_id,
             token_ids=token_ids,
             parent_context_id=parent_context_id,
             parent_len=parent_len,
             priority=priority,
+            tenant=tenant,
         )
         data = await _call(self._client, self.url, "POST", "/fill", body.model_dump(exclude_none=True))
         return EngineFillResponse.model_validate(data).num_tokens
@@ -162,9 +164,10 @@ class RemoteEngine(GeneratesBySubmit):
         latency_cap: int | None = None,
         parent_len: int | None = None,
         priority: float | None = None,
+        tenant: str | None = None,
     ) -> RemoteGenerationStream:
         """Start a generate; iterate the answer for token ids (``stream=True``), then await `result()`.
-        ``latency_cap``, ``parent_len``, ``priority``: as `LLMEngine.submit_generate`'s."""
+        ``latency_cap``, ``parent_len``, ``priority``, ``tenant``: as `LLMEngine.submit_generate`'s."""
         body = EngineGenerateRequest(
             context_id=context_id,
             parent_context_id=parent_context_id,
@@ -173,6 +176,7 @@ class RemoteEngine(GeneratesBySubmit):
             stream=True,
             latency_cap=latency_cap,
             priority=priority,
+            tenant=tenant,
         )
         return RemoteGenerationStream(self, body.model_dump(exclude_none=True), stream)
 

@@ -152,11 +152,13 @@ def schedule(
     decision = Decision()
     placed: set[str] = set()
 
+    urgencies = {r.key: (r.waited < config.aging_rounds, r.depth, r.seq) for r in queue}
+
     def urgency(r: QueuedRequest) -> tuple[bool, int, int]:
-        return (r.waited < config.aging_rounds, r.depth, r.seq)
+        return urgencies[r.key]
 
     rank = fair_ranks(queue, urgency)
-    ordered = sorted(queue, key=lambda r: (rank[r.key], urgency(r)))
+    ordered = sorted(queue, key=lambda r: (rank[r.key], urgencies[r.key]))
     for request in ordered:
         if request.key in placed:
             continue
@@ -164,6 +166,8 @@ def schedule(
             decision.unfit.append(request.key)
             placed.add(request.key)
             continue
+        if not any(e.fits(0, None) for e in state.values()):
+            continue  # every engine takes its most steps: only the oversized are left to find
         alone: Reason = "pinned" if request.pinned is not None else "find_engine"
         if _place([request], alone, state, config.prefix_slack_tokens)[0] is None:
             # Nothing fits it alone, so no batch with it does either: skip before gathering one (a pass over
