@@ -61,6 +61,7 @@ from server.openai_requests import (
     ChatTools,
     InvalidPromptError,
     OpenAIAPIError,
+    QuotaError,
     chat_prompt,
     chat_tools,
     completion_prompts,
@@ -122,6 +123,15 @@ class OpenAIBackend(Protocol):
         completed — the backend may keep it as a cached prefix — or None (failed or aborted: free it)."""
         ...
 
+    def hold_tokens(self, tenant: str, tokens: int) -> str | None:
+        """Count a request's ``tokens`` (each generation's prompt and max_tokens) as ``tenant``'s in flight
+        until `release_tokens`, or refuse them: the reason (a tenant's quota), answered 429."""
+        ...
+
+    def release_tokens(self, tenant: str, tokens: int) -> None:
+        """The request `hold_tokens` counted is over."""
+        ...
+
     async def retry_elsewhere(self, engine: LLMEngine, error: EngineError, attempt: int) -> bool:
         """The request failed with ``error`` on ``engine`` on its ``attempt``-th try (1 first) before it
         streamed anything: whether to run it again from its prompt on the engine `engine_for` picks next
@@ -180,6 +190,12 @@ class StaticBackend:
         self, engine: LLMEngine, context_id: int, token_ids: list[int] | None, cache_salt: str | None
     ) -> None:
         await _free_quietly(engine, context_id)
+
+    def hold_tokens(self, tenant: str, tokens: int) -> str | None:
+        return None  # fixed engines keep no quotas
+
+    def release_tokens(self, tenant: str, tokens: int) -> None:
+        pass
 
     async def retry_elsewhere(self, engine: LLMEngine, error: EngineError, attempt: int) -> bool:
         return False  # fixed engines: there is nowhere else to go
@@ -422,12 +438,16 @@ async def _serve_on(
     tools: ChatTools | None,
 ) -> JSONResponse | StreamingResponse:
     """`_serve` on one engine."""
+    tokens = sum(len(p) + sampling.max_tokens for p in prompts) * (req.n or 1)
+    refusal = backend.hold_tokens(tenant, tokens)
+    if refusal is not None:
+        raise QuotaError(refusal)
     jobs = [
         _Job(backend.open_context(engine), p, backend.estimate_length(engine, p, sampling), _nth(sampling, k))
         for p in prompts
         for k in range(req.n or 1)
     ]
-    release = _Release(backend, engine, jobs, req.cache_salt)
+    release = _Release(backend, engine, jobs, req.cache_salt, lambda: backend.release_tokens(tenant, tokens))
     handed_off = False
     try:
         await _gather_all(
@@ -512,10 +532,13 @@ class _Release:
     engine: LLMEngine
     jobs: list[_Job]
     cache_salt: str | None
+    release_tokens: Callable[[], None]  # the tenant's tokens in flight (`OpenAIBackend.hold_tokens`)
 
     async def __call__(self) -> None:
         jobs = list(self.jobs)
         self.jobs.clear()  # released once, whoever calls first
+        if jobs:
+            self.release_tokens()
         for j in jobs:
             if j.stream is not None and j.output is None:
                 j.stream.cancel()

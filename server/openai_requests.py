@@ -43,6 +43,14 @@ class OpenAIAPIError(Exception):
         self.param = param
 
 
+class QuotaError(OpenAIAPIError):
+    """The request's tenant is at one of its quotas (`server.serve.quotas`): retry once its earlier
+    requests finish."""
+
+    http_status = 429
+    error_type = "quota_exceeded"
+
+
 class UnsupportedOptionError(OpenAIAPIError):
     """A request option that would change the result but is not supported (n > 1, echo, logprobs...)."""
 

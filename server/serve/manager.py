@@ -87,7 +87,16 @@ from server.serve.placement import (
     RequestTooLargeError,
 )
 from server.serve.prefix_store import Entry, Match, PrefixStore, common_prefix_len
-from server.serve.quotas import Quotas, SessionUsage, check_call, check_session, check_variables
+from server.serve.quotas import (
+    QuotaExceededError,
+    Quotas,
+    SessionUsage,
+    check_call,
+    check_session,
+    check_stored,
+    check_variables,
+    tenant_tokens_refusal,
+)
 from server.serve.remote_engine import RemoteEngine
 from server.serve.scheduler import EngineState, QueuedRequest, SchedulerConfig
 from server.serve.sessions import Session, SessionTable, UnknownSessionError
@@ -310,6 +319,7 @@ class Manager:
         # Engine index -> OpenAI requests' contexts routed there and not finished: an engine's stats lag
         # behind a burst (a request counts there only once its fill reaches the engine).
         self._openai_routed: Counter[int] = Counter()
+        self._openai_tokens: Counter[str] = Counter()  # tenant -> tokens of its running OpenAI requests
         self._dispatch_pending: set[str] = set()
         self._tasks: dict[str, set[asyncio.Task[None]]] = {}
         self.draining = False  # `drain` began: new work is refused, running steps finish
@@ -599,11 +609,16 @@ class Manager:
     # ------------------------------------------------------------------------------------------ variables
     def create_variable(self, session: Session, req: CreateVariableRequest) -> VariableCreated:
         check_variables(self.config.quotas, SessionUsage(variables=len(session.graph.variables)), 1)
+        chars = len(req.value or "")
+        check_stored(self.config.quotas, session.client, self.sessions.stored_by(session.client), chars)
         var = session.graph.variables.create(req.name, req.value, var_id=req.var_id)
+        self.sessions.store(session, chars)
         return VariableCreated(var_id=var.var_id)
 
     def set_variable(self, session: Session, var_id: str, value: str) -> GetVariableResponse:
+        check_stored(self.config.quotas, session.client, self.sessions.stored_by(session.client), len(value))
         session.graph.set_variable(var_id, value)
+        self.sessions.store(session, len(value))
         self._settled(session, var_id)
         self._dispatch(session)
         return _response(session.graph.variables, var_id)
@@ -732,9 +747,40 @@ class Manager:
         check_variables(quotas, SessionUsage(variables=len(graph.variables)), len(call.outputs))
         usage = SessionUsage(queued_steps=len(graph), queued_tokens=session.queued_tokens)
         if usage.queued_tokens + tokens > quotas.queued_tokens_per_session:
-            usage.queued_tokens = sum(node.step.gen.sampling.max_tokens for node in graph.steps())
+            usage.queued_tokens = session.queued_tokens = _queued_tokens(session)
         check_call(quotas, usage, len(call.steps), tokens)
+        refusal = self._tenant_tokens_refusal(session.client, tokens)
+        if refusal is not None:
+            raise QuotaExceededError(refusal)
         session.queued_tokens = usage.queued_tokens + tokens
+
+    def _tenant_tokens_refusal(self, client: str, tokens: int) -> str | None:
+        """Why ``client`` may not have ``tokens`` more in flight (`Quotas.queued_tokens_per_tenant`), or
+        None. Its sessions' running estimates are summed; recounted exactly only where they would refuse."""
+        quotas, sessions = self.config.quotas, self.sessions.of(client)
+        queued = self._openai_tokens[client] + sum(s.queued_tokens for s in sessions)
+        refusal = tenant_tokens_refusal(quotas, client, queued, tokens)
+        if refusal is not None:
+            for s in sessions:
+                s.queued_tokens = _queued_tokens(s)
+            queued = self._openai_tokens[client] + sum(s.queued_tokens for s in sessions)
+            refusal = tenant_tokens_refusal(quotas, client, queued, tokens)
+        return refusal
+
+    def hold_tokens(self, tenant: str, tokens: int) -> str | None:
+        """Count an OpenAI request's ``tokens`` (each generation's prompt and max_tokens) as ``tenant``'s
+        in flight until `release_tokens`; or refuse them, with the reason
+        (`Quotas.queued_tokens_per_tenant`)."""
+        refusal = self._tenant_tokens_refusal(tenant, tokens)
+        if refusal is None:
+            self._openai_tokens[tenant] += tokens
+        return refusal
+
+    def release_tokens(self, tenant: str, tokens: int) -> None:
+        """An OpenAI request `hold_tokens` counted is over."""
+        self._openai_tokens[tenant] -= tokens
+        if self._openai_tokens[tenant] <= 0:
+            del self._openai_tokens[tenant]
 
     async def apply_batch(self, session: Session, req: BatchRequest) -> BatchApplied:
         """Apply ``req``'s operations in order and check its ``get`` names a variable (`answer_get` waits).
@@ -1538,6 +1584,11 @@ def _request_key(session: Session, node: StepNode) -> str:
 
 def _sampling(sp: SamplingConfig) -> SamplingParams:
     return SamplingParams(**sp.model_dump())
+
+
+def _queued_tokens(session: Session) -> int:
+    """The max_tokens of ``session``'s unfinished steps, counted exactly."""
+    return sum(node.step.gen.sampling.max_tokens for node in session.graph.steps())
 
 
 def _response(variables: VariableTable, var_id: str) -> GetVariableResponse:

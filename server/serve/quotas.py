@@ -13,7 +13,16 @@ from dataclasses import dataclass
 
 from server.serve.sessions import SessionError
 
-__all__ = ["QuotaExceededError", "Quotas", "SessionUsage", "check_call", "check_session", "check_variables"]
+__all__ = [
+    "QuotaExceededError",
+    "Quotas",
+    "SessionUsage",
+    "check_call",
+    "check_session",
+    "check_stored",
+    "check_variables",
+    "tenant_tokens_refusal",
+]
 
 
 class QuotaExceededError(SessionError):
@@ -29,12 +38,17 @@ class QuotaExceededError(SessionError):
 
 @dataclass(frozen=True)
 class Quotas:
-    """Per client address and per session bounds (`ManagerConfig.quotas`)."""
+    """Per tenant (an API key's, else a client address) and per session bounds (`ManagerConfig.quotas`)."""
 
     sessions_per_client: int = 4096  # a load test of thousands of users from one host still fits
     variables_per_session: int = 20_000
     queued_steps_per_session: int = 2_000  # steps of calls submitted and not finished
     queued_tokens_per_session: int = 4_000_000  # max_tokens summed over those steps
+    # Characters of the variable values a tenant's open sessions were given (kept until a session ends).
+    stored_chars_per_tenant: int = 256 * 2**20
+    # Tokens a tenant has in flight: its sessions' unfinished steps' max_tokens, and the prompt and
+    # max_tokens of each generation of its running OpenAI requests.
+    queued_tokens_per_tenant: int = 16_000_000
 
 
 @dataclass
@@ -80,3 +94,27 @@ def check_call(quotas: Quotas, usage: SessionUsage, steps: int, tokens: int) -> 
             f"{tokens} more, over {quotas.queued_tokens_per_session} (Quotas.queued_tokens_per_session): "
             "wait for results first or lower max_tokens"
         )
+
+
+def check_stored(quotas: Quotas, client: str, stored: int, new: int) -> None:
+    """Refuse a value of ``new`` characters when ``client``'s sessions already hold ``stored``, beyond
+    ``quotas.stored_chars_per_tenant``."""
+    if stored + new > quotas.stored_chars_per_tenant:
+        raise QuotaExceededError(
+            f"{client}'s sessions hold {stored} characters of values and this one has {new}, over "
+            f"{quotas.stored_chars_per_tenant} (Quotas.stored_chars_per_tenant): delete finished sessions "
+            "(DELETE /v1/sessions/{id}) first",
+            retry_after=5.0,
+        )
+
+
+def tenant_tokens_refusal(quotas: Quotas, client: str, queued: int, tokens: int) -> str | None:
+    """Why ``tokens`` more in flight are refused for ``client``, which has ``queued`` in flight (None:
+    within ``quotas.queued_tokens_per_tenant``)."""
+    if queued + tokens <= quotas.queued_tokens_per_tenant:
+        return None
+    return (
+        f"{client} has {queued} tokens in flight (unfinished steps' max_tokens, running requests' prompts "
+        f"and max_tokens) and asks for {tokens} more, over {quotas.queued_tokens_per_tenant} "
+        "(Quotas.queued_tokens_per_tenant): wait for results first or lower max_tokens"
+    )

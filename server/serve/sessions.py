@@ -71,6 +71,7 @@ class Session:
     client: str = ""  # who created it: its tenant (an API key's), else its address (quota and fair share)
     waiters: int = 0  # requests of its client waiting on it now (a long-poll get): it is not idle
     queued_tokens: int = 0  # max_tokens of its unfinished steps, as of the last quota check (an estimate)
+    stored_chars: int = 0  # characters of the values its client set (kept while the session lives)
 
 
 class SessionTable:
@@ -81,7 +82,8 @@ class SessionTable:
         self.ttl = ttl
         self._sessions: dict[str, Session] = {}
         self._by_token: dict[bytes, str] = {}  # sha256(token) -> session id
-        self._per_client: Counter[str] = Counter()
+        self._by_client: dict[str, set[str]] = {}  # client -> its sessions' ids
+        self._stored: Counter[str] = Counter()  # client -> characters its sessions' set values hold
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -91,7 +93,20 @@ class SessionTable:
 
     def open_by(self, client: str) -> int:
         """Sessions ``client`` has open now."""
-        return self._per_client[client]
+        return len(self._by_client.get(client, ()))
+
+    def of(self, client: str) -> list[Session]:
+        """The sessions ``client`` has open now."""
+        return [self._sessions[i] for i in self._by_client.get(client, ())]
+
+    def stored_by(self, client: str) -> int:
+        """Characters of the values ``client``'s open sessions were given (`store`)."""
+        return self._stored[client]
+
+    def store(self, session: Session, chars: int) -> None:
+        """Count ``chars`` more characters of values set in ``session`` against its client."""
+        session.stored_chars += chars
+        self._stored[session.client] += chars
 
     def __contains__(self, session_id: object) -> bool:
         return session_id in self._sessions
@@ -125,7 +140,7 @@ class SessionTable:
         )
         self._sessions[session.session_id] = session
         self._by_token[_digest(session.token)] = session.session_id
-        self._per_client[client] += 1
+        self._by_client.setdefault(client, set()).add(session.session_id)
         return session
 
     def authenticate(self, session_id: str, token: str | None, now: float) -> Session:
@@ -168,9 +183,13 @@ class SessionTable:
         session = self._sessions.pop(session_id, None)
         if session is not None:
             self._by_token.pop(_digest(session.token), None)
-            self._per_client[session.client] -= 1
-            if self._per_client[session.client] <= 0:
-                del self._per_client[session.client]
+            ids = self._by_client[session.client]
+            ids.discard(session_id)
+            if not ids:
+                del self._by_client[session.client]
+            self._stored[session.client] -= session.stored_chars
+            if self._stored[session.client] <= 0:
+                del self._stored[session.client]
         return session
 
     def expired(self, now: float) -> list[Session]:

@@ -86,3 +86,82 @@ async def test_the_reaper_never_deletes_a_session_under_a_waiting_get() -> None:
             assert got.status_code == 504, got.text  # its own timeout, not a deleted session
             alive = await client.get(f"/v1/sessions/{sid}/variables/{var['var_id']}?timeout=0", headers=auth)
             assert alive.status_code == 504, alive.text  # still there: pending, not 404
+
+
+_KEYS = ("key-of-alice", "key-of-bob")
+
+
+class _Tenant:
+    """One API key's HTTP client: sessions, variables and calls."""
+
+    def __init__(self, url: str, key: str) -> None:
+        self.url, self.key = url, key
+
+    def session(self) -> tuple[str, dict[str, str]]:
+        made = httpx.post(f"{self.url}/v1/sessions", json={}, headers={"X-API-Key": self.key}, timeout=30)
+        assert made.status_code == 200, made.text
+        s = made.json()
+        return f"{self.url}/v1/sessions/{s['session_id']}", {"Authorization": f"Bearer {s['token']}"}
+
+    def variable(self, session: tuple[str, dict[str, str]], value: str | None = None) -> httpx.Response:
+        base, auth = session
+        body = {"name": "x"} if value is None else {"name": "x", "value": value}
+        return httpx.post(f"{base}/variables", json=body, headers=auth, timeout=30)
+
+    def waiting_call(self, session: tuple[str, dict[str, str]], max_tokens: int) -> httpx.Response:
+        """A call whose input is never set: its step stays unfinished, its max_tokens in flight."""
+        base, auth = session
+        var_id = self.variable(session).json()["var_id"]
+        placeholders = [
+            {"name": "x", "role": "input", "var_id": var_id},
+            {"name": "y", "role": "output", "sampling": {"max_tokens": max_tokens}},
+        ]
+        body = {"template": "Say {{input:x}}: {{output:y}}", "placeholders": placeholders}
+        return httpx.post(f"{base}/calls", json=body, headers=auth, timeout=30)
+
+
+def _refused(r: httpx.Response, quota: str) -> None:
+    assert r.status_code == 429, r.text
+    assert r.json()["error"]["type"] == "quota_exceeded" and quota in r.json()["error"]["message"]
+
+
+def test_a_tenants_stored_values_are_bounded_across_its_sessions() -> None:
+    config = ManagerConfig(quotas=Quotas(stored_chars_per_tenant=1000))
+    with launch("tiny", manager_config=config, api_keys=list(_KEYS)) as served:
+        alice, bob = (_Tenant(served.url, k) for k in _KEYS)
+        first, second = alice.session(), alice.session()
+        assert alice.variable(first, "a" * 400).status_code == 200
+        assert alice.variable(second, "b" * 400).status_code == 200
+        _refused(alice.variable(second, "c" * 400), "stored_chars_per_tenant")
+        base, auth = second  # a set is counted as a create is
+        unset = alice.variable(second).json()["var_id"]
+        put = httpx.put(f"{base}/variables/{unset}", json={"value": "d" * 400}, headers=auth, timeout=30)
+        _refused(put, "stored_chars_per_tenant")
+        assert bob.variable(bob.session(), "e" * 900).status_code == 200  # another tenant: its own bound
+        assert httpx.delete(first[0], headers=first[1], timeout=30).status_code == 204
+        assert alice.variable(second, "c" * 400).status_code == 200  # the deleted session's values freed
+
+
+def test_a_tenants_tokens_in_flight_are_bounded_across_sessions_and_the_openai_routes() -> None:
+    config = ManagerConfig(quotas=Quotas(queued_tokens_per_tenant=100))
+    with launch("tiny", manager_config=config, api_keys=list(_KEYS)) as served:
+        alice, bob = (_Tenant(served.url, k) for k in _KEYS)
+        assert alice.waiting_call(alice.session(), 60).status_code == 200
+        _refused(alice.waiting_call(alice.session(), 60), "queued_tokens_per_tenant")
+        completion = {"model": "tiny", "prompt": "Hello there", "max_tokens": 50}
+        refused = httpx.post(
+            f"{served.url}/v1/completions",
+            json=completion,
+            headers={"Authorization": f"Bearer {_KEYS[0]}"},
+            timeout=60,
+        )
+        _refused(refused, "queued_tokens_per_tenant")
+        for _ in range(3):  # bob's in-flight tokens are his own, and a finished request gives them back
+            served_ok = httpx.post(
+                f"{served.url}/v1/completions",
+                json=completion,
+                headers={"Authorization": f"Bearer {_KEYS[1]}"},
+                timeout=60,
+            )
+            assert served_ok.status_code == 200, served_ok.text
+        assert bob.waiting_call(bob.session(), 40).status_code == 200
