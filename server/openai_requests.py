@@ -165,7 +165,7 @@ def chat_prompt(engine: LLMEngine, req: OpenAIChatCompletionRequest, tools: Chat
     tools offered through the template where it takes them, else in a system message. Messages are text:
     a special-token string in a message's content encodes as plain text, never as a control token
     (`SpecialText`); only the template's own markers are control tokens."""
-    specials = SpecialText.of(engine.tokenizer)
+    specials = SpecialText(()) if req.parse_special_tokens else SpecialText.of(engine.tokenizer)
     messages = [{**m, "content": specials.mask(m["content"])} for m in render_messages(req.messages)]
     extra: dict[str, Any] = {}
     if tools is not None:

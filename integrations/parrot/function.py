@@ -45,7 +45,7 @@ class SemanticFunction:
 
     Returns the output `Variable` (a future), or a tuple of them in order of appearance when the template
     has several outputs. Attributes: ``template``, ``inputs``, ``outputs`` (names), ``sampling`` (per
-    output), ``transforms`` (per placeholder), ``model``, ``criteria``.
+    output), ``transforms`` (per placeholder), ``model``, ``criteria``, ``parse_special_tokens``.
     """
 
     def __init__(
@@ -59,6 +59,7 @@ class SemanticFunction:
         criteria: Criteria | None,
         template: str | None = None,
         signature: inspect.Signature | None = None,
+        parse_special_tokens: bool = False,
     ) -> None:
         self.func = func
         self.name = func.__name__
@@ -81,6 +82,7 @@ class SemanticFunction:
         self._check_signature(pieces)
         self.model = model
         self.criteria = criteria
+        self.parse_special_tokens = parse_special_tokens
         self.transforms = self._check_transforms(transforms)
         self.sampling = self._check_sampling(sampling, output_sampling)
         # Placeholder specs in order of first appearance; inputs are bound at call time.
@@ -97,10 +99,12 @@ class SemanticFunction:
         transforms: Transforms | None = None,
         model: str | None = None,
         criteria: Criteria | None = None,
+        parse_special_tokens: bool = False,
     ) -> SemanticFunction:
         """A semantic function from template text (taken verbatim, not dedented), for code that builds
         prompts at run time (the LangChain and LlamaIndex adapters). Its parameters are the template's
-        inputs in order of first appearance (call it with keywords); ``name`` names it in errors."""
+        inputs in order of first appearance (call it with keywords); ``name`` names it in errors;
+        ``parse_special_tokens`` as `semantic_function`'s."""
         if not name.isidentifier() or keyword.iskeyword(name):
             raise ValueError(f"a semantic function's name is a Python identifier, got {name!r}")
         try:
@@ -127,6 +131,7 @@ class SemanticFunction:
             criteria=criteria,
             template=template,
             signature=inspect.Signature(params),
+            parse_special_tokens=parse_special_tokens,
         )
 
     def _check_signature(self, pieces: list[Any]) -> None:
@@ -246,6 +251,7 @@ class SemanticFunction:
             func_name=self.name,
             model=self.model,
             criteria=self.criteria,
+            parse_special_tokens=self.parse_special_tokens,
         )
         made = session._enqueue_call(self.name, request, variables, self.outputs)
         outputs = tuple(made[name] for name in self.outputs)
@@ -268,6 +274,7 @@ def semantic_function(
     transforms: Transforms | None = None,
     model: str | None = None,
     criteria: Criteria | None = None,
+    parse_special_tokens: bool = False,
 ) -> Callable[[Callable[..., Any]], SemanticFunction]:
     """Make a semantic function: the decorated function's docstring is its prompt template.
 
@@ -278,7 +285,9 @@ def semantic_function(
     ``criteria`` (`P.LATENCY`/`P.THROUGHPUT`) marks the outputs wanted at submit time. Template errors and
     a template that disagrees with the signature raise at decoration (`TemplateError`, naming the function),
     and so do sampling values the engine would refuse (`ValueError`: ``temperature=-1``, ``top_p=0``,
-    ``max_tokens=0``...).
+    ``max_tokens=0``...). Special-token strings (``<|im_end|>``) in input values are plain text, so a
+    user's text cannot forge a turn; ``parse_special_tokens=True`` makes them control tokens (only for
+    values the caller controls).
     """
     given = {
         "max_tokens": max_tokens,
@@ -299,6 +308,7 @@ def semantic_function(
             transforms=transforms or {},
             model=model,
             criteria=criteria,
+            parse_special_tokens=parse_special_tokens,
         )
 
     return decorate

@@ -650,6 +650,9 @@ class SubmitCallRequest(_Strict):
     # The call's prompt KV is shared only with calls and requests carrying the same salt (it overrides the
     # session's); None: the session's salt, or shared with everyone.
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
+    # Special-token strings (``<|im_end|>``) in the call's input values are control tokens; by default they
+    # are plain text, so a user's text cannot forge a turn. Only for values the caller controls.
+    parse_special_tokens: bool = False
 
 
 class SubmitCallResponse(BaseModel):
@@ -1119,6 +1122,9 @@ class OpenAIChatCompletionRequest(_OpenAISamplingRequest):
     tool_choice: str | dict[str, object] | None = None
     parallel_tool_calls: bool | None = None
     functions: list[dict[str, object]] | None = None
+    # Extension: special-token strings in message contents are control tokens (by default they are plain
+    # text, so a user's message cannot forge a turn). Only for contents the caller controls.
+    parse_special_tokens: bool = False
 
 
 class OpenAIUsage(BaseModel):

@@ -112,6 +112,7 @@ class CallIR:
     model: str | None = None
     criteria: Criteria | None = None
     cache_salt: str | None = None  # its KV is shared only under this salt (None: the session's)
+    parse_special_tokens: bool = False  # special-token strings in its values are control tokens
 
     @property
     def outputs(self) -> dict[str, str]:
@@ -225,6 +226,7 @@ def build_call(
         model=request.model,
         criteria=request.criteria,
         cache_salt=request.cache_salt,
+        parse_special_tokens=request.parse_special_tokens,
     )
 
 

@@ -872,7 +872,7 @@ class Manager:
         """Render a step's prompt and count its prefix boundaries as in flight (`_release_prepared`)."""
         call = node.call
         progress = self._calls.pop((session.session_id, call.call_id), None)
-        specials = self._special_text(call.model)
+        specials = SpecialText(()) if call.parse_special_tokens else self._special_text(call.model)
         values = self._values(session.graph, node, progress, specials)
         namespace = _namespace(call.cache_salt or session.cache_salt)
         chars = prompt_chars(call, node.id.index, values)
