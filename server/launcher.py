@@ -16,6 +16,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from server.app import create_app
+from server.connection_limits import ConnectionLimits, guarded_h11
 from server.engine import EngineConfig, LLMEngine
 from server.engine.model_names import DEFAULT_MODEL
 from server.netdelay import NetworkDelayMiddleware
@@ -103,6 +104,7 @@ def launch(
     disaggregate: bool = False,
     openai_backends: Sequence[str | OpenAIBackendConfig] = (),
     ray: RayEngines | None = None,
+    connection_limits: ConnectionLimits | None = None,
 ) -> Iterator[LaunchedServer]:
     """Start manager + ``engines`` in-process engines serving ``model`` (default: SmolLM2-135M-Instruct;
     ``"tiny"``, a ``.gguf`` file or a Hugging Face folder: see `server.engine.model_names`); stop everything
@@ -142,7 +144,15 @@ def launch(
     if network_delay is not None:
         delay = NetworkDelayMiddleware(app, *network_delay, seed=network_delay_seed)
     served = app if delay is None else delay
-    server = uvicorn.Server(uvicorn.Config(served, host=host, port=port, log_level="warning", lifespan="on"))
+    config = uvicorn.Config(
+        served,
+        host=host,
+        port=port,
+        log_level="warning",
+        lifespan="on",
+        http=guarded_h11(connection_limits or ConnectionLimits()),
+    )
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="parrot-server", daemon=True)
     thread.start()
     launched: LaunchedServer | None = None

@@ -1,6 +1,7 @@
-"""Connection hygiene, on a server process (``python -m server``): a request head that trickles in (slowloris)
-is closed after ``--head-timeout``; connections beyond ``--max-connections-per-client`` from one address are
-answered 503 and closed; the server keeps answering everyone else."""
+"""Connection hygiene, on a server process (``python -m server``) and on `launch`'s in-process server: a
+request head that trickles in (slowloris) is closed after ``--head-timeout``; connections beyond
+``--max-connections-per-client`` from one address are answered 503 and closed; the server keeps answering
+everyone else."""
 
 from __future__ import annotations
 
@@ -13,14 +14,21 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from server.connection_limits import ConnectionLimits
+from server.launcher import launch
 from tests.processes import free_port, stop, wait_healthy
 
 HEAD_TIMEOUT = 1.0
 CAP = 12
 
 
-@pytest.fixture(scope="module")
-def url() -> Iterator[str]:
+@pytest.fixture(scope="module", params=["process", "launch"])
+def url(request: pytest.FixtureRequest) -> Iterator[str]:
+    if request.param == "launch":
+        limits = ConnectionLimits(head_timeout_s=HEAD_TIMEOUT, max_per_client=CAP)
+        with launch("tiny", connection_limits=limits) as served:
+            yield served.url
+        return
     port = free_port()
     command = [sys.executable, "-m", "server", "--model", "tiny", "--port", str(port)]
     command += ["--head-timeout", str(HEAD_TIMEOUT), "--max-connections-per-client", str(CAP)]
