@@ -77,6 +77,7 @@ from server.serve.ir import (
     text_before,
 )
 from server.serve.length_predictor import LengthPredictor
+from server.serve.loop_slices import LoopSlices
 from server.serve.mutel import Slo
 from server.serve.openai_backend import OpenAIBackendConfig, OpenAIBackendEngine
 from server.serve.output_lengths import PROMPT_TAIL_TOKENS, LengthEstimate, OutputLengths, template_key
@@ -127,6 +128,7 @@ class BatchOpError(Exception):
 
 
 BATCH_SLICE = 256  # batch operations applied between two yields to the event loop
+STEP_STARTS_PER_SLICE = 32  # steps that tokenize and queue in one event-loop iteration (`LoopSlices`)
 
 
 class NoEngineError(Exception):
@@ -320,6 +322,7 @@ class Manager:
         # behind a burst (a request counts there only once its fill reaches the engine).
         self._openai_routed: Counter[int] = Counter()
         self._openai_tokens: Counter[str] = Counter()  # tenant -> tokens of its running OpenAI requests
+        self._step_starts = LoopSlices(STEP_STARTS_PER_SLICE)
         self._dispatch_pending: set[str] = set()
         self._tasks: dict[str, set[asyncio.Task[None]]] = {}
         self.draining = False  # `drain` began: new work is refused, running steps finish
@@ -978,6 +981,7 @@ class Manager:
         """One placement and run of a step (on ``pinned`` if given). An engine failure takes the engine out
         of service and raises `_AttemptFailed`."""
         # A call's steps share one context chain, so one engine; engines of one model share a tokenizer.
+        await self._step_starts.turn()  # a burst of ready steps starts over several loop iterations
         serving = [pinned] if pinned is not None else self._serving(node.call.model)
         tokenizer = self.engines[serving[0]].tokenizer
         token_ids = await _encode(tokenizer, prep.specials, prep.prompt)

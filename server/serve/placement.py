@@ -189,8 +189,8 @@ class Placement:
                         "lower max_tokens"
                     )
                 )
-            else:  # waits for the next pass; its age counts toward the scheduler's aging rule
-                w.request = replace(w.request, waited=w.request.waited + 1)
+            elif w.request.waited < self._config.aging_rounds:  # its age counts toward the aging rule
+                w.request = replace(w.request, waited=w.request.waited + 1)  # (beyond it nothing changes)
 
 
 def _stranded(request: QueuedRequest, engines: list[EngineState]) -> Exception | None:

@@ -46,6 +46,10 @@ it.
 
 from __future__ import annotations
 
+import itertools
+import math
+import sys
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -159,12 +163,14 @@ def schedule(
 
     rank = fair_ranks(queue, urgency)
     ordered = sorted(queue, key=lambda r: (rank[r.key], urgencies[r.key]))
+    unplaced = Counter(r.tenant for r in queue)  # tenant -> its requests not placed (nor unfit) yet
     for request in ordered:
         if request.key in placed:
             continue
         if _oversized(request, state.values()):
             decision.unfit.append(request.key)
             placed.add(request.key)
+            unplaced[request.tenant] -= 1
             continue
         if not any(e.fits(0, None) for e in state.values()):
             continue  # every engine takes its most steps: only the oversized are left to find
@@ -175,7 +181,9 @@ def schedule(
             if request.waited >= config.aging_rounds:
                 break  # reserve: let the engines drain for it
             continue
-        batch, reason = _batch_of(request, ordered, placed)
+        # A prefix batch leaves a place for each other tenant still waiting: their next turns come first.
+        others = sum(1 for t, n in unplaced.items() if n > 0 and t != request.tenant)
+        batch, reason = _batch_of(request, ordered, placed, _room(request, state.values()) - others)
         engine, reason = _place(batch, reason, state, config.prefix_slack_tokens)
         if engine is None and len(batch) > 1:  # too big together: each on its own
             batch = [request]
@@ -190,6 +198,7 @@ def schedule(
             decision.assignments[member.key] = engine
             decision.reasons[member.key] = reason
             placed.add(member.key)
+            unplaced[member.tenant] -= 1
         current = state[engine]
         keys = {r.shared_prefix for r in batch if r.shared_prefix is not None}
         state[engine] = replace(
@@ -203,22 +212,39 @@ def schedule(
 
 
 def _batch_of(
-    request: QueuedRequest, ordered: Sequence[QueuedRequest], placed: set[str]
+    request: QueuedRequest, ordered: Sequence[QueuedRequest], placed: set[str], room: int
 ) -> tuple[list[QueuedRequest], Reason]:
-    """The requests placed together with ``request`` and the branch that groups them."""
+    """The requests placed together with ``request`` and the branch that groups them. A prefix batch takes
+    ``request`` and the next sharing requests in order, at most ``room`` in all (the most steps an engine
+    still takes): a longer one could not be placed together, and gathering it would cost a pass over the
+    whole queue per placement."""
     if request.pinned is not None:
         return [request], "pinned"
-    free = [r for r in ordered if r.key not in placed and r.pinned is None and r.model == request.model]
+    free = (r for r in ordered if r.key not in placed and r.pinned is None and r.model == request.model)
     if request.task_group is not None:
         group = [r for r in free if r.app == request.app and r.task_group == request.task_group]
         return group, "task_group"
     if request.shared_prefix is not None:
-        sharing = [r for r in free if r.shared_prefix == request.shared_prefix and r.task_group is None]
+        others = (
+            r
+            for r in free
+            if r.shared_prefix == request.shared_prefix and r.task_group is None and r is not request
+        )
+        sharing = [request, *itertools.islice(others, max(room - 1, 0))]
         if len(sharing) > 1:
             return sharing, "queue_prefix"
     if any(n > 0 for n in request.cached.values()):
         return [request], "context"
     return [request], "find_engine"
+
+
+def _room(request: QueuedRequest, engines: Iterable[EngineState]) -> int:
+    """The most steps one engine serving ``request``'s model still takes (no count cap: unbounded)."""
+    free = [
+        math.inf if e.max_steps is None else e.max_steps - e.steps for e in engines if e.serves(request.model)
+    ]
+    most = max(free, default=0)
+    return sys.maxsize if most == math.inf else int(most)
 
 
 def _place(

@@ -234,3 +234,10 @@ def test_an_engine_takes_at_most_max_steps_requests() -> None:
     assert schedule(queue, [EngineState(0, 1000, 300, max_steps=None)]).assignments.keys() == {
         r.key for r in queue
     }
+
+
+def test_a_prefix_batch_takes_what_an_engine_has_room_for_in_one_pass() -> None:
+    queue = [req(f"r{i}", i, tokens=10, shared_prefix="p") for i in range(2000)]
+    d = schedule(queue, [EngineState(0, 100_000, 4096, steps=0, max_steps=128)])
+    assert sorted(d.assignments, key=lambda k: int(k[1:])) == [f"r{i}" for i in range(128)]
+    assert set(d.reasons.values()) == {"queue_prefix"}
