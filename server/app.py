@@ -47,6 +47,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.auth_first import AuthFirstMiddleware, GuardedRoute, guarded_routes, header_guard
 from server.body_limit import BodyLimitMiddleware
@@ -211,6 +212,27 @@ async def _session(request: Request) -> Session:
 SessionDep = Annotated[Session, Depends(_session)]
 
 
+class RequestCounter:
+    """Counts every HTTP request by method and route path into ``counts`` (``/metrics``). Plain ASGI: no
+    task and no copy of the response stream per request, as a ``BaseHTTPMiddleware`` costs."""
+
+    def __init__(self, app: ASGIApp, counts: Counter[tuple[str, str]]) -> None:
+        self.app, self.counts = app, counts
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def counted(message: Message) -> None:
+            if message["type"] == "http.response.start":  # counted as it answers, before its body
+                route = scope.get("route")  # set by the router while it handled the request
+                self.counts[scope["method"], getattr(route, "path", "<unrouted>")] += 1
+            await send(message)
+
+        await self.app(scope, receive, counted)
+
+
 def _owner(request: Request) -> tuple[str, str | None]:
     """Who opens a session, for the sessions-per-client quota — its tenant where the server has API keys,
     else the client's address — and that tenant (None without keys), whose sessions share cached prefixes
@@ -319,13 +341,7 @@ def create_app(
             log.error("batch operation %d failed", exc.index, exc_info=exc.cause)
         return _with_retry_after(error_response(status, error_type, str(exc), op_index=exc.index), exc.cause)
 
-    @app.middleware("http")
-    async def _count_requests(request: Request, call_next: Any) -> Response:
-        response = await call_next(request)
-        route = request.scope.get("route")
-        requests[request.method, getattr(route, "path", "<unrouted>")] += 1
-        return response
-
+    app.add_middleware(RequestCounter, counts=requests)
     app.add_middleware(BodyLimitMiddleware, max_bytes=MAX_BODY_BYTES)  # chunked bodies too
     # Outermost: a request without its route's credential is refused before any body is read.
     guarded: list[GuardedRoute] = []  # every route with its guards: filled below, once all exist
