@@ -80,7 +80,6 @@ from server.serve.manager import (
     UnknownEngineError,
 )
 from server.serve.openai_backend import OpenAIBackendConfig
-from server.serve.remote_engine import RemoteEngine
 from server.serve.sessions import Session, SessionError
 from server.serve.step_records import Histogram
 from server.serve.streams import STREAM_ANSWER, server_sent_events
@@ -440,8 +439,8 @@ def create_app(
 
     @app.post("/v1/engines/{engine_id}/heartbeat", dependencies=cluster_only)
     async def heartbeat(engine_id: int, req: EngineHeartbeat) -> EngineHeartbeatAnswer:
-        engine = manager.engines[engine_id] if 0 <= engine_id < len(manager.engines) else None
-        if isinstance(engine, RemoteEngine):  # any other id is the manager's 404
+        engine = manager.remote_engine(engine_id)
+        if engine is not None:  # any other id is the manager's 404
             problem = heartbeat_problem(req.stats, engine.stats())
             if problem is not None:
                 raise HeartbeatError(f"heartbeat of engine {engine_id} refused: {problem}")

@@ -18,6 +18,7 @@ from fastapi import FastAPI
 from server.app import create_app
 from server.connection_limits import ConnectionLimits, guarded_h11
 from server.engine import EngineConfig, LLMEngine
+from server.engine.interface import Engine
 from server.engine.model_names import DEFAULT_MODEL
 from server.netdelay import NetworkDelayMiddleware
 from server.security import CLUSTER_TOKEN_ENV, SecurityConfig, api_keys_from
@@ -61,7 +62,7 @@ class LaunchedServer:
 
 def build_engines(
     model: str, engines: int, engine_config: EngineConfig | None, disaggregate: bool = False
-) -> list[LLMEngine]:
+) -> list[Engine]:
     """``engines`` in-process engines; with ``disaggregate``, paired as prefill + decode engines, each pair
     one `DisaggregatedEngine` to the manager (Mutel's attention parallelism)."""
     if engines < 0:
@@ -76,7 +77,7 @@ def build_engines(
         prefill = LLMEngine.from_pretrained(model, replace(config, role="prefill"))
         decode = LLMEngine.from_pretrained(model, replace(config, role="decode"))
         pairs.append(DisaggregatedEngine(prefill, decode))
-    return pairs  # type: ignore[return-value]  (duck-typed like an LLMEngine, as RemoteEngine is)
+    return pairs
 
 
 def connect_openai_backends(

@@ -40,8 +40,8 @@ from server.engine.errors import (
     TokenOutOfVocabError,
     UnknownContextError,
 )
-from server.engine.generating import GeneratesBySubmit
 from server.engine.guided import CompiledGrammar, GrammarCompiler, Guide, mask_logits
+from server.engine.interface import Engine
 from server.engine.kv_exchange import KVExchange
 from server.engine.loader import Checkpoint, build_model, load_checkpoint
 from server.engine.model import LlamaForCausalLM
@@ -190,7 +190,7 @@ class GenerationStream:
         return await self._engine._wait(self._sink)
 
 
-class LLMEngine(KVExchange, GeneratesBySubmit):
+class LLMEngine(KVExchange, Engine):
     """A LLaMA-family engine with a paged KV cache, context fork and continuous batching."""
 
     def __init__(

@@ -29,10 +29,9 @@ from parrot.protocol import EngineStats
 
 from server.engine import EngineError, LLMEngine, SamplingParams
 from server.engine.engine import GenerationStream
-from server.engine.generating import GeneratesBySubmit
+from server.engine.interface import Engine
 from server.engine.remote_kv import KVLease, RemotePrefix
 from server.engine.request import GenerateResult
-from server.serve.mutel import Slo
 from server.serve.slo_admission import prefill_chunk_tokens
 from server.serve.task_stream import Emit, TaskStream
 
@@ -43,7 +42,7 @@ _SUMMED = (
 )  # fmt: skip
 
 
-class DisaggregatedEngine(GeneratesBySubmit):
+class DisaggregatedEngine(Engine):
     """``prefill`` and ``decode`` engines (same model) serving as one; see the module docstring."""
 
     def __init__(self, prefill: LLMEngine, decode: LLMEngine) -> None:
@@ -63,12 +62,18 @@ class DisaggregatedEngine(GeneratesBySubmit):
         self.max_prefill_chunk = prefill.config.max_num_batched_tokens  # what the prefill engine started with
         self.prefill_chunk = self.max_prefill_chunk  # its token budget now (`tune_prefill_chunk`)
 
-    async def tune_prefill_chunk(self, slo: Slo) -> int:
+    async def tune_for_tpot(self, tpot_s: float) -> None:
+        """`tune_prefill_chunk`."""
+        await self.tune_prefill_chunk(tpot_s)
+
+    async def tune_prefill_chunk(self, tpot_s: float) -> int:
         """Set the prefill engine's chunk from both engines' measured speeds so that the decode engine's
-        steps meet ``slo.tpot_s`` (`slo_admission.prefill_chunk_tokens`); unchanged until both are measured.
+        steps meet ``tpot_s`` (`slo_admission.prefill_chunk_tokens`); unchanged until both are measured.
         The decode step measured includes its waits on the prefill engine, so the chunk settles where the
         two balance. Returns the chunk now in force."""
-        chunk = prefill_chunk_tokens(self.prefill.stats(), self.decode.stats(), slo, self.max_prefill_chunk)
+        chunk = prefill_chunk_tokens(
+            self.prefill.stats(), self.decode.stats(), tpot_s, self.max_prefill_chunk
+        )
         if chunk is not None and chunk != self.prefill_chunk:
             await self.prefill.set_token_budget(chunk)
             self.prefill_chunk = chunk

@@ -28,7 +28,7 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -57,12 +57,12 @@ from parrot.protocol import (
     VariableCreated,
 )
 
-from server.engine import EngineError, LLMEngine, SamplingParams
+from server.engine import EngineError, SamplingParams
 from server.engine.errors import EngineDrainingError, EngineFailedError, engine_unavailable
+from server.engine.interface import Engine
 from server.engine.special_text import SpecialText
 from server.serve.dag_view import engine_views, session_dag, session_summary
 from server.serve.deduction import StepObjective, objective
-from server.serve.disagg_engine import DisaggregatedEngine
 from server.serve.errors import ModelNotFoundError
 from server.serve.graph import SessionGraph, StepNode
 from server.serve.ir import (
@@ -248,13 +248,11 @@ class ManagerConfig:
             )
 
 
-Engine = LLMEngine | RemoteEngine | DisaggregatedEngine | OpenAIBackendEngine
-
-
 @dataclass
 class _RemoteLink:
-    """A registered remote engine's liveness."""
+    """A registered remote engine and its liveness."""
 
+    engine: RemoteEngine
     name: str
     url: str
     last_heartbeat: float
@@ -292,13 +290,14 @@ class _CallProgress:
 
 
 class Manager:
-    """Serves sessions on its engines: in-process `LLMEngine`s given at construction, and `RemoteEngine`s
-    that register over HTTP (`register_engine`). An engine's id is its index in ``engines``; a remote
-    engine that stops sending heartbeats stays in the list, out of service."""
+    """Serves sessions on its engines (`Engine`, any kind): those given at construction, `RemoteEngine`s
+    that register over HTTP (`register_engine`) and OpenAI-compatible servers added as engines
+    (`add_openai_backend`). An engine's id is its index in ``engines``; a remote engine that stops sending
+    heartbeats stays in the list, out of service."""
 
     def __init__(
         self,
-        engines: list[LLMEngine],
+        engines: Sequence[Engine],
         config: ManagerConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -361,7 +360,7 @@ class Manager:
                 await self._retire(engine_id, "it registered again")
         self.engines.append(engine)
         engine_id = len(self.engines) - 1
-        self._remote[engine_id] = _RemoteLink(req.name, engine.url, self._clock())
+        self._remote[engine_id] = _RemoteLink(engine, req.name, engine.url, self._clock())
         self.placement.engines_changed()  # steps waiting for an engine of its model may go now
         log.info("engine %d (%s, %s) registered from %s", engine_id, req.name, engine.model_name, req.url)
         return EngineRegistered(
@@ -375,11 +374,7 @@ class Manager:
         read from it, its tokenizer checked against it first); returns its engine id. One already in service
         at that URL is refused (`EngineRegistrationError`), as is one that cannot be reached or used."""
         url = config.url.rstrip("/")
-        serving = [
-            i
-            for i, e in enumerate(self.engines)
-            if isinstance(e, OpenAIBackendEngine) and e.url == url and i not in self._failed
-        ]
+        serving = [i for i, e in enumerate(self.engines) if e.url == url and i not in self._failed]
         if serving:
             raise EngineRegistrationError(f"the OpenAI backend at {url} is engine {serving[0]} already")
         try:
@@ -391,6 +386,11 @@ class Manager:
         log.info("engine %d: the OpenAI backend at %s (%s)", len(self.engines) - 1, url, backend.model_name)
         return len(self.engines) - 1
 
+    def remote_engine(self, engine_id: int) -> RemoteEngine | None:
+        """The registered remote engine ``engine_id`` (in service or not), or None for any other id."""
+        link = self._remote.get(engine_id)
+        return None if link is None else link.engine
+
     def heartbeat(self, engine_id: int, stats: EngineStats) -> None:
         """A remote engine is alive; record its load. An engine out of service must register again."""
         link = self._remote.get(engine_id)
@@ -400,9 +400,7 @@ class Manager:
                 "with POST /v1/engines"
             )
         link.last_heartbeat = self._clock()
-        engine = self.engines[engine_id]
-        assert isinstance(engine, RemoteEngine)
-        engine.update_stats(stats)
+        link.engine.update_stats(stats)
         # An engine announces a graceful shutdown in its stats (`server.engine.draining`): it gets no new
         # work from now on.
         if stats.draining != link.announced_drain:
@@ -450,8 +448,7 @@ class Manager:
 
     async def _recover_backends(self) -> None:
         for engine_id in sorted(self._failed):
-            engine = self.engines[engine_id]
-            if isinstance(engine, OpenAIBackendEngine) and await engine.healthy():
+            if engine_id not in self._remote and await self.engines[engine_id].back_in_service():
                 self._failed.discard(engine_id)
                 self.placement.engines_changed()
                 log.warning("%s is back in service: it answers again", self.engine_name(engine_id))
@@ -461,10 +458,8 @@ class Manager:
         out = []
         for i, engine in enumerate(self.engines):
             link = self._remote.get(i)
-            name = link.name if link is not None else f"local-{i}"
-            url = link.url if link is not None else None
-            if isinstance(engine, OpenAIBackendEngine):
-                name, url = engine.name, engine.url
+            name = link.name if link is not None else engine.name or f"local-{i}"
+            url = link.url if link is not None else engine.url
             alive = (link is None or link.alive) and i not in self._failed
             out.append(EngineStatus(engine_id=i, name=name, url=url, alive=alive, stats=engine.stats()))
         return out
@@ -488,12 +483,9 @@ class Manager:
     def engine_name(self, engine_id: int) -> str:
         """How messages name an engine: its id, name and URL."""
         link = self._remote.get(engine_id)
-        engine = self.engines[engine_id]
-        if isinstance(engine, OpenAIBackendEngine):
-            return f"engine {engine_id} ({engine.name})"
-        if link is None:
-            return f"engine {engine_id} (local-{engine_id})"
-        return f"engine {engine_id} ({link.name} at {link.url})"
+        if link is not None:
+            return f"engine {engine_id} ({link.name} at {link.url})"
+        return f"engine {engine_id} ({self.engines[engine_id].name or f'local-{engine_id}'})"
 
     async def engine_failed(self, engine_id: int, error: BaseException) -> None:
         """A request to the engine failed because of the engine (`engine_unavailable`). A draining engine
@@ -514,7 +506,7 @@ class Manager:
         log.warning("%s is out of service: %s", self.engine_name(engine_id), error)
         forgotten = self._forget_contexts(engine_id)
         engine = self.engines[engine_id]
-        if isinstance(engine, OpenAIBackendEngine):  # its kept contexts are token lists here: drop them
+        if engine.frees_after_failure:  # its kept contexts live here: drop them
             for context_id in forgotten:
                 with contextlib.suppress(EngineError):
                     await engine.free_context(context_id)
@@ -534,8 +526,7 @@ class Manager:
         log.warning("%s is out of service: %s", self.engine_name(engine_id), why)
         context_ids = self._forget_contexts(engine_id)
         self.placement.engines_changed()
-        engine = self.engines[engine_id]
-        assert isinstance(engine, RemoteEngine)
+        engine = link.engine
         if not cleanup or not context_ids:
             await engine.aclose()
             return
@@ -1379,11 +1370,10 @@ class Manager:
     ) -> None:
         """An OpenAI request's prompt: forked from the longest cached token prefix, the rest filled; refused
         first if the engine would miss the SLOs (`ManagerConfig.slo`), whose TPOT objective also resizes a
-        prefill + decode pair's prefill chunks (`DisaggregatedEngine.tune_prefill_chunk`)."""
+        prefill + decode pair's prefill chunks (`Engine.tune_for_tpot`)."""
         if self.config.slo is not None:
             self._admit(engine, token_ids, cache_salt)
-            if isinstance(engine, DisaggregatedEngine):
-                await engine.tune_prefill_chunk(self.config.slo)
+            await engine.tune_for_tpot(self.config.slo.tpot_s)
         if not self.config.openai_prefix_cache:
             await engine.fill(context_id, token_ids, priority=priority, tenant=tenant)
             return
@@ -1471,14 +1461,13 @@ class Manager:
             if not self._in_service(i):
                 continue
             capacity, latency_cap, max_steps = self._caps(engine)
-            routed = isinstance(engine, OpenAIBackendEngine)  # its prefix cache is its only KV sharing
             states.append(
                 EngineState(
                     i,
                     capacity,
                     latency_cap,
                     model=engine.model_name,
-                    cache_routed=routed,
+                    cache_routed=engine.cache_routed,
                     max_steps=max_steps,
                 )
             )
@@ -1490,7 +1479,7 @@ class Manager:
         stats = engine.stats()
         capacity = self.config.engine_capacity_tokens or stats.blocks_total * stats.block_size
         cap = self.config.latency_cap_tokens
-        if isinstance(engine, OpenAIBackendEngine) and engine.latency_cap_tokens is not None:
+        if engine.latency_cap_tokens is not None:
             cap = engine.latency_cap_tokens
         steps = self.config.engine_max_steps
         if steps is None and stats.max_num_seqs > 0:

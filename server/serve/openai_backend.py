@@ -43,8 +43,8 @@ from server.engine.errors import (
     TokenOutOfVocabError,
     UnknownContextError,
 )
-from server.engine.generating import GeneratesBySubmit
 from server.engine.guided import structured_outputs
+from server.engine.interface import Engine
 from server.engine.request import GenerateResult
 from server.engine.sampling import SamplingParams
 from server.serve.openai_backend_http import (
@@ -73,8 +73,11 @@ class _Context:
     warming: asyncio.Task[None] | None = None
 
 
-class OpenAIBackendEngine(GeneratesBySubmit):
+class OpenAIBackendEngine(Engine):
     """An OpenAI-compatible server behind the `LLMEngine` interface. Make one with `connect`."""
+
+    cache_routed = True  # its own prefix cache is its only KV sharing
+    frees_after_failure = True  # its contexts are token lists here
 
     def __init__(
         self, config: OpenAIBackendConfig, model: str, max_model_len: int, tokenizer: Any, eos: set[int]
@@ -218,6 +221,10 @@ class OpenAIBackendEngine(GeneratesBySubmit):
             raise UnknownContextError(f"context {context_id} does not exist")
         if ctx.busy is not None:
             ctx.busy.cancel()
+
+    async def back_in_service(self) -> bool:
+        """It answers again (`healthy`) after a failure took it out of service."""
+        return await self.healthy()
 
     async def healthy(self) -> bool:
         """Whether the backend serves again: it answers a one-token completion of this model (a server that

@@ -45,7 +45,7 @@ from pydantic import BaseModel, ValidationError
 from transformers import AutoTokenizer  # at import: its lazy import in threads can race
 
 from server.engine.errors import ContextBusyError, EngineDeadError, EngineError
-from server.engine.generating import GeneratesBySubmit
+from server.engine.interface import Engine
 from server.engine.request import GenerateResult
 from server.engine.sampling import SamplingParams, TokenLogprob
 from server.serve.task_stream import Emit, TaskStream
@@ -71,7 +71,7 @@ class RemoteEngineError(EngineError):
         self.error_type = error_type
 
 
-class RemoteEngine(GeneratesBySubmit):
+class RemoteEngine(Engine):
     """A remote engine's HTTP API behind the `LLMEngine` interface the manager uses. Make one with
     `connect`; `aclose` closes its HTTP client."""
 

@@ -37,7 +37,9 @@ def _measured_cost(stats: EngineStats) -> CostModel:
     )
 
 
-def prefill_chunk_tokens(prefill: EngineStats, decode: EngineStats, slo: Slo, max_tokens: int) -> int | None:
+def prefill_chunk_tokens(
+    prefill: EngineStats, decode: EngineStats, tpot_s: float, max_tokens: int
+) -> int | None:
     """The prefill chunk (tokens per step) for a prefill engine whose decode partner attends over its KV
     every step: the largest that still lets the partner's step meet the TPOT objective, within
     ``[min(64, max_tokens), max_tokens]`` (the engine's configured budget). None until both speeds are
@@ -45,7 +47,7 @@ def prefill_chunk_tokens(prefill: EngineStats, decode: EngineStats, slo: Slo, ma
     if prefill.prefill_s_per_token <= 0 or decode.decode_step_s <= 0:
         return None
     return chunk_size(
-        slo.tpot_s,
+        tpot_s,
         decode.decode_step_s,
         _measured_cost(prefill),
         blocking=PREFILL_BLOCKING,

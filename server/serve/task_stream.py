@@ -1,6 +1,7 @@
 """A generate that runs as a task of the caller's event loop, behind `server.engine.GenerationStream`'s
 interface: token ids as they come (when made with ``stream=True``), then `result()`; `cancel()` cancels the
-task. What the task does — talk to a remote engine, drive a prefill + decode pair — is its ``produce``."""
+task (the stream then ends with `RequestAbortedError`, as an engine's does). What the task does — talk to a
+remote engine, drive a prefill + decode pair — is its ``produce``."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from server.engine.errors import RequestAbortedError
 from server.engine.request import GenerateResult
 
 Emit = Callable[[int], None]
@@ -38,7 +40,14 @@ class TaskStream:
         self._task.cancel()
 
     async def result(self) -> GenerateResult:
-        return await asyncio.shield(self._task)
+        """The generate's result; `RequestAbortedError` once it was cancelled (as an engine's stream)."""
+        try:
+            return await asyncio.shield(self._task)
+        except asyncio.CancelledError:
+            caller = asyncio.current_task()
+            if self._task.cancelled() and (caller is None or not caller.cancelling()):
+                raise RequestAbortedError("the request was cancelled") from None
+            raise  # the caller itself is cancelled
 
     def _emit(self, token_id: int) -> None:
         if self._queue is not None:

@@ -12,6 +12,7 @@ import parrot as P
 import pytest
 
 from server.engine import EngineConfig, SamplingParams
+from server.engine.errors import RequestAbortedError
 from server.launcher import LaunchedServer, build_engines, launch
 from server.serve.disagg_engine import DisaggregatedEngine
 
@@ -112,7 +113,7 @@ def test_a_cancelled_generation_frees_the_decode_side(pair: LaunchedServer) -> N
         stream = engine.submit_generate(7_000, SamplingParams(max_tokens=200, ignore_eos=True))
         got = [await anext(stream) for _ in range(4)]
         stream.cancel()
-        with pytest.raises(asyncio.CancelledError):
+        with pytest.raises(RequestAbortedError):  # as an engine's stream
             await stream.result()
         await asyncio.sleep(0.05)  # the clean-up runs shielded after the cancel
         await engine.free_context(7_000)

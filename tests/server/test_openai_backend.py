@@ -20,6 +20,7 @@ from server.engine.errors import (
     ContextExistsError,
     EngineDeadError,
     PromptTooLongError,
+    RequestAbortedError,
     TokenOutOfVocabError,
     UnknownContextError,
 )
@@ -214,8 +215,8 @@ def test_contexts_fork_append_and_fail_as_an_engines_do(front: LaunchedServer) -
         await anext(stream)
         with pytest.raises(ContextBusyError):
             await engine.fill(9_004, [1])
-        await engine.free_context(9_004)  # cancels the running generate
-        with pytest.raises(asyncio.CancelledError):
+        await engine.free_context(9_004)  # cancels the running generate: aborted, as an engine's
+        with pytest.raises(RequestAbortedError):
             await stream.result()
         for cid in (9_001, 9_002, 9_003):
             await engine.free_context(cid)

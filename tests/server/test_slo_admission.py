@@ -62,15 +62,15 @@ def test_the_server_refuses_what_would_miss_its_slo_and_serves_on() -> None:
 
 
 def test_a_prefill_engines_chunk_leaves_its_decode_partner_room_for_the_tpot_objective() -> None:
-    slo = Slo(ttft_s=1.0, tpot_s=0.05)
+    tpot = 0.05
     prefill, decode = _stats(prefill_s_per_token=1e-4), _stats(decode_step_s=0.02)
-    assert prefill_chunk_tokens(_stats(), decode, slo, 2048) is None  # prefill speed not measured yet
-    assert prefill_chunk_tokens(prefill, _stats(), slo, 2048) is None  # nor the decode step
+    assert prefill_chunk_tokens(_stats(), decode, tpot, 2048) is None  # prefill speed not measured yet
+    assert prefill_chunk_tokens(prefill, _stats(), tpot, 2048) is None  # nor the decode step
     # Room: (0.05 - 0.02) / 0.5 (a layer waits on average half the chunk's) = 60 ms = 600 tokens at 0.1 ms.
-    assert prefill_chunk_tokens(prefill, decode, slo, 2048) == 600
-    assert prefill_chunk_tokens(prefill, decode, slo, 512) == 512  # never above the engine's own budget
-    assert prefill_chunk_tokens(prefill, _stats(decode_step_s=0.06), slo, 2048) == 64  # over it: the least
-    assert prefill_chunk_tokens(prefill, _stats(decode_step_s=0.06), slo, 32) == 32
+    assert prefill_chunk_tokens(prefill, decode, tpot, 2048) == 600
+    assert prefill_chunk_tokens(prefill, decode, tpot, 512) == 512  # never above the engine's own budget
+    assert prefill_chunk_tokens(prefill, _stats(decode_step_s=0.06), tpot, 2048) == 64  # over it: the least
+    assert prefill_chunk_tokens(prefill, _stats(decode_step_s=0.06), tpot, 32) == 32
 
 
 def test_a_disaggregated_pair_under_a_tpot_objective_retunes_its_prefill_chunk() -> None:
@@ -80,22 +80,22 @@ def test_a_disaggregated_pair_under_a_tpot_objective_retunes_its_prefill_chunk()
                 disaggregate=True) as s:  # fmt: skip
         [pair] = s.engines
         assert isinstance(pair, DisaggregatedEngine) and pair.prefill_chunk == pair.max_prefill_chunk == 2048
-        asked: list[Slo] = []
+        asked: list[float] = []
         tune = pair.tune_prefill_chunk
 
-        async def recording(objective: Slo) -> int:
-            asked.append(objective)
-            return await tune(objective)
+        async def recording(tpot_s: float) -> int:
+            asked.append(tpot_s)
+            return await tune(tpot_s)
 
         pair.tune_prefill_chunk = recording  # type: ignore[method-assign]
         for i in range(3):  # these also measure both engines' speeds
             r = httpx.post(f"{s.url}/v1/completions", json={"prompt": f"{i} {PROMPT}", "max_tokens": 4})
             assert r.status_code == 200, r.text
-        assert asked == [slo] * 3
+        assert asked == [slo.tpot_s] * 3
         assert pair.prefill_chunk == 2048  # a generous objective leaves the chunk whole
         # A tight one (1 ms per output token, below any CPU step here) takes it to its least.
-        assert s.run(tune(Slo(ttft_s=60.0, tpot_s=1e-3))) == pair.prefill_chunk == 64
+        assert s.run(tune(1e-3)) == pair.prefill_chunk == 64
         assert pair.prefill._scheduler.max_num_batched_tokens == 64  # the engine's own budget now
         r = httpx.post(f"{s.url}/v1/completions", json={"prompt": PROMPT * 4, "max_tokens": 4}, timeout=60)
         assert r.status_code == 200, r.text  # a long prompt fills in chunks of 64 and answers
-        assert s.run(tune(slo)) == pair.prefill_chunk == 2048  # and back when the objective allows
+        assert s.run(tune(slo.tpot_s)) == pair.prefill_chunk == 2048  # and back when the objective allows
