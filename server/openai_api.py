@@ -384,12 +384,13 @@ async def _disconnected(request: Request) -> None:
 # ------------------------------------------------------------------------------------------ serving
 @dataclass
 class _Job:
-    """One prompt in flight: its engine context and its generate."""
+    """One choice of one prompt in flight: its engine context and its generate."""
 
     context_id: int
     prompt: list[int]
     length: LengthEstimate | None  # its predicted output length, if the backend predicts
     sampling: SamplingParams
+    choice: int = 0  # which of its prompt's ``n`` choices (usage counts a prompt once, at choice 0)
     stream: GenerationStream | None = None
     output: list[int] | None = None  # its generated tokens, once it completed
 
@@ -443,7 +444,13 @@ async def _serve_on(
     if refusal is not None:
         raise QuotaError(refusal)
     jobs = [
-        _Job(backend.open_context(engine), p, backend.estimate_length(engine, p, sampling), _nth(sampling, k))
+        _Job(
+            backend.open_context(engine),
+            p,
+            backend.estimate_length(engine, p, sampling),
+            _nth(sampling, k),
+            k,
+        )
         for p in prompts
         for k in range(req.n or 1)
     ]
@@ -585,7 +592,8 @@ class _Meta:
 
 
 def _usage(jobs: list[_Job], results: list[GenerateResult]) -> OpenAIUsage:
-    prompt = sum(j.prompt_tokens for j in jobs)
+    """Token counts as OpenAI's and vLLM's: each prompt once, however many choices (``n``) it has."""
+    prompt = sum(j.prompt_tokens for j in jobs if j.choice == 0)
     completion = sum(len(r.token_ids) for r in results)
     return OpenAIUsage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 

@@ -147,6 +147,16 @@ def test_batch_prompts(client: openai.OpenAI, engine: LLMEngine) -> None:
     assert r.usage.prompt_tokens == sum(len(engine.tokenizer.encode(p)) for p in prompts)
 
 
+def test_usage_counts_each_prompt_once_whatever_n(client: openai.OpenAI, engine: LLMEngine) -> None:
+    prompts = ["Hello there", "A parrot is"]
+    r = client.completions.create(model="tiny", prompt=prompts, max_tokens=3, n=3, temperature=0)
+    assert len(r.choices) == 6 and r.usage is not None
+    assert r.usage.prompt_tokens == sum(len(engine.tokenizer.encode(p)) for p in prompts)  # as vLLM's
+    assert 6 <= r.usage.completion_tokens <= 18  # each of the six choices wrote its own
+    chat = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, n=3)  # type: ignore[arg-type]
+    assert chat.usage is not None and chat.usage.prompt_tokens == len(chat_tokens(engine, MESSAGES))
+
+
 def test_chat_equals_engine_generate(client: openai.OpenAI, engine: LLMEngine) -> None:
     ids = chat_tokens(engine, MESSAGES)
     text, finish, n = reference(engine, ids, max_tokens=10)
