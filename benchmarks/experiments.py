@@ -241,7 +241,7 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         name="engine_throughput",
         title="Our engine vs Hugging Face generate and vLLM's CPU build on the same weights",
         figure="—",
-        paper="(engine baselines, not a paper figure; issue 15's goal: >= 1.0x vLLM at every batch)",
+        paper="(engine baselines, not a paper figure; the goal: >= 1.0x vLLM at every batch)",
         metrics=(
             Metric("decode_ratio_b64", "decode tok/s vs HF, batch 64"),
             Metric("decode_vs_vllm_b1", "decode tok/s vs vLLM, batch 1"),
@@ -324,7 +324,7 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         name="vllm_backends",
         title="Parrot in front of vLLM: OpenAI-compatible servers as engines",
         figure="Fig. 15, 14 (on vLLM)",
-        paper="issue 20's goals: Parrot over vLLM 1.1-1.7x on shared prompts, >= 1.5x on map-reduce (delay)",
+        paper="the goals: Parrot over vLLM 1.1-1.7x on shared prompts, >= 1.5x on map-reduce (delay)",
         metrics=(
             Metric("shared_speedup_nodelay", "shared prompt, baseline / Parrot, both on vLLM (goal 1.1-1.7)"),
             Metric("mapreduce_speedup", "map-reduce with delay, baseline / Parrot (goal >= 1.5)"),
@@ -351,7 +351,7 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         name="guided_decoding",
         title="Constrained decoding: the grammar mask's cost per token",
         figure="—",
-        paper="issue 21: measure the mask's cost per token (xgrammar, as vLLM and SGLang use it)",
+        paper="the mask's cost per token (xgrammar, as vLLM and SGLang use it)",
         metrics=(
             Metric("mask_us_b1", "mask per row and token, batch 1", unit=" us"),
             Metric("throughput_ratio_b1", "decode tok/s, JSON-schema guided / free, batch 1"),

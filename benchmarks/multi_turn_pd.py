@@ -1,4 +1,4 @@
-"""Multi-turn chat with prefill/decode disaggregation (Mutel, seed 004): the highest request rate each
+"""Multi-turn chat with prefill/decode disaggregation (Mutel): the highest request rate each
 policy sustains under P90 TTFT and TPOT SLOs on the simulator, and the same three policies on real engines.
 
 The paper's setting, simulated (`server.sim.disagg`): Llama-13B fp16, four A100-80GB, one instance per GPU

@@ -1,7 +1,7 @@
 """Simulator validation: the simulated engine's time vs the real engine's, on the same small workloads.
 
-The simulator (`server.sim`) is only as good as its latency model, so this benchmark checks it the way
-issue 4 asks: fit the model to our real engine, then run application-shaped workloads both on the real
+The simulator (`server.sim`) is only as good as its latency model, so this benchmark checks it: fit the
+model to our real engine, then run application-shaped workloads both on the real
 engine (wall clock) and on a `SimEngine` with the fitted model (virtual clock), and compare.
 
 1. **Calibrate**: the model (``--model``: SmolLM2 in the runner's runs, in the engine's own dtype) on the real

@@ -1,4 +1,4 @@
-"""Parrot in front of vLLM: applications through OpenAI-compatible backends (issue 20).
+"""Parrot in front of vLLM: applications through OpenAI-compatible backends.
 
 The same vLLM server (its CPU build, ``--vllm-python`` / ``$PARROT_VLLM_PYTHON``, prefix caching on as by
 default) serves two clients in one run:

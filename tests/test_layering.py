@@ -1,6 +1,6 @@
-"""Dependencies flow one way (DESIGN.md): the adapters -> `parrot`; `server` -> `parrot.protocol` and
-`kernels`; `kernels` -> torch/triton only; `parrot` never imports `server`, torch or transformers (a client
-install is httpx + pydantic). Inside the service the HTTP edge (`server.app`, `server.openai_api`, the
+"""Dependencies flow one way (docs/architecture.md): the adapters -> `parrot`; `server` -> `parrot.protocol`
+and `kernels`; `kernels` -> torch/triton only; `parrot` never imports `server`, torch or transformers (a
+client install is httpx + pydantic). Inside the service the HTTP edge (`server.app`, `server.openai_api`, the
 launcher) sits on the manager (`server.serve`), which sits on the engine (`server.engine`). The benchmarks
 and the recipes share their workload text through `workload_text`, not through each other; experiments
 (``benchmarks/<name>.py``) share through `benchmarks.harness` and `benchmarks.workloads`, not through each
@@ -245,3 +245,18 @@ def test_the_session_implements_what_a_variable_needs_of_it() -> None:
         assert implemented is not None, f"Session has no {name}"
         assert inspect.signature(implemented) == inspect.signature(member), name
         assert inspect.iscoroutinefunction(implemented) == inspect.iscoroutinefunction(member), name
+
+
+def test_code_says_what_and_why_never_when() -> None:
+    # History lives in commits and closing notes: no issue numbers or run counts in code and comments.
+    import re
+
+    when = re.compile(r"\b[Ii]ssue \d+|\bseed 0\d\d\b|\b(?:first|second|third|fourth|fifth|sixth) GPU run\b")
+    found = [
+        f"{path.relative_to(ROOT)}:{n}"
+        for top in ("server", "kernels", "benchmarks", "integrations", "recipes", "tests")
+        for path in sorted((ROOT / top).rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if when.search(line)
+    ]
+    assert not found, found

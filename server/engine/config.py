@@ -197,7 +197,7 @@ class EngineConfig:
     # queued for `sjf_aging_s` seconds is overtaken by nothing queued after it (the aging bound).
     scheduling: SchedulingPolicy = "fcfs"
     sjf_aging_s: float = DEFAULT_SJF_AGING_S
-    # Disaggregated serving (Mutel, seed 004): what the manager places here. "prefill" instances compute
+    # Disaggregated serving (Mutel): what the manager places here. "prefill" instances compute
     # prompts and keep their KV for the next turn, lending it to decode instances (`kv_exchange`);
     # "decode" instances run decodes over it (`remote_kv`); "both" is the colocated default.
     role: EngineRole = "both"

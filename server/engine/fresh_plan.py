@@ -3,7 +3,7 @@ variable-length FlashAttention call per layer (`FreshVarlen`); elsewhere in leng
 (`server.engine.fresh_prefill`).
 
 The varlen call needs no padding, no row gathers where the chunks lie back to back (they do in a step), and
-one launch instead of a handful per group. Measured on an H100 (fifth GPU run), the grouped fill of 256
+one launch instead of a handful per group. Measured on an H100, the grouped fill of 256
 SmolLM2-shaped prompts was host-bound: 47% of the engine thread's samples in attention's Python, most of it
 the groups' gathers and copies, and the fill took 0.64x the time of HF's padded batch.
 """

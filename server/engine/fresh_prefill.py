@@ -9,7 +9,7 @@ chunk keeps its own call (`MIN_SHARE_BY_DEVICE`).
 Where `server.engine.fresh_plan` cannot batch them into one variable-length call, these groups serve. On
 CUDA the causal calls go to FlashAttention directly (`causal_attention`), not through SDPA's dispatcher: on
 an H100 that picks cuDNN, which builds an execution plan for every new shape, and a serving engine's fill
-steps bring new shapes all the time. Measured there (fourth GPU run): grouping alone left the 256-prompt fill
+steps bring new shapes all the time. Measured there (an H100): grouping alone left the 256-prompt fill
 at 0.30x HF; over a cold and a warm fill the engine thread spent 46% of its samples inside those SDPA calls,
 and in a warm one the GPU was busy 64 of 400 ms.
 """

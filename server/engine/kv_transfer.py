@@ -1,4 +1,4 @@
-"""Moving KV between engines instead of recomputing it (disaggregated serving, seed 004).
+"""Moving KV between engines instead of recomputing it (disaggregated serving, as in Mutel).
 
 `read_kv` copies the KV of a run of a context's cached tokens out of the paged cache, every layer, into one
 `KVBlob`; `write_kv` writes a blob into a context's next slots. Splitwise-style disaggregation moves a

@@ -1,4 +1,4 @@
-"""Attention over KV that lives on another engine: Mutel's attention parallelism (seed 004).
+"""Attention over KV that lives on another engine: Mutel's attention parallelism.
 
 A prefill instance keeps a conversation's prompt KV; a decode instance runs the decode. At every layer of
 every step the decode instance sends the queries of its rows whose context starts with remote KV to the

@@ -1,4 +1,4 @@
-"""Multi-turn chat over real engines, served three ways (Mutel, seed 004): what the simulator models, run.
+"""Multi-turn chat over real engines, served three ways (Mutel): what the simulator models, run.
 
 * ``colocated`` — every engine does both phases (vLLM-like); a conversation stays on one engine, whose
   context keeps its KV across turns, so a turn prefills only its new tokens.

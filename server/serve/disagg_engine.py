@@ -1,4 +1,4 @@
-"""A prefill engine and a decode engine behind the one-engine interface the manager drives (Mutel, seed 004).
+"""A prefill engine and a decode engine behind the one-engine interface the manager drives (Mutel).
 
 `DisaggregatedEngine` looks like an `LLMEngine` (as `RemoteEngine` does), so sessions, the OpenAI routes,
 the prefix store and placement use it unchanged. Contexts live on the prefill engine: fills run there, and

@@ -1,4 +1,4 @@
-"""Output-length prediction for shortest-predicted-job-first scheduling (SSJF; issue 18). Pure: no I/O but
+"""Output-length prediction for shortest-predicted-job-first scheduling (SSJF). Pure: no I/O but
 the explicit `LengthPredictor.save` / `LengthPredictor.load`.
 
 SSJF predicts a request's output length from its prompt with a small proxy model and finds L1 regression

@@ -1,4 +1,4 @@
-"""Mutel's load balancer (seed 004) as pure decisions over frozen snapshots.
+"""Mutel's load balancer as pure decisions over frozen snapshots.
 
 Prefill/decode disaggregation for multi-turn chat: prefill instances keep the prompt KV they computed (it is
 the next turn's prefix), decode instances hold only the tokens they generate, and each decode step's

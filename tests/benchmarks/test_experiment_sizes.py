@@ -1,4 +1,4 @@
-"""Issue 17's shape for the benchmarks: each experiment a short file over `benchmarks.harness`."""
+"""The benchmarks' shape: each experiment a short file over `benchmarks.harness`."""
 
 from __future__ import annotations
 

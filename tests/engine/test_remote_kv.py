@@ -1,4 +1,4 @@
-"""Attention parallelism and KV transfer between engines (Mutel, seed 004): the same greedy tokens as one
+"""Attention parallelism and KV transfer between engines (Mutel): the same greedy tokens as one
 engine, exact KV accounting, typed errors, and a lost KV holder failing only its own requests."""
 
 from __future__ import annotations

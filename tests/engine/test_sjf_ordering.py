@@ -1,4 +1,4 @@
-"""Shortest-job-first ordering of the waiting queue (``EngineConfig(scheduling="sjf")``, issue 18).
+"""Shortest-job-first ordering of the waiting queue (``EngineConfig(scheduling="sjf")``).
 
 The rule is checked as pure functions (`server.engine.ordering`), then on a bare `Scheduler` driven by a
 fake clock (aging under a steady stream of short requests, no wall clock), then on the engine: start order

@@ -1,4 +1,4 @@
-"""OpenAI and LangChain conventions (issue 21) on the embedded tiny server: an OpenAI-style base URL,
+"""OpenAI and LangChain conventions on the embedded tiny server: an OpenAI-style base URL,
 token counts from the server's tokenizer (``trim_messages`` really trims), LangChain's
 ``OutputParserException`` for a parser that fails server-side, sampling refused at construction."""
 

@@ -1,4 +1,4 @@
-"""OpenAI and LlamaIndex conventions (issue 21) on the embedded tiny server: ``api_base`` as
+"""OpenAI and LlamaIndex conventions on the embedded tiny server: ``api_base`` as
 ``OpenAILike`` takes it (``base_url`` an alias; with or without ``/v1``), nothing sent at construction,
 the server's tokenizer for prompt packing, sampling refused at construction."""
 

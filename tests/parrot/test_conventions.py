@@ -1,4 +1,4 @@
-"""The client's conventions (issue 21), against the real in-process server on the tiny model: a base URL
+"""The client's conventions, against the real in-process server on the tiny model: a base URL
 given with or without ``/v1``, sampling values refused at definition, a ``get`` timeout that says how long
 it waited, and `parrot.ConnectionError` as the builtin `ConnectionError`."""
 

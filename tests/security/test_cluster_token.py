@@ -129,7 +129,7 @@ def test_spoofed_and_nonsensical_heartbeats_change_nothing(
     before = served.manager.engines[engine_id].stats()
     total = before.blocks_total
 
-    # The attack of issue 16: blocks_total=0 made every call fail as too large. Without the token: 403.
+    # An attack: blocks_total=0 made every call fail as too large. Without the token: 403.
     spoof = {"stats": _stats(engine, blocks_total=0, blocks_free=0)}
     assert httpx.post(url, json=spoof, headers=WRONG).status_code == 403
     assert httpx.post(url, json=spoof).status_code == 401

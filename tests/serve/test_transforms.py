@@ -439,7 +439,7 @@ def test_list_parsers_property(text: str) -> None:
 
 
 # ------------------------------------------------------------------------------- bounds: RE2 and limits
-# The pattern of issue 16: with Python's `re` it backtracks for ever on a short text without "QQQ".
+# A catastrophic pattern: with Python's `re` it backtracks for ever on a short text without "QQQ".
 CATASTROPHIC = "(.*.*)*QQQ"
 
 

@@ -1,4 +1,4 @@
-"""Issue 16: SIGTERM drains the manager. New sessions, calls and OpenAI requests get 503 with the reason,
+"""SIGTERM drains the manager. New sessions, calls and OpenAI requests get 503 with the reason,
 the step already running finishes and its value is delivered, and the process then exits. The server
 runs in a subprocess (``python -m server``): the signal is the real one."""
 

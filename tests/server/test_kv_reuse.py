@@ -1,4 +1,4 @@
-"""KV reuse everywhere (issue 14), with exact prefill counts from the engine's stats on the tiny model:
+"""KV reuse everywhere, with exact prefill counts from the engine's stats on the tiny model:
 prefixes shared at Semantic Variable boundaries (values included, one session or two), producer contexts
 that consumers continue, chat turns over the OpenAI endpoint, cache salts, and greedy outputs identical with
 sharing on and off. Every server runs in-process (`server.launch`); each test ends with the KV accounting

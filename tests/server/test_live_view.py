@@ -1,4 +1,4 @@
-"""The live view's routes (issue 22): a session's DAG joins its calls, steps and variables with what the
+"""The live view's routes: a session's DAG joins its calls, steps and variables with what the
 server did (state, engine, objective, task group, prefill computed and saved); ``GET /v1/view`` lists
 engines and sessions for the cluster token; looking activates nothing and keeps nothing alive; nobody
 without the session's token or the cluster token sees anything. The page itself: ``/ui`` (the browser test

@@ -1,4 +1,4 @@
-"""The live view in a real browser (issue 22): headless Chromium (Debian's ``chromium`` package, or the one
+"""The live view in a real browser: headless Chromium (Debian's ``chromium`` package, or the one
 ``$PARROT_CHROMIUM`` names) driven by Playwright opens ``/ui``, finds a chain's DAG and sees its steps turn
 done; the cluster token's holder picks the session from the list; a wrong token sees nothing. Skipped where
 there is no browser (CI). ``PARROT_UI_SCREENSHOT=path.png`` saves the finished view (the README's picture).

@@ -1,4 +1,4 @@
-"""Issue 16: a long batch does not hold the event loop (one 10,000-operation batch blocked /health for
+"""A long batch does not hold the event loop (one 10,000-operation batch blocked /health for
 1.45 s): it yields every `BATCH_SLICE` operations, counted here as loop turns another task gets."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 16: one client's catastrophic regex must not stall anyone else.
+"""One client's catastrophic regex must not stall anyone else.
 
 The server runs in a subprocess (``python -m server --model tiny``), so a transform that held the
 interpreter would show as another session's request timing out — a failure — never as a hung test.

@@ -1,4 +1,4 @@
-"""Streaming Semantic Variables (issue 22): ``GET /v1/sessions/{sid}/variables/{vid}/stream`` and the client's
+"""Streaming Semantic Variables: ``GET /v1/sessions/{sid}/variables/{vid}/stream`` and the client's
 `Variable.stream` / `astream`. A stream's chunks join to the producing step's text (before transforms), the
 first arrives while the variable is still pending (counted, not timed), a late reader gets the whole text
 again, and a stream ends as a get does (the value, or the failure raised)."""
