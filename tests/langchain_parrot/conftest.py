@@ -33,14 +33,12 @@ class PromptRecorder:
             parent_context_id: int | None = None,
             *,
             parent_len: int | None = None,
-            priority: float | None = None,
+            **kw: Any,
         ) -> int:
             base = self.contexts.get(parent_context_id, []) if parent_context_id is not None else []
             base = base[:parent_len] if parent_len is not None else base
             self.contexts[context_id] = self.contexts.get(context_id, base) + list(token_ids)
-            return await fill(
-                context_id, token_ids, parent_context_id, parent_len=parent_len, priority=priority
-            )
+            return await fill(context_id, token_ids, parent_context_id, parent_len=parent_len, **kw)
 
         def recording_submit(
             context_id: int,

@@ -45,6 +45,7 @@ from pydantic import BaseModel
 from transformers import AutoTokenizer
 
 from server.app import create_app
+from server.engine.interface import Engine
 from server.engine.request import GenerateResult
 from server.serve.manager import Manager
 
@@ -72,7 +73,7 @@ class _Answer:
         pass
 
 
-class ScriptedEngine:
+class ScriptedEngine(Engine):
     """Answers ``script(prompt_text)``; records every prompt it generated from (as text)."""
 
     model_name = "scripted"
@@ -93,6 +94,7 @@ class ScriptedEngine:
         *,
         parent_len: int | None = None,
         priority: float | None = None,
+        tenant: str | None = None,
     ) -> int:
         base = self.contexts.get(parent_context_id, []) if parent_context_id is not None else []
         base = base[:parent_len] if parent_len is not None else base
@@ -108,6 +110,7 @@ class ScriptedEngine:
         *,
         latency_cap: int | None = None,
         priority: float | None = None,
+        tenant: str | None = None,
     ) -> _Answer:
         """What the manager and the OpenAI endpoints call: the answer, streamable."""
         tokens = self.contexts.setdefault(context_id, list(self.contexts.get(parent_context_id, [])))
