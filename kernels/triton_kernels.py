@@ -405,8 +405,11 @@ def _launch_paged(
     num_kv_heads = num_heads // group
     write_final = out is not None
     dummy = q  # unused pointer arguments still need a tensor
-    po, pl = (part_o, part_lse) if not write_final else (dummy, dummy)
-    o = out if write_final else dummy
+    if out is not None:
+        o, po, pl = out, dummy, dummy
+    else:  # the split partials, merged by the caller
+        assert part_o is not None and part_lse is not None, "give out, or part_o and part_lse"
+        o, po, pl = dummy, part_o, part_lse
     _paged_kernel[(batch, num_kv_heads, splits)](
         q, k_cache, v_cache, tables, lens, o, po, pl,
         q.stride(0), q.stride(1),

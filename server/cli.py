@@ -192,7 +192,7 @@ def serve(
         host=host,
         port=port,
         log_level="info",
-        timeout_graceful_shutdown=drain_timeout,
+        timeout_graceful_shutdown=drain_timeout,  # type: ignore[arg-type]  # any number of seconds works
         http=guarded_h11(limits or ConnectionLimits()),
     )
     log.info("serving on %s", listener_url(sock))

@@ -38,7 +38,7 @@ class LaunchedServer:
     url: str
     app: FastAPI
     manager: Manager
-    engines: list[LLMEngine]
+    engines: list[Engine]
     network_delay: NetworkDelayMiddleware | None = None  # switch with `.enabled` between measurements
     cluster_token: str = field(default="", repr=False)
     ray_actors: list[Any] = field(default_factory=list)  # engines Ray placed (`launch(ray=...)`)
@@ -72,7 +72,7 @@ def build_engines(
     if engines % 2:
         raise ValueError(f"disaggregated engines pair prefill with decode: an even count, not {engines}")
     config = engine_config or EngineConfig()
-    pairs = []
+    pairs: list[Engine] = []
     for _ in range(engines // 2):
         prefill = LLMEngine.from_pretrained(model, replace(config, role="prefill"))
         decode = LLMEngine.from_pretrained(model, replace(config, role="decode"))
@@ -134,7 +134,7 @@ def launch(
     )
     pool = build_engines(model, engines, engine_config, disaggregate)
     try:
-        pool += connect_openai_backends(openai_backends)  # type: ignore[arg-type]  (duck-typed engines)
+        pool += connect_openai_backends(openai_backends)
     except BaseException:
         for engine in pool:
             engine.shutdown()

@@ -28,6 +28,7 @@ from typing import Any, Protocol, TypeVar
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from parrot.protocol import (
+    ChatFinishReason,
     ErrorBody,
     ErrorResponse,
     OpenAIAssistantMessage,
@@ -52,8 +53,9 @@ from pydantic import BaseModel
 
 from server.engine.api import error_response
 from server.engine.detokenize import IncrementalDetokenizer
-from server.engine.engine import GenerationStream, LLMEngine
+from server.engine.engine import GenerationStream
 from server.engine.errors import EngineError
+from server.engine.interface import Engine
 from server.engine.request import GenerateResult
 from server.engine.sampling import SamplingParams
 from server.openai_logprobs import chat_logprobs, completion_logprobs
@@ -78,7 +80,7 @@ from server.serve.output_lengths import LengthEstimate
 class OpenAIBackend(Protocol):
     """What the router needs from the server: engines by model name and fresh context ids."""
 
-    def engine_for(self, model: str | None) -> LLMEngine:
+    def engine_for(self, model: str | None) -> Engine:
         """The engine serving ``model`` (None: the default one); raises `ModelNotFoundError`."""
         ...
 
@@ -86,14 +88,14 @@ class OpenAIBackend(Protocol):
         """The names of the models served, for ``GET /v1/models`` and error messages."""
         ...
 
-    def open_context(self, engine: LLMEngine) -> int:
+    def open_context(self, engine: Engine) -> int:
         """A context id no other user of any engine holds, for a request routed to ``engine``: it counts
         there until `finish_context` (the router always hands it back)."""
         ...
 
     async def fill_prompt(
         self,
-        engine: LLMEngine,
+        engine: Engine,
         context_id: int,
         token_ids: list[int],
         cache_salt: str | None,
@@ -106,7 +108,7 @@ class OpenAIBackend(Protocol):
         ...
 
     def estimate_length(
-        self, engine: LLMEngine, token_ids: list[int], sampling: SamplingParams
+        self, engine: Engine, token_ids: list[int], sampling: SamplingParams
     ) -> LengthEstimate | None:
         """The request's predicted output length (its engine priority), or None where the backend predicts
         none."""
@@ -117,7 +119,7 @@ class OpenAIBackend(Protocol):
         ...
 
     async def finish_context(
-        self, engine: LLMEngine, context_id: int, token_ids: list[int] | None, cache_salt: str | None
+        self, engine: Engine, context_id: int, token_ids: list[int] | None, cache_salt: str | None
     ) -> None:
         """The request is over: ``token_ids`` is what its context holds (prompt and output) when it
         completed — the backend may keep it as a cached prefix — or None (failed or aborted: free it)."""
@@ -132,7 +134,7 @@ class OpenAIBackend(Protocol):
         """The request `hold_tokens` counted is over."""
         ...
 
-    async def retry_elsewhere(self, engine: LLMEngine, error: EngineError, attempt: int) -> bool:
+    async def retry_elsewhere(self, engine: Engine, error: EngineError, attempt: int) -> bool:
         """The request failed with ``error`` on ``engine`` on its ``attempt``-th try (1 first) before it
         streamed anything: whether to run it again from its prompt on the engine `engine_for` picks next
         (the backend takes a failed engine out of its choice first)."""
@@ -146,13 +148,13 @@ class StaticBackend:
     collide with ids another component hands out on the same engines.
     """
 
-    def __init__(self, engines: Mapping[str, LLMEngine], first_context_id: int = 1 << 40) -> None:
+    def __init__(self, engines: Mapping[str, Engine], first_context_id: int = 1 << 40) -> None:
         if not engines:
             raise ValueError("StaticBackend needs at least one engine")
         self._engines = dict(engines)
         self._ids = itertools.count(first_context_id)
 
-    def engine_for(self, model: str | None) -> LLMEngine:
+    def engine_for(self, model: str | None) -> Engine:
         if model is None:
             return next(iter(self._engines.values()))
         try:
@@ -163,12 +165,12 @@ class StaticBackend:
     def models(self) -> list[str]:
         return list(self._engines)
 
-    def open_context(self, engine: LLMEngine) -> int:
+    def open_context(self, engine: Engine) -> int:
         return next(self._ids)
 
     async def fill_prompt(
         self,
-        engine: LLMEngine,
+        engine: Engine,
         context_id: int,
         token_ids: list[int],
         cache_salt: str | None,
@@ -179,7 +181,7 @@ class StaticBackend:
         await engine.fill(context_id, token_ids, priority=priority, tenant=tenant)
 
     def estimate_length(
-        self, engine: LLMEngine, token_ids: list[int], sampling: SamplingParams
+        self, engine: Engine, token_ids: list[int], sampling: SamplingParams
     ) -> LengthEstimate | None:
         return None  # fixed engines keep no history to predict from
 
@@ -187,7 +189,7 @@ class StaticBackend:
         pass
 
     async def finish_context(
-        self, engine: LLMEngine, context_id: int, token_ids: list[int] | None, cache_salt: str | None
+        self, engine: Engine, context_id: int, token_ids: list[int] | None, cache_salt: str | None
     ) -> None:
         await _free_quietly(engine, context_id)
 
@@ -197,11 +199,11 @@ class StaticBackend:
     def release_tokens(self, tenant: str, tokens: int) -> None:
         pass
 
-    async def retry_elsewhere(self, engine: LLMEngine, error: EngineError, attempt: int) -> bool:
+    async def retry_elsewhere(self, engine: Engine, error: EngineError, attempt: int) -> bool:
         return False  # fixed engines: there is nowhere else to go
 
 
-def model_card(name: str, engine: LLMEngine, created: int) -> OpenAIModelCard:
+def model_card(name: str, engine: Engine, created: int) -> OpenAIModelCard:
     """The ``/v1/models`` card of ``engine``'s model, with what a client needs to render chat prompts."""
     tok = engine.tokenizer
     template = getattr(tok, "chat_template", None)
@@ -401,7 +403,7 @@ class _Job:
 
 async def _serve(
     backend: OpenAIBackend,
-    engine: LLMEngine,
+    engine: Engine,
     prompts: list[list[int]],
     sampling: SamplingParams,
     req: OpenAICompletionRequest | OpenAIChatCompletionRequest,
@@ -430,7 +432,7 @@ async def _serve(
 
 async def _serve_on(
     backend: OpenAIBackend,
-    engine: LLMEngine,
+    engine: Engine,
     prompts: list[list[int]],
     sampling: SamplingParams,
     req: OpenAICompletionRequest | OpenAIChatCompletionRequest,
@@ -536,7 +538,7 @@ class _Release:
     """
 
     backend: OpenAIBackend
-    engine: LLMEngine
+    engine: Engine
     jobs: list[_Job]
     cache_salt: str | None
     release_tokens: Callable[[], None]  # the tenant's tokens in flight (`OpenAIBackend.hold_tokens`)
@@ -570,7 +572,7 @@ async def _gather_quietly(aws: Sequence[Any]) -> None:
             raise r
 
 
-async def _free_quietly(engine: LLMEngine, context_id: int) -> None:
+async def _free_quietly(engine: Engine, context_id: int) -> None:
     with contextlib.suppress(EngineError):
         await engine.free_context(context_id)
 
@@ -631,14 +633,16 @@ def _chat_response(
     )
 
 
-def _assistant_message(result: GenerateResult, tools: ChatTools | None) -> tuple[OpenAIAssistantMessage, str]:
+def _assistant_message(
+    result: GenerateResult, tools: ChatTools | None
+) -> tuple[OpenAIAssistantMessage, ChatFinishReason]:
     """The assistant's message and finish reason: with tools, the calls it made are ``tool_calls``."""
     if tools is None:
         return OpenAIAssistantMessage(content=result.text), result.finish_reason
     content, calls = parse_tool_calls(result.text, tools.functions, constrained=tools.guide is not None)
     if not calls:  # e.g. a constrained list cut short by max_tokens: the text as it is
         return OpenAIAssistantMessage(content=result.text), result.finish_reason
-    finish = "tool_calls" if result.finish_reason == "stop" else result.finish_reason
+    finish: ChatFinishReason = "tool_calls" if result.finish_reason == "stop" else result.finish_reason
     return OpenAIAssistantMessage(content=content, tool_calls=calls), finish
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from parrot.protocol import OpenAIChatCompletionRequest, OpenAICompletionRequest
 
-from server.engine.engine import LLMEngine
+from server.engine.interface import Engine
 from server.engine.sampling import MAX_LOGPROBS, GuidedDecoding, SamplingParams
 from server.engine.special_text import SpecialText
 from server.openai_tools import (
@@ -140,7 +140,7 @@ def _prompt_count(prompt: str | list[str] | list[int] | list[list[int]]) -> int:
 
 
 def completion_prompts(
-    engine: LLMEngine, prompt: str | list[str] | list[int] | list[list[int]]
+    engine: Engine, prompt: str | list[str] | list[int] | list[list[int]]
 ) -> list[list[int]]:
     """Token ids of each prompt: texts are encoded with special tokens added (BOS), like vLLM does."""
     if isinstance(prompt, str):
@@ -160,7 +160,7 @@ def completion_prompts(
     return out
 
 
-def chat_prompt(engine: LLMEngine, req: OpenAIChatCompletionRequest, tools: ChatTools | None) -> list[int]:
+def chat_prompt(engine: Engine, req: OpenAIChatCompletionRequest, tools: ChatTools | None) -> list[int]:
     """The messages rendered by the tokenizer's chat template, then encoded without adding BOS again; the
     tools offered through the template where it takes them, else in a system message. Messages are text:
     a special-token string in a message's content encodes as plain text, never as a control token
@@ -188,7 +188,7 @@ def chat_prompt(engine: LLMEngine, req: OpenAIChatCompletionRequest, tools: Chat
 def sampling_for(
     req: OpenAICompletionRequest | OpenAIChatCompletionRequest,
     max_tokens: int | None,
-    engine: LLMEngine,
+    engine: Engine,
     prompts: list[list[int]],
     guided: GuidedDecoding | None = None,
     logprobs: int | None = None,

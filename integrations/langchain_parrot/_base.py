@@ -215,12 +215,10 @@ class ParrotModelBase(BaseModel):
         self, kind: Literal["chat", "llm"], stop: list[str] | None, kwargs: dict[str, Any]
     ) -> LangSmithParams:
         params = self.call_params(stop, **{k: v for k, v in kwargs.items() if k in _CALL_KWARGS})
-        ls = LangSmithParams(
-            ls_provider="parrot",
-            ls_model_name=params.model or self.model,
-            ls_model_type=kind,
-            ls_temperature=params.temperature,
-        )
+        ls = LangSmithParams(ls_provider="parrot", ls_model_type=kind, ls_temperature=params.temperature)
+        model = params.model or self.model
+        if model is not None:
+            ls["ls_model_name"] = model
         if params.max_tokens is not None:
             ls["ls_max_tokens"] = params.max_tokens
         if params.stop:

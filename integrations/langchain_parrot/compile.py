@@ -156,8 +156,8 @@ class _Builder:
     def function(self, runnable: RunnableLambda[Any, Any]) -> Step:
         func = getattr(runnable, "func", None)
         if isinstance(func, operator.itemgetter):
-            _, items = func.__reduce__()
-            return ItemStep(tuple(items))
+            reduced = func.__reduce__()  # (itemgetter, its items)
+            return ItemStep(tuple(reduced[1]))
         if (separator := _join_separator(func)) is not None:
             return JoinStep(separator)
         return self.client(runnable, "a Python function")
@@ -391,10 +391,10 @@ class CompiledChain(Runnable[Any, Any]):
         return result
 
     def invoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Any:
-        return self._call_with_config(self._invoke_one, input, config)
+        return self._call_with_config(self._invoke_one, input, config)  # type: ignore[arg-type]  # LangChain passes config= to it
 
     async def ainvoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Any:
-        return await self._acall_with_config(self._ainvoke_one, input, config)
+        return await self._acall_with_config(self._ainvoke_one, input, config)  # type: ignore[arg-type]  # LangChain passes config= to it
 
     def _batch(self, inputs: list[Any], config: list[RunnableConfig]) -> list[Any]:
         return self._run(inputs, config, self.criteria or P.THROUGHPUT)
@@ -411,7 +411,9 @@ class CompiledChain(Runnable[Any, Any]):
         **kwargs: Any,
     ) -> list[Any]:
         """Run every input in one session, all submitted at once (one round of fetches)."""
-        return self._batch_with_config(self._batch, inputs, config, return_exceptions=return_exceptions)
+        # LangChain passes config= to a function that takes it (the stubs list only its other forms).
+        run = self._batch
+        return self._batch_with_config(run, inputs, config, return_exceptions=return_exceptions)  # type: ignore[arg-type]
 
     async def abatch(
         self,
@@ -422,9 +424,8 @@ class CompiledChain(Runnable[Any, Any]):
         **kwargs: Any,
     ) -> list[Any]:
         """``await`` form of `batch`."""
-        return await self._abatch_with_config(
-            self._abatch, inputs, config, return_exceptions=return_exceptions
-        )
+        run = self._abatch  # as in `batch`
+        return await self._abatch_with_config(run, inputs, config, return_exceptions=return_exceptions)  # type: ignore[arg-type]
 
     def stream(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Iterator[Any]:
         """The final model step's text as the server writes it: ``str`` chunks (a chain ending in

@@ -107,7 +107,7 @@ def _jinja_plain(template: str) -> tuple[set[str], set[str]]:
 _ANALYZERS = {"f-string": _fstring_plain, "mustache": _mustache_plain, "jinja2": _jinja_plain}
 
 
-def _string_prompts(prompt: Any) -> Iterable[tuple[StringPromptTemplate | None, set[str]]]:
+def _string_prompts(prompt: Any) -> Iterable[tuple[PromptTemplate | None, set[str]]]:
     """The string templates inside ``prompt``, each with its variables (None: not analysable)."""
     if isinstance(prompt, StringPromptTemplate):
         yield (prompt if isinstance(prompt, PromptTemplate) else None), set(prompt.input_variables)

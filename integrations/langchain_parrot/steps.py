@@ -331,8 +331,10 @@ class ModelStep(Step):
             item, hint = rendered.items[piece], rendered.names[piece]
             if isinstance(item, Concat):
                 for j, part in enumerate(item.parts):
-                    is_text = isinstance(part, str)
-                    parts.append(escape_text(part) if is_text else placeholder((piece, j), hint, part))
+                    if isinstance(part, str):
+                        parts.append(escape_text(part))
+                    else:
+                        parts.append(placeholder((piece, j), hint, part))
             else:
                 parts.append(placeholder((piece, -1), hint, item))
         output = placeholder_name("output", inputs)

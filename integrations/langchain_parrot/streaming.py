@@ -33,7 +33,7 @@ def stream_kind(step: Step) -> StreamKind | None:
     while isinstance(step, SequenceStep) and step.steps:
         step = step.steps[-1]
     if isinstance(step, ModelStep) and step.plan.kind in ("text", "message") and not step.plan.transforms:
-        return step.plan.kind  # type: ignore[return-value]
+        return step.plan.kind
     return None
 
 

@@ -31,10 +31,12 @@ class ParrotServer(Protocol):
 
     @property
     def base_url(self) -> str: ...
-
-    timeout: float
-    get_timeout: float
-    api_key: str | None
+    @property
+    def timeout(self) -> float: ...
+    @property
+    def get_timeout(self) -> float | None: ...
+    @property
+    def api_key(self) -> str | None: ...
 
 
 class _End:

@@ -291,11 +291,13 @@ class ParrotLLM(LLM):
         format instructions (its output parser), through ``completion_to_prompt`` and without the system
         prompt, exactly as `LLMTextCompletionProgram` renders it for ``complete``."""
         parser = PydanticOutputParser(output_cls=output_cls)
-        program = LLMTextCompletionProgram.from_defaults(output_parser=parser, prompt=prompt, llm=self)
+        program: LLMTextCompletionProgram[Model] = LLMTextCompletionProgram.from_defaults(
+            output_parser=parser, prompt=prompt, llm=self
+        )
         template = program.prompt
 
         def render(kw: dict[str, Any]) -> str:
-            return self.completion_to_prompt(template.format(llm=self, **kw))
+            return self._to_prompt(template.format(llm=self, **kw))
 
         return unrender(render, template, prompt_args, llm=self), parser
 
@@ -355,11 +357,16 @@ class ParrotLLM(LLM):
         dispatcher.event(LLMStructuredPredictEndEvent(output=result))
         return result
 
+    def _to_prompt(self, text: str) -> str:
+        """``completion_to_prompt`` applied (LlamaIndex gives every LLM one; unset, the text as it is)."""
+        convert = self.completion_to_prompt
+        return text if convert is None else convert(text)
+
     # ------------------------------------------------------------------------- OpenAI-compatible calls
     def _completion(
         self, prompt: str, formatted: bool, stream: bool, kwargs: dict[str, Any]
     ) -> dict[str, Any]:
-        text = prompt if formatted else self.completion_to_prompt(prompt)
+        text = prompt if formatted else self._to_prompt(prompt)
         return completion_body(self.model, text, self.sampling(**kwargs), stream)
 
     def _chat(self, messages: Sequence[ChatMessage], stream: bool, kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import AsyncGenerator, Callable, Generator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import llama_index.core.instrumentation as instrument
 import parrot as P
@@ -101,16 +101,21 @@ class _DagSynthesis:
     A mixin placed before the LlamaIndex synthesizer class (its ``synthesize`` runs first).
     """
 
-    _llm: ParrotLLM
+    _llm: LLM  # a `ParrotLLM` (`require_parrot_llm`): `_parrot`
     _streaming: bool
     _answer_budget: int
     _empty_response_given: bool
+
+    @property
+    def _parrot(self) -> ParrotLLM:
+        """The LLM, which the constructors took only as a `ParrotLLM`."""
+        return cast(ParrotLLM, self._llm)
 
     def _setup_dag(self, answer_token_budget: int | None, empty_response: str | None) -> None:
         if answer_token_budget is not None and answer_token_budget < 0:
             raise ValueError(f"answer_token_budget must be >= 0 tokens, got {answer_token_budget}")
         self._answer_budget = (
-            default_answer_budget(self._llm.max_tokens)
+            default_answer_budget(self._parrot.max_tokens)
             if answer_token_budget is None
             else answer_token_budget
         )
@@ -159,22 +164,22 @@ class _DagSynthesis:
         """The plan's answer: its text (``empty`` for none), or with ``streaming`` a generator of its
         chunks (LlamaIndex streams whatever the last call writes, so no ``empty`` there)."""
         if self._streaming:
-            return stream_plan(self._llm, make_plan)
-        return run_plan(self._llm, make_plan) or empty
+            return stream_plan(self._parrot, make_plan)
+        return run_plan(self._parrot, make_plan) or empty
 
     async def _aanswer(self, make_plan: Callable[[], Plan], empty: str) -> RESPONSE_TEXT_TYPE:
         """``async`` form of `_answer` (an async generator when streaming)."""
         if self._streaming:
-            return await astream_plan(self._llm, make_plan)
-        return await arun_plan(self._llm, make_plan) or empty
+            return await astream_plan(self._parrot, make_plan)
+        return await arun_plan(self._parrot, make_plan) or empty
 
     def _submit(
         self, template: BasePromptTemplate, values: dict[str, Value], strip: bool = False
     ) -> P.Variable:
         """Queue one call of ``template`` with ``values`` in the current session; its output variable."""
-        call = self._llm.unrendered_call(template, values)
+        call = self._parrot.unrendered_call(template, values)
         transforms = (P.transforms.strip(),) if strip else ()
-        return call.submit(self._llm.sampling(), model=self._llm.model, transforms=transforms)
+        return call.submit(self._parrot.sampling(), model=self._parrot.model, transforms=transforms)
 
 
 class ParrotRefine(_DagSynthesis, Refine):
@@ -271,7 +276,7 @@ class ParrotRefine(_DagSynthesis, Refine):
         self, query_str: str, chunks: list[str], prev_response: Any, response_kwargs: dict[str, Any]
     ) -> Plan:
         """`Refine._run_refine_loop` with variables for answers: the same repacking, prompts and order."""
-        llm, helper = self._llm, self._prompt_helper
+        llm, helper = self._parrot, self._prompt_helper
         qa, refine = self._text_qa_template, self._refine_template
         max_prompt = get_biggest_prompt([qa, refine])
         pending = deque(

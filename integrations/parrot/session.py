@@ -339,8 +339,8 @@ class Session:
         made = {name: Variable(self, name=name, producer=func_name) for name in outputs}
         placeholders = []
         for spec in request.placeholders:
-            var = inputs.get(spec.name) if spec.role == "input" else made.get(spec.name)
-            placeholders.append(spec if var is None else spec.model_copy(update={"var_id": var.var_id}))
+            bound = inputs.get(spec.name) if spec.role == "input" else made.get(spec.name)
+            placeholders.append(spec if bound is None else spec.model_copy(update={"var_id": bound.var_id}))
         request = request.model_copy(update={"placeholders": placeholders})
         self._pending.append(_SubmitCall(func_name, request, dict(inputs), made))
         return made

@@ -33,6 +33,7 @@ from parrot.protocol import (
     EngineTokenizerFiles,
     ErrorBody,
     ErrorResponse,
+    TokenLogprobConfig,
 )
 
 from server.auth_first import AuthFirstMiddleware, GuardedRoute, guarded_routes
@@ -221,7 +222,9 @@ def _response(context_id: int, result: GenerateResult) -> EngineGenerateResponse
         finish_reason=result.finish_reason,
         prompt_tokens=result.prompt_tokens,
         completion_tokens=len(result.token_ids),
-        logprobs=None if result.logprobs is None else [asdict(lp) for lp in result.logprobs],
+        logprobs=None
+        if result.logprobs is None
+        else [TokenLogprobConfig.model_validate(asdict(lp)) for lp in result.logprobs],
     )
 
 

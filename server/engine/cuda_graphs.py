@@ -23,6 +23,7 @@ CPU inject one that re-runs the recorded step, which checks the buffers and padd
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -126,17 +127,17 @@ class DecodeGraphs:
         self._backend = backend
         self._scratch_block = scratch_block
         self._scratch_slot = scratch_block * block_size
-        i64 = {"dtype": torch.int64, "device": device}
-        i32 = {"dtype": torch.int32, "device": device}
+        i64, i32 = torch.int64, torch.int32
         width = max(1, max_blocks)
-        self.ids = torch.zeros(max_batch, **i64)
-        self.positions = torch.zeros(max_batch, **i64)
-        self.slots = torch.full((max_batch,), self._scratch_slot, **i64)
-        self.tables = torch.full((max_batch, width), scratch_block, **i32)  # a grouped step's suffix tables
-        self.lens = torch.ones(max_batch, **i32)
-        self.prefix_tables = torch.full((max_groups, width), scratch_block, **i32)
-        self.prefix_lens = torch.zeros(max_groups, **i32)
-        self.group_of = torch.full((max_batch,), -1, **i32)
+        self.ids = torch.zeros(max_batch, dtype=i64, device=device)
+        self.positions = torch.zeros(max_batch, dtype=i64, device=device)
+        self.slots = torch.full((max_batch,), self._scratch_slot, dtype=i64, device=device)
+        # A grouped step's suffix tables.
+        self.tables = torch.full((max_batch, width), scratch_block, dtype=i32, device=device)
+        self.lens = torch.ones(max_batch, dtype=i32, device=device)
+        self.prefix_tables = torch.full((max_groups, width), scratch_block, dtype=i32, device=device)
+        self.prefix_lens = torch.zeros(max_groups, dtype=i32, device=device)
+        self.group_of = torch.full((max_batch,), -1, dtype=i32, device=device)
         self.hidden = torch.zeros(max_batch, hidden_size, dtype=dtype, device=device)
         self._graphs: dict[int, Any] = {}
         self._grouped: dict[int, Any] = {}
@@ -152,14 +153,14 @@ class DecodeGraphs:
         """Run each bucket once eagerly (kernels compile outside the recording), then record it."""
         for size in reversed(self.sizes):
             self._step(size)
-            self._graphs[size] = self._backend.capture(lambda size=size: self._step(size))
+            self._graphs[size] = self._backend.capture(functools.partial(self._step, size))
 
     def capture_grouped(self) -> None:
         """The same for steps grouped by shared prefix (buckets of two rows or more); all or none."""
         try:
             for size in reversed([s for s in self.sizes if s >= 2]):
                 self._step(size, grouped=True)
-                self._grouped[size] = self._backend.capture(lambda size=size: self._step(size, grouped=True))
+                self._grouped[size] = self._backend.capture(functools.partial(self._step, size, grouped=True))
         except BaseException:
             self._grouped.clear()
             raise

@@ -484,7 +484,7 @@ class LLMEngine(KVExchange, Engine):
 
         def apply() -> str:
             previous = self._runner.shared_prefix_decode
-            self._runner.shared_prefix_decode = mode  # type: ignore[assignment]
+            self._runner.shared_prefix_decode = mode
             return previous
 
         return await self._run_on_thread(apply)
@@ -534,7 +534,7 @@ class LLMEngine(KVExchange, Engine):
         """``fn()`` on the engine thread, which owns all state; its `EngineError` is raised here."""
         sink = self._new_sink(False)
         self._post(_Call(sink, fn))
-        return await self._wait(sink)  # type: ignore[no-any-return]
+        return await self._wait(sink)
 
     async def _wait(self, sink: _Sink) -> Any:
         try:
@@ -785,7 +785,8 @@ class LLMEngine(KVExchange, Engine):
             self._handle(cmd)
 
     def _parent_busy(self, cmd: _Submit) -> bool:
-        return cmd.parent_id in self._contexts and self._contexts.get(cmd.parent_id).busy
+        parent = cmd.parent_id
+        return parent is not None and parent in self._contexts and self._contexts.get(parent).busy
 
     def _free(self, context_id: int) -> None:
         ctx = self._contexts.get(context_id)
@@ -932,7 +933,7 @@ class LLMEngine(KVExchange, Engine):
         req.finished = True
         self._scheduler.remove(req)
         req.context.busy = False
-        self._requests.pop(req.handle, None)  # type: ignore[arg-type]
+        self._requests.pop(req.handle, None)  # type: ignore[call-overload]  # the handle is its _Sink
         req.on_finish(result, error)
 
     def _fail_all(self, error: EngineError) -> None:
@@ -946,12 +947,12 @@ class LLMEngine(KVExchange, Engine):
         self._compiling.clear()
         while True:
             try:
-                cmd = self._commands.get_nowait()
+                queued = self._commands.get_nowait()
             except queue.Empty:
                 return
-            sink = getattr(cmd, "sink", None)
-            if sink is not None:
-                sink.finish(None, error)
+            owner = getattr(queued, "sink", None)
+            if owner is not None:
+                owner.finish(None, error)
 
 
 def _finite_number(value: object) -> bool:

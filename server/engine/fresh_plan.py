@@ -78,8 +78,8 @@ def attend_varlen(
     if isinstance(rows, slice):
         out[rows] = _varlen_flash(q[rows], k[rows], v[rows], batch.offsets, batch.longest, scale)
     else:
-        picked = (x.index_select(0, rows) for x in (q, k, v))
-        out.index_copy_(0, rows, _varlen_flash(*picked, batch.offsets, batch.longest, scale))
+        qr, kr, vr = (x.index_select(0, rows) for x in (q, k, v))
+        out.index_copy_(0, rows, _varlen_flash(qr, kr, vr, batch.offsets, batch.longest, scale))
 
 
 def _varlen_flash(

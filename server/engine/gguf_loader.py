@@ -272,7 +272,7 @@ def _type_name(type_id: int) -> str:
     import gguf
 
     member = gguf.GGMLQuantizationType._value2member_map_.get(type_id)
-    return member.name if member is not None else f"type {type_id}"  # type: ignore[attr-defined]
+    return member.name if member is not None else f"type {type_id}"
 
 
 def _gguf_version() -> str:

@@ -26,7 +26,7 @@ from server.engine.sampling import GuidedDecoding
 try:
     import xgrammar as xgr
 except ImportError:  # the `server` extra installs it; a clear error when a guided request arrives
-    xgr = None
+    xgr = None  # type: ignore[assignment]  # checked before every use
 
 # JSON without free whitespace between tokens: a small model left free to emit whitespace can loop on it
 # until max_tokens, which would cut the JSON short (vLLM offers the same as "disable any whitespace").

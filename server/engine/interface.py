@@ -31,6 +31,8 @@ class Engine(abc.ABC):
     tokenizer: Any
     max_model_len: int  # its context window in tokens
     vocab_size: int
+    eos_token_ids: frozenset[int]  # the model's end-of-sequence tokens
+    block_size: int  # tokens per KV block (a prefix shorter than one is not worth a fork)
     # How status and messages name it, and where it is (None: an engine of this process, which the manager
     # names by its id).
     name: str | None = None
@@ -64,6 +66,9 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def stats(self) -> EngineStats:
         """Its load, memory and measured speeds."""
+
+    def shutdown(self) -> None:  # noqa: B027  (a default: most kinds run nothing to stop)
+        """Stop what the engine runs in this process (its thread, its connections); nothing by default."""
 
     async def back_in_service(self) -> bool:
         """Whether an engine a failure took out of service may serve again now (an upstream server that

@@ -26,6 +26,9 @@ against `generate` tolerate (fp32).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -68,7 +71,7 @@ def _fuse(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     parameters into views of the result: one GEMM for all of them, no second copy of the weights."""
     weight = torch.cat([m.weight.detach() for m in linears])
     has_bias = linears[0].bias is not None
-    bias = torch.cat([m.bias.detach() for m in linears]) if has_bias else None  # type: ignore[union-attr]
+    bias = torch.cat([m.bias.detach() for m in linears]) if has_bias else None
     start = 0
     for m in linears:
         stop = start + m.out_features
@@ -114,6 +117,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
+        assert self.qkv_weight is not None  # `fuse` ran (`LlamaForCausalLM.prepare_weights`)
         qkv = linear(x, self.qkv_weight, self.qkv_bias, self.qkv_packed)
         fused = rope_write_kv_op(qkv, d) if k_cache.is_contiguous() and qkv.is_contiguous() else None
         if fused is not None:  # one pass: q and k rotated, the step's k and v written to their cache slots
@@ -150,6 +154,7 @@ class MLP(nn.Module):
         self.down_packed = pack_weight(self.down_proj.weight, invariant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.gate_up_weight is not None  # `fuse` ran (`LlamaForCausalLM.prepare_weights`)
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias, self.gate_up_packed)
         fused = silu_mul_op(gate_up) if gate_up.is_contiguous() else None
         if fused is not None:
@@ -175,6 +180,11 @@ class LlamaBackbone(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    @property
+    def decoder_layers(self) -> Sequence[DecoderLayer]:
+        """``layers`` as what they are (an `nn.ModuleList` is typed as holding any module)."""
+        return cast(Sequence[DecoderLayer], self.layers)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -205,7 +215,7 @@ class LlamaForCausalLM(nn.Module):
         # Outside inference mode even when called from the forward: the fused weights are ordinary tensors,
         # so a later `load_state_dict` can still copy into the views that share their storage.
         with torch.inference_mode(False), torch.no_grad():
-            for layer in self.model.layers:
+            for layer in self.model.decoder_layers:
                 if layer.self_attn.qkv_weight is None:
                     layer.self_attn.fuse(invariant)
                 if layer.mlp.gate_up_weight is None:
@@ -226,13 +236,14 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states after the final norm of the step's rows ``rows`` ([len(rows), hidden]; all rows
         [T, hidden] if None): the final norm runs on the rows that are read, not on every prefill token."""
-        if self.model.layers and self.model.layers[0].self_attn.qkv_weight is None:
+        layers = self.model.decoder_layers
+        if layers and layers[0].self_attn.qkv_weight is None:
             self.prepare_weights()
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.rope.lookup(positions)  # shared by every layer
         # Each sublayer's output is added to the residual stream by the norm that reads it next.
         delta: torch.Tensor | None = None
-        for i, layer in enumerate(self.model.layers):
+        for i, layer in enumerate(layers):
             x = layer.input_layernorm(h, delta)
             delta = layer.self_attn(x, cos, sin, k_caches[i], v_caches[i], meta, backend)
             delta = layer.mlp(layer.post_attention_layernorm(h, delta))
@@ -242,8 +253,9 @@ class LlamaForCausalLM(nn.Module):
 
     def packed_linears(self) -> list[torch.Tensor | None]:
         """Every linear's packed weight (`prepare_weights`), None where it is not packed."""
-        attn = [(a.qkv_packed, a.o_packed) for a in (layer.self_attn for layer in self.model.layers)]
-        mlp = [(m.gate_up_packed, m.down_packed) for m in (layer.mlp for layer in self.model.layers)]
+        layers = self.model.decoder_layers
+        attn = [(a.qkv_packed, a.o_packed) for a in (layer.self_attn for layer in layers)]
+        mlp = [(m.gate_up_packed, m.down_packed) for m in (layer.mlp for layer in layers)]
         return [p for pair in attn + mlp for p in pair] + [self.lm_head_packed]
 
     @torch.inference_mode()

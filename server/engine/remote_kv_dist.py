@@ -73,7 +73,7 @@ class _Exchange:
         name: str,
         sent: list[torch.Tensor],
         answer: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-        works: list[dist.Work],
+        works: list[dist.Work | None],
         device: torch.device,
     ) -> None:
         self.name, self.sent, self.answer, self.works, self.device = name, sent, answer, works, device
@@ -81,7 +81,8 @@ class _Exchange:
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         try:
             for work in self.works:
-                work.wait()
+                if work is not None:  # None only from a backend that completes at once
+                    work.wait()
         except RuntimeError as e:  # gloo: the peer closed the connection or timed out
             raise KVSourceLostError(f"the KV holder at {self.name} cannot be reached: {e}") from e
         status, out, lse = self.answer

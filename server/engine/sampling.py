@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -182,7 +182,7 @@ def sample(
     return picked.tolist()
 
 
-def _per_row(values: list[float], like: torch.Tensor) -> torch.Tensor:
+def _per_row(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
     return device_tensor(values, like.dtype, like.device).unsqueeze(1)
 
 

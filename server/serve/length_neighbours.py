@@ -20,6 +20,7 @@ arena of that burst's memory after it ends (measured: RSS after a 1,000-session 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any, cast
 
 import numpy as np
 
@@ -115,6 +116,7 @@ class SimilarRequests:
     ) -> SimilarRequests:
         """The requests `state` wrote (malformed rows raise ``ValueError``/``TypeError``)."""
         similar = cls(capacity, k)
-        for active, y in rows:  # type: ignore[misc]
-            similar.add([(int(i), float(v)) for i, v in active], float(y))  # type: ignore[union-attr]
+        for row in rows:
+            active, y = cast(Any, row)  # checked by the conversions: a malformed row raises here
+            similar.add([(int(i), float(v)) for i, v in active], float(y))
         return similar

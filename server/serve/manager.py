@@ -105,7 +105,13 @@ from server.serve.slo_admission import admission
 from server.serve.step_records import StepRecord, StepRecords, task_group_key
 from server.serve.streams import Delta, Restart, StepTextStream
 from server.serve.transform_runner import run_transforms
-from server.serve.transforms import TransformError, apply_transforms, render_value, validate_transforms
+from server.serve.transforms import (
+    TransformError,
+    ValueKind,
+    apply_transforms,
+    render_value,
+    validate_transforms,
+)
 from server.serve.variables import VariableTable
 
 log = logging.getLogger(__name__)
@@ -937,7 +943,7 @@ class Manager:
         self._settled(session, node.output)
         self._dispatch(session)
 
-    async def _execute(self, session: Session, node: StepNode, prep: _Prepared) -> tuple[str, str]:
+    async def _execute(self, session: Session, node: StepNode, prep: _Prepared) -> tuple[str, ValueKind]:
         """Run one step on an engine; returns its output variable's value and kind (after transforms).
 
         A step whose engine fails (`engine_unavailable`) runs again from its inputs on an engine in service
@@ -968,7 +974,7 @@ class Manager:
 
     async def _attempt(
         self, session: Session, node: StepNode, prep: _Prepared, pinned: int | None
-    ) -> tuple[str, str]:
+    ) -> tuple[str, ValueKind]:
         """One placement and run of a step (on ``pinned`` if given). An engine failure takes the engine out
         of service and raises `_AttemptFailed`."""
         # A call's steps share one context chain, so one engine; engines of one model share a tokenizer.
@@ -976,7 +982,8 @@ class Manager:
         serving = [pinned] if pinned is not None else self._serving(node.call.model)
         tokenizer = self.engines[serving[0]].tokenizer
         token_ids = await _encode(tokenizer, prep.specials, prep.prompt)
-        shared, shared_key = [], None
+        shared: list[int] = []
+        shared_key: str | None = None
         if self.config.prefix_sharing and pinned is None:
             shared, shared_key = self._shared_prefix(tokenizer, node, prep, token_ids)
         estimate = self._estimate(node, prep, len(token_ids))
@@ -1087,7 +1094,7 @@ class Manager:
         shared: list[int],
         request: QueuedRequest,
         estimate: LengthEstimate | None,
-    ) -> tuple[str, str]:
+    ) -> tuple[str, ValueKind]:
         call, step = node.call, node.step
         key = (session.session_id, call.call_id)
         engine = self.engines[engine_index]

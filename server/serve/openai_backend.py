@@ -76,6 +76,8 @@ class _Context:
 class OpenAIBackendEngine(Engine):
     """An OpenAI-compatible server behind the `LLMEngine` interface. Make one with `connect`."""
 
+    name: str
+    url: str
     cache_routed = True  # its own prefix cache is its only KV sharing
     frees_after_failure = True  # its contexts are token lists here
 

@@ -15,7 +15,7 @@ import httpx
 
 from server.engine.errors import EngineDeadError, EngineDrainingError
 from server.engine.loader import load_tokenizer
-from server.engine.request import GenerateResult
+from server.engine.request import FinishReason, GenerateResult
 from server.serve.remote_engine import RemoteEngineError
 from server.serve.task_stream import Emit
 
@@ -121,14 +121,19 @@ async def stream_completion(
         raise _unreachable(url, e) from e
     if finish is None:
         raise EngineDeadError(f"the OpenAI backend at {url} ended an answer without a finish reason")
-    if finish not in ("stop", "length"):  # e.g. vLLM's "abort": the answer is not whole
+    reason = _WHOLE_ANSWER.get(finish)
+    if reason is None:  # e.g. vLLM's "abort": the answer is not whole
         raise RemoteEngineError(
             f"the OpenAI backend at {url} ended an answer with {finish!r}", 502, "backend_error"
         )
-    return GenerateResult(token_ids, "".join(text), finish, len(body["prompt"]))
+    return GenerateResult(token_ids, "".join(text), reason, len(body["prompt"]))
 
 
 # -------------------------------------------------------------------------------------------- connecting
+# The finish reasons of a whole answer, as ours.
+_WHOLE_ANSWER: dict[str, FinishReason] = {"stop": "stop", "length": "length"}
+
+
 def served_model(client: httpx.Client, url: str, model: str | None) -> dict[str, Any]:
     try:
         response = client.get("/v1/models")
@@ -212,7 +217,9 @@ def _answered_error(url: str, error: Any, status: int) -> RemoteEngineError:
     code = error.get("code")
     if isinstance(code, int) and 400 <= code < 600:
         status = code
-    kind = error.get("type") if isinstance(error.get("type"), str) else ""
+    kind = error.get("type")
+    if not isinstance(kind, str):
+        kind = ""
     return _typed(f"the OpenAI backend at {url} answered: {message}", status, kind)
 
 

@@ -101,21 +101,23 @@ def start_ray_engines(
     gpus = spec.num_gpus
     if gpus is None:
         gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
-    resources = {"num_cpus": 0 if gpus else 1, "num_gpus": gpus, "max_restarts": spec.max_restarts}
+    resources: dict[str, Any] = {
+        "num_cpus": 0 if gpus else 1,
+        "num_gpus": gpus,
+        "max_restarts": spec.max_restarts,
+    }
+    actors: list[Any]  # Ray's actor handles
     if spec.vllm_python is not None:
         from server.serve.ray_vllm import VLLMActor
 
-        vllm = ray.remote(**resources, max_task_retries=0)(VLLMActor)
+        vllm: Any = ray.remote(**resources, max_task_retries=0)(VLLMActor)
         args = (spec.vllm_python, model, manager_url, cluster_token, spec.vllm_args, spec.vllm_env)
-        actors = [
-            vllm.remote(*args, spec.tokenizer, spec.placement_timeout_s)  # type: ignore[attr-defined]
-            for _ in range(spec.count)
-        ]
+        actors = [vllm.remote(*args, spec.tokenizer, spec.placement_timeout_s) for _ in range(spec.count)]
     else:
-        engine = ray.remote(**resources, max_task_retries=0)(EngineActor)
+        engine: Any = ray.remote(**resources, max_task_retries=0)(EngineActor)
         config = config or EngineConfig()
         actors = [
-            engine.remote(model, config, manager_url, f"ray-engine-{i}", cluster_token)  # type: ignore[attr-defined]
+            engine.remote(model, config, manager_url, f"ray-engine-{i}", cluster_token)
             for i in range(spec.count)
         ]
     try:

@@ -75,6 +75,9 @@ class RemoteEngine(Engine):
     """A remote engine's HTTP API behind the `LLMEngine` interface the manager uses. Make one with
     `connect`; `aclose` closes its HTTP client."""
 
+    name: str
+    url: str
+
     def __init__(
         self, url: str, name: str, info: EngineInfo, tokenizer: Any, client: httpx.AsyncClient
     ) -> None:

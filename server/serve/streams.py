@@ -10,7 +10,7 @@ readers are told to drop what they had.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,7 +75,7 @@ class StepTextStream:
         self.closed = True
         self._wake()
 
-    async def deltas(self) -> AsyncIterator[Delta | Restart]:
+    async def deltas(self) -> AsyncGenerator[Delta | Restart, None]:
         """The text from the beginning, as deltas, until `close`."""
         epoch: int | None = None
         sent, ended, detok = 0, False, None

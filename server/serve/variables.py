@@ -50,7 +50,7 @@ class StepId(NamedTuple):
     """A step of a call: the call's id and the step's index in it (one step per output, from 0)."""
 
     call_id: str
-    index: int
+    index: int  # type: ignore[assignment]  # a field named as tuple.index, which it shadows on purpose
 
     def __str__(self) -> str:
         return f"step {self.index} of call {self.call_id!r}"

@@ -86,7 +86,9 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
     def time(self) -> float:
         return self._virtual.now
 
-    def run_in_executor(self, executor: Any, func: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+    def run_in_executor(  # type: ignore[override]  # the same call, with looser parameter types
+        self, executor: Any, func: Callable[..., T], *args: Any
+    ) -> asyncio.Future[T]:
         future = super().run_in_executor(executor, func, *args)
         self._virtual.in_executor += 1
         future.add_done_callback(self._executor_done)

@@ -24,6 +24,7 @@ import torch
 from server.engine.config import EngineConfig, ModelConfig
 from server.engine.engine import LLMEngine, _Abort, _Sink
 from server.engine.errors import EngineDeadError
+from server.engine.remote_kv import RemoteRows
 from server.engine.request import Request
 from server.engine.scheduler import ScheduledChunk
 from server.engine.step_features import step_features
@@ -50,7 +51,7 @@ class SimRunner:
         self.vocab_size = vocab_size
         self.filler = filler
         self.grouped_decode_steps = 0
-        self.remote_rows = None  # the simulator models no remote KV
+        self.remote_rows: RemoteRows | None = None  # the simulator models no remote KV
         self.last_seconds = 0.0  # predicted time of the last `run`
 
     def run(self, batch: list[ScheduledChunk]) -> torch.Tensor:
