@@ -251,7 +251,7 @@ class SemanticFunction:
             func_name=self.name,
             model=self.model,
             criteria=self.criteria,
-            parse_special_tokens=self.parse_special_tokens,
+            parse_special_tokens=self.parse_special_tokens or None,  # not sent unless asked for
         )
         made = session._enqueue_call(self.name, request, variables, self.outputs)
         outputs = tuple(made[name] for name in self.outputs)

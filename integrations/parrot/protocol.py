@@ -651,8 +651,9 @@ class SubmitCallRequest(_Strict):
     # session's); None: the session's salt, or shared with everyone.
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
     # Special-token strings (``<|im_end|>``) in the call's input values are control tokens; by default they
-    # are plain text, so a user's text cannot forge a turn. Only for values the caller controls.
-    parse_special_tokens: bool = False
+    # are plain text, so a user's text cannot forge a turn. Only for values the caller controls. None (not
+    # sent) is false: a client that does not opt in sends nothing a server without the field would refuse.
+    parse_special_tokens: bool | None = None
 
 
 class SubmitCallResponse(BaseModel):

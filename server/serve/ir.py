@@ -226,7 +226,7 @@ def build_call(
         model=request.model,
         criteria=request.criteria,
         cache_salt=request.cache_salt,
-        parse_special_tokens=request.parse_special_tokens,
+        parse_special_tokens=bool(request.parse_special_tokens),
     )
 
 
