@@ -978,7 +978,8 @@ class Manager:
         """One placement and run of a step (on ``pinned`` if given). An engine failure takes the engine out
         of service and raises `_AttemptFailed`."""
         # A call's steps share one context chain, so one engine; engines of one model share a tokenizer.
-        await self._step_starts.turn()  # a burst of ready steps starts over several loop iterations
+        # A burst of ready steps starts over several loop iterations, tenants taking turns.
+        await self._step_starts.turn(session.client)
         serving = [pinned] if pinned is not None else self._serving(node.call.model)
         tokenizer = self.engines[serving[0]].tokenizer
         token_ids = await _encode(tokenizer, prep.specials, prep.prompt)

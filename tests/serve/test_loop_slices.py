@@ -49,3 +49,20 @@ async def test_a_cancelled_waiter_takes_no_place() -> None:
 def test_a_slice_holds_at_least_one() -> None:
     with pytest.raises(ValueError, match="per_slice must be at least 1"):
         LoopSlices(0)
+
+
+async def test_keys_take_turns_so_one_burst_does_not_hold_another_keys_turn() -> None:
+    slices, passed = LoopSlices(per_slice=2), []
+
+    async def task(key: str, i: int) -> None:
+        await slices.turn(key)
+        passed.append(f"{key}{i}")
+
+    flood = [asyncio.ensure_future(task("a", i)) for i in range(40)]
+    await asyncio.sleep(0)  # a0, a1 pass; the rest of the burst waits
+    victim = asyncio.ensure_future(task("b", 0))
+    await asyncio.gather(*flood, victim)
+    # In the first slice after it came (a's next and b's first), not after the burst (index 40 first come
+    # first served).
+    assert passed.index("b0") <= 5
+    assert [p for p in passed if p.startswith("a")] == [f"a{i}" for i in range(40)]
