@@ -747,23 +747,25 @@ class Manager:
         check_variables(quotas, SessionUsage(variables=len(graph.variables)), len(call.outputs))
         usage = SessionUsage(queued_steps=len(graph), queued_tokens=session.queued_tokens)
         if usage.queued_tokens + tokens > quotas.queued_tokens_per_session:
-            usage.queued_tokens = session.queued_tokens = _queued_tokens(session)
+            usage.queued_tokens = _queued_tokens(session)
+            self.sessions.set_queued(session, usage.queued_tokens)
         check_call(quotas, usage, len(call.steps), tokens)
         refusal = self._tenant_tokens_refusal(session.client, tokens)
         if refusal is not None:
             raise QuotaExceededError(refusal)
-        session.queued_tokens = usage.queued_tokens + tokens
+        self.sessions.set_queued(session, usage.queued_tokens + tokens)
 
     def _tenant_tokens_refusal(self, client: str, tokens: int) -> str | None:
         """Why ``client`` may not have ``tokens`` more in flight (`Quotas.queued_tokens_per_tenant`), or
-        None. Its sessions' running estimates are summed; recounted exactly only where they would refuse."""
-        quotas, sessions = self.config.quotas, self.sessions.of(client)
-        queued = self._openai_tokens[client] + sum(s.queued_tokens for s in sessions)
+        None. Its sessions' running estimates are summed as they change (O(1)); recounted exactly only where
+        they would refuse."""
+        quotas = self.config.quotas
+        queued = self._openai_tokens[client] + self.sessions.queued_by(client)
         refusal = tenant_tokens_refusal(quotas, client, queued, tokens)
         if refusal is not None:
-            for s in sessions:
-                s.queued_tokens = _queued_tokens(s)
-            queued = self._openai_tokens[client] + sum(s.queued_tokens for s in sessions)
+            for s in self.sessions.of(client):
+                self.sessions.set_queued(s, _queued_tokens(s))
+            queued = self._openai_tokens[client] + self.sessions.queued_by(client)
             refusal = tenant_tokens_refusal(quotas, client, queued, tokens)
         return refusal
 

@@ -84,6 +84,7 @@ class SessionTable:
         self._by_token: dict[bytes, str] = {}  # sha256(token) -> session id
         self._by_client: dict[str, set[str]] = {}  # client -> its sessions' ids
         self._stored: Counter[str] = Counter()  # client -> characters its sessions' set values hold
+        self._queued: Counter[str] = Counter()  # client -> its sessions' `queued_tokens` summed
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -102,6 +103,15 @@ class SessionTable:
     def stored_by(self, client: str) -> int:
         """Characters of the values ``client``'s open sessions were given (`store`)."""
         return self._stored[client]
+
+    def queued_by(self, client: str) -> int:
+        """``client``'s sessions' `queued_tokens` estimates, summed (`set_queued`)."""
+        return self._queued[client]
+
+    def set_queued(self, session: Session, tokens: int) -> None:
+        """Set ``session``'s estimate of what its unfinished steps may generate (and its client's sum)."""
+        self._queued[session.client] += tokens - session.queued_tokens
+        session.queued_tokens = tokens
 
     def store(self, session: Session, chars: int) -> None:
         """Count ``chars`` more characters of values set in ``session`` against its client."""
@@ -187,9 +197,10 @@ class SessionTable:
             ids.discard(session_id)
             if not ids:
                 del self._by_client[session.client]
-            self._stored[session.client] -= session.stored_chars
-            if self._stored[session.client] <= 0:
-                del self._stored[session.client]
+            for counts, held in ((self._stored, session.stored_chars), (self._queued, session.queued_tokens)):
+                counts[session.client] -= held
+                if counts[session.client] <= 0:
+                    del counts[session.client]
         return session
 
     def expired(self, now: float) -> list[Session]:
