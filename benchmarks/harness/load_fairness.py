@@ -24,6 +24,7 @@ import httpx
 import parrot as P
 
 from benchmarks.harness.output import log
+from benchmarks.harness.process_groups import wait_until_answers
 
 _FLOOD = P.SemanticFunction.from_template(
     "Write about topic {{input:t}}: {{output:o}}",
@@ -59,7 +60,7 @@ def run_fairness(flood_calls: int, port: int) -> FairnessReport:
         command += ["--api-key", key]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        _wait_healthy(proc, url)
+        wait_until_answers(proc, f"{url}/health", "the server", timeout_s=300.0)
         keepalive, fresh = _keepalive_latency(url)
         _victim_calls(url, 3)  # warm-up
         alone = _victim_calls(url, 9)
@@ -80,20 +81,6 @@ def run_fairness(flood_calls: int, port: int) -> FairnessReport:
         keepalive_p50_ms=keepalive * 1000,
         fresh_connection_p50_ms=fresh * 1000,
     )
-
-
-def _wait_healthy(proc: subprocess.Popen[bytes], url: str, timeout_s: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with status {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"the server at {url} did not come up within {timeout_s:g} s")
 
 
 def _keepalive_latency(url: str, n: int = 40) -> tuple[float, float]:

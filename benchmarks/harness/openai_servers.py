@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import subprocess
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
+from benchmarks.harness.process_groups import wait_until_answers
 from server.launcher import LaunchedServer, launch
 from server.serve.ray_nodes import free_port
 
@@ -107,7 +107,7 @@ def vllm_backends(
             stack.callback(_stop, proc)
             started.append((proc, f"http://127.0.0.1:{port}", log_path))
         for proc, url, log_path in started:
-            _wait_until_up(proc, url, log_path)
+            wait_until_answers(proc, f"{url}/v1/models", f"vLLM (its log: {log_path})", STARTUP_S, 2.0)
         yield [Backend(url, "vllm") for _, url, _ in started]
 
 
@@ -117,21 +117,6 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
         proc.wait(30)
     except subprocess.TimeoutExpired:
         proc.kill()
-
-
-def _wait_until_up(proc: subprocess.Popen[bytes], url: str, log_path: Path) -> None:
-    deadline = time.monotonic() + STARTUP_S
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vLLM exited ({proc.returncode}); its log: {log_path}")
-        try:
-            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"vLLM did not start within {STARTUP_S:g}s; its log: {log_path}")
-        time.sleep(2)
 
 
 @contextlib.contextmanager

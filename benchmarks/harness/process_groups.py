@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
+import httpx
+
 __all__ = ["GRACE_S", "start_group", "stop_group"]
 
 GRACE_S = 3.0  # from SIGTERM to SIGKILL of a worker's group
@@ -78,3 +80,22 @@ def _on_signal(signum: int, frame: FrameType | None) -> None:
 
 
 atexit.register(_stop_all)
+
+
+def wait_until_answers(
+    proc: subprocess.Popen[Any], url: str, what: str, timeout_s: float, interval_s: float = 0.2
+) -> None:
+    """Return once ``GET url`` answers 200; `RuntimeError` naming ``what`` if ``proc`` exits first or
+    ``timeout_s`` seconds pass."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with status {proc.returncode}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not answer {url} within {timeout_s:g} s")
+        time.sleep(interval_s)

@@ -47,7 +47,6 @@ it.
 from __future__ import annotations
 
 import itertools
-import math
 import sys
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -240,11 +239,14 @@ def _batch_of(
 
 def _room(request: QueuedRequest, engines: Iterable[EngineState]) -> int:
     """The most steps one engine serving ``request``'s model still takes (no count cap: unbounded)."""
-    free = [
-        math.inf if e.max_steps is None else e.max_steps - e.steps for e in engines if e.serves(request.model)
-    ]
-    most = max(free, default=0)
-    return sys.maxsize if most == math.inf else int(most)
+    return max(
+        (
+            sys.maxsize if e.max_steps is None else e.max_steps - e.steps
+            for e in engines
+            if e.serves(request.model)
+        ),
+        default=0,
+    )
 
 
 def _place(
