@@ -167,26 +167,18 @@ def create_engine_app(
     @api.post("/generate", response_model=None)
     async def generate(req: EngineGenerateRequest) -> EngineGenerateResponse | StreamingResponse:
         sampling = SamplingParams(**req.sampling.model_dump())
-        if not req.stream:
-            result = await engine.generate(
-                req.context_id,
-                sampling,
-                req.parent_context_id,
-                latency_cap=req.latency_cap,
-                parent_len=req.parent_len,
-                priority=req.priority,
-                tenant=req.tenant,
-            )
-            return _response(req.context_id, result)
         handle = engine.submit_generate(
             req.context_id,
             sampling,
             req.parent_context_id,
+            stream=req.stream,
             latency_cap=req.latency_cap,
             parent_len=req.parent_len,
             priority=req.priority,
             tenant=req.tenant,
         )
+        if not req.stream:
+            return _response(req.context_id, await handle.result())
         first = await _first_event(handle)  # validation errors answer with a status code, not a stream
         return StreamingResponse(
             _stream_events(engine, req, sampling, handle, first), media_type="text/event-stream"
