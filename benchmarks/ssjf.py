@@ -94,7 +94,8 @@ async def one_batch_size(
         engine = servers[SSJF].engines[0]
         sampling = SamplingParams(max_tokens=cfg.max_tokens)
         predicted = [
-            ssjf_manager.estimate_length(engine, engine.tokenizer.encode(p), sampling).predicted for p in test
+            ssjf_manager.openai.estimate_length(engine, engine.tokenizer.encode(p), sampling).predicted
+            for p in test
         ]
         capacity = len(test) / seconds
         seeds = [cfg.seed + i for i in range(len(cfg.rates))]

@@ -68,17 +68,17 @@ from server.security import (
     requester,
 )
 from server.serve.dag_view import step_info
-from server.serve.graph import GraphError
-from server.serve.manager import (
+from server.serve.errors import (
     BatchOpError,
     EngineRegistrationError,
     GetTimeoutError,
-    Manager,
     NoEngineError,
     ServerDrainingError,
     SloRejectedError,
     UnknownEngineError,
 )
+from server.serve.graph import GraphError
+from server.serve.manager import Manager
 from server.serve.openai_backend import OpenAIBackendConfig
 from server.serve.sessions import Session, SessionError
 from server.serve.step_records import Histogram
@@ -349,7 +349,7 @@ def create_app(
     # opening of a session (whose token then guards the session's routes); none configured: open.
     require_api_key = api_key_guard(security.api_keys)
     with_api_key = [Depends(require_api_key)]
-    openai_router = create_openai_router(manager)
+    openai_router = create_openai_router(manager.openai)
     app.include_router(openai_router, dependencies=with_api_key)
 
     ui_router = create_ui_router(manager, security.cluster_token)
@@ -359,7 +359,7 @@ def create_app(
     async def health() -> JSONResponse:
         """200 while an engine is in service; else 503 with the typed error body (``no_engine``) — the
         process answers either way, so a manager started with ``--engines 0`` is up before engines join."""
-        serving = len(manager.engines_in_service())
+        serving = len(manager.registry.in_service_ids())
         body: dict[str, Any] = {
             "status": "ok" if serving else "no_engine",
             "engines": len(manager.engines),
@@ -409,7 +409,7 @@ def create_app(
             raise EngineLimitError(refusal)
         joining += 1
         try:
-            return await manager.register_engine(req, cluster_token=security.cluster_token)
+            return await manager.registry.register(req, cluster_token=security.cluster_token)
         finally:
             joining -= 1
 
@@ -432,24 +432,24 @@ def create_app(
                 max_model_len=req.max_model_len,
                 priority=req.priority,
             )
-            engine_id = await manager.add_openai_backend(config)
+            engine_id = await manager.registry.add_openai_backend(config)
         finally:
             joining -= 1
         return BackendRegistered(engine_id=engine_id, model=manager.engines[engine_id].model_name)
 
     @app.post("/v1/engines/{engine_id}/heartbeat", dependencies=cluster_only)
     async def heartbeat(engine_id: int, req: EngineHeartbeat) -> EngineHeartbeatAnswer:
-        engine = manager.remote_engine(engine_id)
+        engine = manager.registry.remote_engine(engine_id)
         if engine is not None:  # any other id is the manager's 404
             problem = heartbeat_problem(req.stats, engine.stats())
             if problem is not None:
                 raise HeartbeatError(f"heartbeat of engine {engine_id} refused: {problem}")
-        manager.heartbeat(engine_id, req.stats)
+        manager.registry.heartbeat(engine_id, req.stats)
         return EngineHeartbeatAnswer(steps_running=manager.placement.running_steps(engine_id))
 
     @app.delete("/v1/engines/{engine_id}", status_code=204, dependencies=cluster_only)
     async def unregister_engine(engine_id: int) -> Response:
-        await manager.unregister_engine(engine_id)
+        await manager.registry.unregister(engine_id)
         return Response(status_code=204)
 
     @app.post("/v1/sessions", dependencies=with_api_key)

@@ -85,7 +85,7 @@ class Prompts:
 def prompts(served: LaunchedServer, monkeypatch: pytest.MonkeyPatch) -> Prompts:
     """Record every prompt the server renders (the manager's `render_prompt`) and every text prompt
     ``/v1/completions`` tokenizes."""
-    import server.serve.manager as manager_module
+    import server.serve.executor as manager_module
 
     seen = Prompts()
     render = manager_module.render_prompt

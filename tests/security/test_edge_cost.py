@@ -163,7 +163,7 @@ def test_another_sessions_call_is_not_held_behind_a_flood(served: LaunchedServer
         return P.SemanticFunction.from_template(template, name="f", sampling=sampling)
 
     flood, victim = fn("Topic {{input:t}}: {{output:o}}", 8), fn("Quick {{input:q}}: {{output:a}}", 2)
-    assert served.manager._engine_states()[0].max_steps == 2 * served.engines[0].config.max_num_seqs
+    assert served.manager.registry.engine_states()[0].max_steps == 2 * served.engines[0].config.max_num_seqs
     with P.Session(served.url, timeout=300) as flooding:
         outputs = [flood(f"t{i}") for i in range(600)]
         flooding.flush()

@@ -129,7 +129,7 @@ def test_health_is_200_with_an_engine_in_service_and_503_without() -> None:
         r = httpx.get(f"{one.url}/health")
         assert r.status_code == 200
         assert r.json() == {"status": "ok", "engines": 1, "engines_in_service": 1, "sessions": 0}
-        one.manager._failed.add(0)  # as after the engine's first failure: out of placement
+        one.manager.registry.failed.add(0)  # as after the engine's first failure: out of placement
         r = httpx.get(f"{one.url}/health")
         assert r.status_code == 503 and "of 1: failed, draining or silent" in r.json()["error"]["message"]
 

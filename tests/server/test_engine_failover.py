@@ -206,7 +206,7 @@ def test_steps_of_a_dead_engine_run_again_on_the_survivor(doomed: LLMEngine, sur
         ]
         assert a.work_after_death == 0  # nothing new went to it once its first failure was seen
         assert [s.alive for s in manager.engine_status()] == [False, True]
-        assert not manager._store_keys(0)  # its contexts left the prefix index
+        assert not manager.kept.store_keys(0)  # its contexts left the prefix index
         await _end(manager, session, b)
 
     asyncio.run(run())
@@ -354,7 +354,7 @@ def test_a_draining_engine_gets_no_new_work_and_finishes_what_runs(
     running = s.manager.placement.running_tokens
 
     async def drain(engine_id: int, on: bool) -> int:
-        s.manager.set_draining(engine_id, on)
+        s.manager.registry.set_draining(engine_id, on)
         return running(engine_id)
 
     with P.Session(s.url) as session:
@@ -423,7 +423,7 @@ def test_killing_an_engine_mid_session_loses_no_variable(
     wait_until(lambda: _live(s, victim.name) is not None, timeout=120)
     new_id = _live(s, victim.name)
     assert new_id is not None and new_id != victim_id
-    assert not s.manager._store_keys(victim_id)
+    assert not s.manager.kept.store_keys(victim_id)
     with P.Session(s.url) as session:
         assert LONG(session.variable("back again")).get(timeout=120) == asyncio.run(expected("back again"))
 
@@ -444,7 +444,9 @@ def test_sigterm_drains_an_engine_process_through_the_manager(
         proc = next(p for p in procs if p.name == name)
         placed_before = sum(s.manager.placement.placed.values())
         proc.proc.send_signal(signal.SIGTERM)
-        wait_until(lambda: s.manager._remote[engine_id].draining, timeout=30)  # told before it stops
+        link = s.manager.registry.remote_link(engine_id)
+        assert link is not None
+        wait_until(lambda: link.draining, timeout=30)  # told before it stops
         ready = httpx.get(f"{proc.url}/health/ready", timeout=10)  # readiness says so while it runs
         assert ready.status_code == 503 and ready.json()["status"] == "draining", ready.text
         later = [LONG(session.variable(f"placed elsewhere {i}")) for i in range(3)]
@@ -485,12 +487,12 @@ def test_an_operator_hold_survives_the_engines_heartbeats(
     assert engine_id is not None
 
     async def hold(on: bool) -> None:
-        s.manager.set_draining(engine_id, on)
+        s.manager.registry.set_draining(engine_id, on)
 
     s.run(hold(True))
     try:
         time.sleep(1.0)  # five heartbeats at 0.2 s
-        assert not s.manager._in_service(engine_id)
+        assert not s.manager.registry.in_service(engine_id)
     finally:
         s.run(hold(False))
-    assert s.manager._in_service(engine_id)
+    assert s.manager.registry.in_service(engine_id)

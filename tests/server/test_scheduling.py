@@ -107,4 +107,4 @@ async def test_an_openai_burst_is_spread_over_both_engines(
     assert [a.status_code for a in answers] == [200] * 8
     assert len({a.json()["choices"][0]["text"] for a in answers}) == 1
     assert generates == [4, 4]
-    assert not two_engines.manager._openai_routed  # every routed request was counted out
+    assert not two_engines.manager.openai.routed  # every routed request was counted out
