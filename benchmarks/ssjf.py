@@ -44,8 +44,7 @@ from benchmarks.harness.systems import Served
 from benchmarks.workloads.natural_lengths import split
 from server.engine import EngineConfig, SamplingParams
 from server.serve.length_predictor import bucket_accuracy, mae
-from server.sim import load_profile
-from server.sim import run as sim_run
+from server.sim import load_profile, run as sim_run
 
 NAME = "ssjf"
 FCFS, SSJF, ORACLE = "fcfs", "ssjf", "oracle"

@@ -21,8 +21,6 @@ from fastapi import Depends, FastAPI, Header, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from parrot.protocol import (
-    BackendRegistered,
-    BackendRegistration,
     BatchGetAnswer,
     BatchRequest,
     CallError,
@@ -30,19 +28,14 @@ from parrot.protocol import (
     CreateSessionResponse,
     CreateVariableRequest,
     Criteria,
-    EngineHeartbeat,
-    EngineHeartbeatAnswer,
-    EngineRegistered,
-    EngineRegistration,
-    EngineStatus,
     GetVariableResponse,
     SetVariableRequest,
     StepInfo,
     SubmitCallRequest,
     SubmitCallResponse,
-    TemplateError,
     VariableCreated,
 )
+from parrot.template import TemplateError
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
@@ -53,6 +46,15 @@ from server.auth_first import AuthFirstMiddleware, GuardedRoute, guarded_routes,
 from server.body_limit import BodyLimitMiddleware
 from server.engine import EngineError
 from server.engine.api import error_response
+from server.engine.wire import (
+    BackendRegistered,
+    BackendRegistration,
+    EngineHeartbeat,
+    EngineHeartbeatAnswer,
+    EngineRegistered,
+    EngineRegistration,
+    EngineStatus,
+)
 from server.malloc_tuning import release_free_memory
 from server.openai_api import OpenAIAPIError, create_openai_router
 from server.registration import EngineLimitError, HeartbeatError, heartbeat_problem, registration_refusal

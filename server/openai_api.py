@@ -27,10 +27,8 @@ from typing import Any, Protocol, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from parrot.protocol import (
+from parrot.openai_types import (
     ChatFinishReason,
-    ErrorBody,
-    ErrorResponse,
     OpenAIAssistantMessage,
     OpenAIChatChoice,
     OpenAIChatChunkChoice,
@@ -49,6 +47,7 @@ from parrot.protocol import (
     OpenAITokenizeResponse,
     OpenAIUsage,
 )
+from parrot.protocol import ErrorBody, ErrorResponse
 from pydantic import BaseModel
 
 from server.engine.api import error_response

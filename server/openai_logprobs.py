@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from parrot.protocol import (
+from parrot.openai_types import (
     OpenAIChatLogprobs,
     OpenAICompletionLogprobs,
     OpenAITokenLogprob,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from parrot.protocol import OpenAIChatCompletionRequest, OpenAICompletionRequest
+from parrot.openai_types import OpenAIChatCompletionRequest, OpenAICompletionRequest
 
 from server.engine.interface import Engine
 from server.engine.sampling import MAX_LOGPROBS, GuidedDecoding, SamplingParams

@@ -15,7 +15,7 @@ import re
 import uuid
 from typing import Any
 
-from parrot.protocol import OpenAIChatMessage, OpenAIFunctionCall, OpenAIToolCall
+from parrot.openai_types import OpenAIChatMessage, OpenAIFunctionCall, OpenAIToolCall
 
 from server.engine.errors import InvalidSamplingParamsError
 from server.engine.guided import guided_from_structured_outputs

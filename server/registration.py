@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from parrot.protocol import EngineStats, EngineStatus
+from server.engine.wire import EngineStats, EngineStatus
 
 __all__ = ["EngineLimitError", "HeartbeatError", "heartbeat_problem", "registration_refusal"]
 

@@ -12,10 +12,11 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response, StreamingResponse
-from parrot.protocol import ClusterView, GetVariableResponse, SessionDag
+from parrot.protocol import GetVariableResponse, SessionDag
 
 from server.auth_first import header_guard
 from server.security import bearer_token, cluster_token_guard, matches_any
+from server.serve.dag_view import ClusterView
 from server.serve.manager import Manager
 from server.serve.sessions import Session
 from server.serve.streams import STREAM_ANSWER, server_sent_events

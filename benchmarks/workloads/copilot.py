@@ -131,7 +131,7 @@ def user_queries(
 
 def copilot_template(system: str) -> str:
     """The app's Parrot template: the constant system prompt first, then the user's query and the answer."""
-    from parrot.protocol import escape_text
+    from parrot.template import escape_text
 
     return escape_text(system) + _QUERY_HEAD + "{{input:query}}" + _ANSWER_HEAD + "{{output:answer}}"
 

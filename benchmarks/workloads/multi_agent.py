@@ -47,7 +47,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from parrot.protocol import parse_template, placeholder_names
+from parrot.template import parse_template, placeholder_names
 
 from benchmarks.workloads.text import document_chunks, render_template
 

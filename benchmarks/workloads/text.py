@@ -26,7 +26,7 @@ def document_chunks(tokenizer: Any, count: int, chunk_tokens: int) -> list[str]:
 def render_template(template: str, values: Mapping[str, str]) -> str:
     """A request-centric client's rendering of a Parrot template: constant text with the input values in,
     cut at the first output placeholder — exactly the prompt the Parrot server renders for that step."""
-    from parrot.protocol import TemplatePlaceholder, TemplateText, parse_template
+    from parrot.template import TemplatePlaceholder, TemplateText, parse_template
 
     parts: list[str] = []
     for piece in parse_template(template):

@@ -20,8 +20,12 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
 
 import httpx
-from parrot.errors import ConnectionError as ParrotConnectionError
-from parrot.errors import ParrotError, error_from_response, error_from_transport
+from parrot.errors import (
+    ConnectionError as ParrotConnectionError,
+    ParrotError,
+    error_from_response,
+    error_from_transport,
+)
 from parrot.protocol import ErrorResponse
 from parrot.urls import server_root
 

@@ -17,7 +17,7 @@ from langchain_core.messages import convert_to_messages
 from langchain_core.prompt_values import ChatPromptValue, PromptValue, StringPromptValue
 from langchain_core.prompts import BasePromptTemplate
 from langchain_core.runnables import Runnable
-from parrot.protocol import escape_text
+from parrot.template import escape_text
 
 from langchain_parrot._base import CallParams, ParrotModelBase
 from langchain_parrot.chat_format import ChatFormat

@@ -15,8 +15,11 @@ from llama_index.core.callbacks.base import CallbackManager
 from llama_index.core.indices.prompt_helper import PromptHelper
 from llama_index.core.llms import LLM
 from llama_index.core.prompts import BasePromptTemplate
-from llama_index.core.response_synthesizers import BaseSynthesizer, ResponseMode
-from llama_index.core.response_synthesizers import get_response_synthesizer as llamaindex_synthesizer
+from llama_index.core.response_synthesizers import (
+    BaseSynthesizer,
+    ResponseMode,
+    get_response_synthesizer as llamaindex_synthesizer,
+)
 from llama_index.core.settings import Settings
 
 from llamaindex_parrot.synthesizers import (

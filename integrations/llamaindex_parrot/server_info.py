@@ -9,7 +9,7 @@ from urllib.parse import quote
 
 import httpx
 from parrot.errors import NotFoundError, ParrotError, error_from_response, error_from_transport
-from parrot.protocol import OpenAIModelCard, OpenAIModelList
+from parrot.openai_types import OpenAIModelCard, OpenAIModelList
 from pydantic import ValidationError
 
 __all__ = ["ServedModel", "served_model"]

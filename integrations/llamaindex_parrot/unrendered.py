@@ -28,15 +28,8 @@ from typing import Any
 import parrot as P
 from llama_index.core.base.llms.base import BaseLLM
 from llama_index.core.prompts import BasePromptTemplate, SelectorPromptTemplate
-from parrot.protocol import (
-    SamplingConfig,
-    TemplatePiece,
-    TemplatePlaceholder,
-    TemplateText,
-    TransformSpec,
-    parse_template,
-    render_template,
-)
+from parrot.protocol import SamplingConfig, TransformSpec
+from parrot.template import TemplatePiece, TemplatePlaceholder, TemplateText, parse_template, render_template
 
 from llamaindex_parrot.errors import MissingTemplateVariableError, PromptConversionError
 

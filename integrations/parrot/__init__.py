@@ -35,8 +35,9 @@ if TYPE_CHECKING:
         VariableFailedError,
     )
     from parrot.function import SemanticFunction, semantic_function
-    from parrot.protocol import SamplingConfig, TemplateError, TransformSpec
+    from parrot.protocol import SamplingConfig, TransformSpec
     from parrot.session import Session, current_session
+    from parrot.template import TemplateError
     from parrot.variable import LATENCY, THROUGHPUT, Variable
 
 # The API is loaded on first use (PEP 562), so that `import parrot.protocol` (what the server imports)

@@ -14,19 +14,10 @@ import keyword
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from parrot.protocol import (
-    Criteria,
-    PlaceholderSpec,
-    SamplingConfig,
-    SubmitCallRequest,
-    TemplateError,
-    TemplatePlaceholder,
-    TransformSpec,
-    parse_template,
-    placeholder_names,
-)
+from parrot.protocol import Criteria, PlaceholderSpec, SamplingConfig, SubmitCallRequest, TransformSpec
 from parrot.sampling import check_sampling
 from parrot.session import current_session
+from parrot.template import TemplateError, TemplatePlaceholder, parse_template, placeholder_names
 from parrot.variable import Variable
 
 __all__ = ["SemanticFunction", "semantic_function"]

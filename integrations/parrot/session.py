@@ -25,8 +25,8 @@ from typing import Any, Literal
 
 import httpx
 
-from parrot.errors import ConnectionError as ParrotConnectionError
 from parrot.errors import (
+    ConnectionError as ParrotConnectionError,
     GetTimeoutError,
     NotFoundError,
     ParrotError,

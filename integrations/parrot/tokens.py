@@ -17,7 +17,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from parrot.protocol import OpenAITokenizeRequest, OpenAITokenizeResponse
+from parrot.openai_types import OpenAITokenizeRequest, OpenAITokenizeResponse
 
 __all__ = ["TOKENIZE_PATH", "ServerTokenizer"]
 

@@ -20,7 +20,17 @@ from typing import Any
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from parrot.protocol import (
+from parrot.protocol import ErrorBody, ErrorResponse, TokenLogprobConfig
+
+from server.auth_first import AuthFirstMiddleware, GuardedRoute, guarded_routes
+from server.body_limit import BodyLimitMiddleware
+from server.engine.detokenize import IncrementalDetokenizer
+from server.engine.engine import GenerationStream, LLMEngine
+from server.engine.errors import EngineError
+from server.engine.manager_link import ManagerLink
+from server.engine.request import GenerateResult
+from server.engine.sampling import SamplingParams
+from server.engine.wire import (
     EngineFillRequest,
     EngineFillResponse,
     EngineFreeContextRequest,
@@ -31,19 +41,7 @@ from parrot.protocol import (
     EngineStats,
     EngineStreamChunk,
     EngineTokenizerFiles,
-    ErrorBody,
-    ErrorResponse,
-    TokenLogprobConfig,
 )
-
-from server.auth_first import AuthFirstMiddleware, GuardedRoute, guarded_routes
-from server.body_limit import BodyLimitMiddleware
-from server.engine.detokenize import IncrementalDetokenizer
-from server.engine.engine import GenerationStream, LLMEngine
-from server.engine.errors import EngineError
-from server.engine.manager_link import ManagerLink
-from server.engine.request import GenerateResult
-from server.engine.sampling import SamplingParams
 from server.security import AuthError, auth_error_response, cluster_token_guard, install_auth_handler
 
 # A fill carries token ids as JSON (~6-8 bytes each): 64 MiB holds a few million, beyond any context window.

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import torch
-from parrot.protocol import MAX_TENANT_CHARS, EngineStats
 
 from server.engine import cuda_graphs
 from server.engine.block_manager import BlockAllocator
@@ -53,6 +52,7 @@ from server.engine.sampling import SamplingParams, make_generator, sample, token
 from server.engine.scheduler import ScheduledChunk, Scheduler
 from server.engine.step_features import StepRecord, step_features
 from server.engine.step_timing import StepTiming
+from server.engine.wire import MAX_TENANT_CHARS, EngineStats
 from server.malloc_tuning import tune_glibc_malloc
 
 log = logging.getLogger(__name__)

@@ -14,10 +14,9 @@ import abc
 from collections.abc import AsyncIterator
 from typing import Any
 
-from parrot.protocol import EngineStats
-
 from server.engine.request import GenerateResult
 from server.engine.sampling import SamplingParams
+from server.engine.wire import EngineStats
 
 __all__ = ["Engine"]
 

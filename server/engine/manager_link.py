@@ -16,7 +16,8 @@ import logging
 from collections.abc import Callable
 
 import httpx
-from parrot.protocol import (
+
+from server.engine.wire import (
     EngineHeartbeat,
     EngineHeartbeatAnswer,
     EngineRegistered,

@@ -8,24 +8,53 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 
-from parrot.protocol import (
-    DagStep,
-    DagStepState,
-    DagVariable,
-    EngineStatus,
-    EngineView,
-    SessionDag,
-    SessionSummary,
-    StepInfo,
-)
+from parrot.protocol import DagStep, DagStepState, DagVariable, SessionDag, StepInfo
+from pydantic import BaseModel
 
+from server.engine.wire import EngineStatus
 from server.serve.graph import StepNode
 from server.serve.ir import CallOutline, StepOutline
 from server.serve.sessions import Session
 from server.serve.step_records import StepRecord, StepRecords, task_group_key
 from server.serve.variables import Variable
 
-__all__ = ["DAG_VALUE_CHARS", "engine_views", "session_dag", "session_summary", "step_info"]
+__all__ = [
+    "DAG_VALUE_CHARS",
+    "ClusterView",
+    "EngineView",
+    "SessionSummary",
+    "engine_views",
+    "session_dag",
+    "session_summary",
+    "step_info",
+]
+
+
+class SessionSummary(BaseModel):
+    """One live session in the cluster view: its age, and its steps and variables by state."""
+
+    session_id: str
+    age_s: float
+    idle_s: float
+    calls: int
+    steps: dict[str, int]  # DagStepState -> count
+    variables: dict[str, int]  # VariableStatus -> count
+
+
+class EngineView(EngineStatus):
+    """An engine in the cluster view: its status plus how often sharing saved prefill there (steps that
+    forked a kept context, and the prompt tokens they did not compute)."""
+
+    prefix_hits: int = 0
+    prefill_tokens_saved: int = 0
+
+
+class ClusterView(BaseModel):
+    """What the live view shows the cluster token's holder (``GET /v1/view``): engines and sessions."""
+
+    engines: list[EngineView]
+    sessions: list[SessionSummary]
+
 
 # The most of a value the DAG carries per variable (the view polls it; the whole value is one click away).
 DAG_VALUE_CHARS = 4096

@@ -25,13 +25,12 @@ import itertools
 from dataclasses import replace
 from typing import Any
 
-from parrot.protocol import EngineStats
-
 from server.engine import EngineError, LLMEngine, SamplingParams
 from server.engine.engine import GenerationStream
 from server.engine.interface import Engine
 from server.engine.remote_kv import KVLease, RemotePrefix
 from server.engine.request import GenerateResult
+from server.engine.wire import EngineStats
 from server.serve.slo_admission import prefill_chunk_tokens
 from server.serve.task_stream import Emit, TaskStream
 

@@ -22,12 +22,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import httpx
-from parrot.protocol import EngineRegistered, EngineRegistration, EngineStats, EngineStatus
 
 from server.engine import EngineError
 from server.engine.errors import EngineDrainingError, engine_unavailable
 from server.engine.interface import Engine
 from server.engine.special_text import SpecialText
+from server.engine.wire import EngineRegistered, EngineRegistration, EngineStats, EngineStatus
 from server.serve.errors import (
     EngineRegistrationError,
     ModelNotFoundError,

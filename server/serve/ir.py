@@ -31,12 +31,11 @@ from parrot.protocol import (
     Criteria,
     SamplingConfig,
     SubmitCallRequest,
-    TemplatePlaceholder,
-    TemplateText,
     TransformSpec,
     check_call,
     schema_guide,
 )
+from parrot.template import TemplatePlaceholder, TemplateText
 
 __all__ = [
     "PREFIX_HASH_HEX_CHARS",

@@ -26,12 +26,10 @@ from parrot.protocol import (
     BatchRequest,
     BatchSetVariable,
     CallError,
-    ClusterView,
     CreateSessionRequest,
     CreateSessionResponse,
     CreateVariableRequest,
     Criteria,
-    EngineStatus,
     GetVariableResponse,
     SessionDag,
     SubmitCallRequest,
@@ -40,7 +38,8 @@ from parrot.protocol import (
 )
 
 from server.engine.interface import Engine
-from server.serve.dag_view import engine_views, session_dag, session_summary
+from server.engine.wire import EngineStatus
+from server.serve.dag_view import ClusterView, engine_views, session_dag, session_summary
 from server.serve.drain_gate import DrainGate
 from server.serve.engine_registry import EngineRegistry
 from server.serve.errors import BatchOpError, GetTimeoutError

@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-from parrot.protocol import EngineStats
 
 from server.engine.errors import (
     ContextBusyError,
@@ -47,6 +46,7 @@ from server.engine.guided import structured_outputs
 from server.engine.interface import Engine
 from server.engine.request import GenerateResult
 from server.engine.sampling import SamplingParams
+from server.engine.wire import EngineStats
 from server.serve.openai_backend_http import (
     OpenAIBackendConfig,
     check_tokenizer,

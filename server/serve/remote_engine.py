@@ -28,7 +28,15 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
-from parrot.protocol import (
+from parrot.protocol import ErrorResponse, SamplingConfig
+from pydantic import BaseModel, ValidationError
+from transformers import AutoTokenizer  # at import: its lazy import in threads can race
+
+from server.engine.errors import ContextBusyError, EngineDeadError, EngineError
+from server.engine.interface import Engine
+from server.engine.request import GenerateResult
+from server.engine.sampling import SamplingParams, TokenLogprob
+from server.engine.wire import (
     EngineFillRequest,
     EngineFillResponse,
     EngineFreeContextRequest,
@@ -38,16 +46,7 @@ from parrot.protocol import (
     EngineStats,
     EngineStreamChunk,
     EngineTokenizerFiles,
-    ErrorResponse,
-    SamplingConfig,
 )
-from pydantic import BaseModel, ValidationError
-from transformers import AutoTokenizer  # at import: its lazy import in threads can race
-
-from server.engine.errors import ContextBusyError, EngineDeadError, EngineError
-from server.engine.interface import Engine
-from server.engine.request import GenerateResult
-from server.engine.sampling import SamplingParams, TokenLogprob
 from server.serve.task_stream import Emit, TaskStream
 
 __all__ = ["RemoteEngine", "RemoteEngineError", "RemoteGenerationStream"]

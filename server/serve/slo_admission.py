@@ -4,8 +4,7 @@ partner's step (`server.serve.mutel.chunk_size`). Pure: stats in, a decision out
 
 from __future__ import annotations
 
-from parrot.protocol import EngineStats
-
+from server.engine.wire import EngineStats
 from server.serve.mutel import (
     CostModel,
     InstanceView,

@@ -21,8 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import engine_throughput as et
-from benchmarks import vllm_worker as vw
+from benchmarks import engine_throughput as et, vllm_worker as vw
 from benchmarks.harness import (
     batch_timing,
     decode_ceiling,

@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 
 import pytest
-from parrot.protocol import parse_template, placeholder_names
+from parrot.template import parse_template, placeholder_names
 
 from benchmarks import multi_agent
 from benchmarks.workloads.multi_agent import (

@@ -7,11 +7,11 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import httpx
-from parrot.protocol import EngineInfo
 
 from server.engine import LLMEngine
 from server.engine.api import create_engine_app
 from server.engine.request import Request
+from server.engine.wire import EngineInfo
 from server.serve.remote_engine import RemoteEngine
 
 

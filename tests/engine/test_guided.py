@@ -19,10 +19,8 @@ import httpx
 import jsonschema
 import pytest
 import torch
-from parrot.protocol import EngineGenerateResponse
 
-from server.engine import EngineConfig, LLMEngine, SamplingParams
-from server.engine import guided as guided_module
+from server.engine import EngineConfig, LLMEngine, SamplingParams, guided as guided_module
 from server.engine.api import create_engine_app
 from server.engine.errors import GuidedDecodingTooCostlyError, InvalidSamplingParamsError, RequestAbortedError
 from server.engine.guide_cost import repetition_product
@@ -34,6 +32,7 @@ from server.engine.guided import (
     structured_outputs,
 )
 from server.engine.sampling import MAX_GUIDE_CHARS, GuidedDecoding
+from server.engine.wire import EngineGenerateResponse
 from server.serve.remote_engine import result_of
 from tests.engine.conftest import _hf_model, prompts
 

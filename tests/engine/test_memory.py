@@ -6,8 +6,7 @@ import asyncio
 import random
 from pathlib import Path
 
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from server.engine import EngineConfig, LLMEngine, SamplingParams
 from server.engine.block_manager import BlockAllocator

@@ -13,9 +13,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels import triton_kernels as tk
-from kernels import triton_layer_ops as lo
-from kernels import triton_prefill as tp
+from kernels import triton_kernels as tk, triton_layer_ops as lo, triton_prefill as tp
 
 
 def _compile(fn: triton.JITFunction, pointers: dict[str, str], constexprs: dict, arch: int) -> None:

@@ -103,8 +103,7 @@ def test_silu_mul_equals_the_torch_ops(dtype: torch.dtype, width: int, tokens: i
 
 
 def test_the_model_takes_the_kernels_for_bf16_with_the_same_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
-    from server.engine import EngineConfig, LLMEngine, SamplingParams
-    from server.engine import model as model_module
+    from server.engine import EngineConfig, LLMEngine, SamplingParams, model as model_module
 
     calls = {"rope": 0, "silu": 0}
 

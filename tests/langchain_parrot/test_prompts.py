@@ -28,7 +28,8 @@ from langchain_parrot.prompts import NotExpressibleError, plain_variables, rende
 from langchain_parrot.steps import ModelStep
 from langchain_parrot.submission import Submission
 from langchain_parrot.values import Pending, PendingCall
-from parrot.protocol import SamplingConfig, TemplatePlaceholder, TemplateText, parse_template
+from parrot.protocol import SamplingConfig
+from parrot.template import TemplatePlaceholder, TemplateText, parse_template
 
 from server.serve.transforms import render_value
 

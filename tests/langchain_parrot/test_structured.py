@@ -40,13 +40,13 @@ from langchain_parrot import (
 )
 from langchain_parrot.errors import server_parser_error
 from langchain_parrot.messages import to_wire_messages
-from parrot.protocol import EngineStats
 from pydantic import BaseModel
 from transformers import AutoTokenizer
 
 from server.app import create_app
 from server.engine.interface import Engine
 from server.engine.request import GenerateResult
+from server.engine.wire import EngineStats
 from server.serve.manager import Manager
 
 

@@ -11,7 +11,7 @@ from llama_index.core.prompts.default_prompt_selectors import (
     DEFAULT_TREE_SUMMARIZE_PROMPT_SEL,
 )
 from llamaindex_parrot import MissingTemplateVariableError, ParrotLLM
-from parrot.protocol import TemplatePlaceholder, parse_template
+from parrot.template import TemplatePlaceholder, parse_template
 
 
 def offline_llm(**kwargs: object) -> ParrotLLM:

@@ -31,10 +31,10 @@ from parrot.protocol import (
     SetVariableRequest,
     SubmitCallRequest,
     SubmitCallResponse,
-    TemplateError,
     VariableCreated,
     check_call,
 )
+from parrot.template import TemplateError
 from pydantic import ValidationError
 
 URL = "http://parrot.test"

@@ -7,9 +7,8 @@ import subprocess
 import sys
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from parrot.protocol import (
+from hypothesis import given, settings, strategies as st
+from parrot.template import (
     ROLES,
     TemplateError,
     TemplatePiece,

@@ -11,8 +11,7 @@ from typing import Any
 import httpx
 import parrot as P
 import pytest
-from langchain_parrot import ChatParrot
-from langchain_parrot import ParrotLLM as LangChainLLM
+from langchain_parrot import ChatParrot, ParrotLLM as LangChainLLM
 from llamaindex_parrot import ParrotLLM as LlamaIndexLLM
 from llamaindex_parrot.server_info import served_model
 

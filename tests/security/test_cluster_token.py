@@ -9,7 +9,6 @@ from typing import Any
 
 import httpx
 import pytest
-from parrot.protocol import EngineStats
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, RedirectResponse, Response
@@ -17,6 +16,7 @@ from starlette.routing import Route
 
 from server.engine import EngineConfig, LLMEngine
 from server.engine.api import create_engine_app
+from server.engine.wire import EngineStats
 from server.launcher import LaunchedServer, launch
 from server.serve.manager import ManagerConfig
 from tests.security.conftest import AUTH, TOKEN, serving

@@ -12,7 +12,7 @@ from typing import TypeVar
 
 import httpx
 import pytest
-from parrot.protocol import MAX_TEMPLATE_PLACEHOLDERS
+from parrot.template import MAX_TEMPLATE_PLACEHOLDERS
 
 from server.launcher import LaunchedServer, launch
 from server.openai_requests import MAX_GENERATIONS

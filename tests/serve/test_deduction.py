@@ -8,8 +8,7 @@ import random
 from collections.abc import Iterable, Iterator
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 from parrot.protocol import Criteria
 
 from server.serve.deduction import StepObjective, deduce, objective

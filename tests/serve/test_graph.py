@@ -6,9 +6,9 @@ import random
 from collections.abc import Sequence
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from parrot.protocol import Criteria, PlaceholderSpec, SubmitCallRequest, parse_template, placeholder_names
+from hypothesis import given, settings, strategies as st
+from parrot.protocol import Criteria, PlaceholderSpec, SubmitCallRequest
+from parrot.template import parse_template, placeholder_names
 
 from server.serve.graph import (
     CycleError,

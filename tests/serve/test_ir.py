@@ -6,18 +6,17 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 from parrot.protocol import (
     CallError,
     PlaceholderSpec,
     SamplingConfig,
     SubmitCallRequest,
     SubmitCallResponse,
-    TemplateError,
     TransformSpec,
     check_call,
 )
+from parrot.template import TemplateError
 from pydantic import ValidationError
 
 from server.serve.ir import (

@@ -6,8 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from server.serve.prefix_store import DEFAULT_BLOCK_SIZE, Entry, EntryInUseError, Match, PrefixStore
 

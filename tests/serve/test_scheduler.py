@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from server.serve.scheduler import EngineState, QueuedRequest, SchedulerConfig, schedule
 

@@ -19,8 +19,7 @@ pytest.importorskip("langchain_core")
 
 from collections.abc import Iterator
 
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 from langchain_core.exceptions import OutputParserException
 from langchain_core.output_parsers import (
     CommaSeparatedListOutputParser,

@@ -24,8 +24,7 @@ from typing import Any
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 from hypothesis.errors import Unsatisfiable
 
 from server import LaunchedServer, launch

@@ -11,12 +11,12 @@ from collections.abc import Iterator
 import httpx
 import parrot as P
 import pytest
-from parrot.protocol import ClusterView, SessionDag
+from parrot.protocol import SessionDag
 from parrot.text_stream import stream_events
 
 from server.engine import EngineConfig
 from server.launcher import LaunchedServer, launch
-from server.serve.dag_view import DAG_VALUE_CHARS
+from server.serve.dag_view import DAG_VALUE_CHARS, ClusterView
 from server.serve.manager import ManagerConfig
 from tests.server.conftest import BROKEN
 

@@ -13,11 +13,11 @@ import httpx
 import parrot as P
 import pytest
 import uvicorn
-from parrot.protocol import EngineStats
 
 from server.engine import EngineConfig, LLMEngine, SamplingParams
 from server.engine.api import create_engine_app
 from server.engine.manager_link import ManagerLink
+from server.engine.wire import EngineStats
 from server.launcher import LaunchedServer, launch
 from server.serve.manager import ManagerConfig
 from tests.processes import free_port, wait_until

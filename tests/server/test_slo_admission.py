@@ -6,9 +6,9 @@ engine's chunk follows the TPOT objective (Mutel's coordination)."""
 from __future__ import annotations
 
 import httpx
-from parrot.protocol import EngineStats
 
 from server.engine import EngineConfig
+from server.engine.wire import EngineStats
 from server.launcher import launch
 from server.serve.disagg_engine import DisaggregatedEngine
 from server.serve.manager import ManagerConfig
