@@ -1,0 +1,442 @@
+"""How an OpenAI request is served once parsed: a context per prompt and choice, filled through the backend
+(`OpenAIBackend`), generated, answered whole or streamed as server-sent events in OpenAI's chunk format
+(ending with ``data: [DONE]``); the contexts are always handed back, also on error or a client that leaves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from fastapi.responses import JSONResponse, StreamingResponse
+from parrot.openai_types import (
+    ChatFinishReason,
+    OpenAIAssistantMessage,
+    OpenAIChatChoice,
+    OpenAIChatChunkChoice,
+    OpenAIChatCompletionChunk,
+    OpenAIChatCompletionRequest,
+    OpenAIChatCompletionResponse,
+    OpenAIChatDelta,
+    OpenAICompletionChoice,
+    OpenAICompletionRequest,
+    OpenAICompletionResponse,
+    OpenAIUsage,
+)
+from parrot.protocol import ErrorBody, ErrorResponse
+from pydantic import BaseModel
+
+from server.engine.detokenize import IncrementalDetokenizer
+from server.engine.engine import GenerationStream
+from server.engine.errors import EngineError
+from server.engine.interface import Engine
+from server.engine.request import GenerateResult
+from server.engine.sampling import SamplingParams
+from server.openai_backends import OpenAIBackend
+from server.openai_logprobs import chat_logprobs, completion_logprobs
+from server.openai_requests import (
+    ChatTools,
+    QuotaError,
+)
+from server.openai_tools import parse_tool_calls
+from server.serve.output_lengths import LengthEstimate
+
+
+@dataclass
+class _Job:
+    """One choice of one prompt in flight: its engine context and its generate."""
+
+    context_id: int
+    prompt: list[int]
+    length: LengthEstimate | None  # its predicted output length, if the backend predicts
+    sampling: SamplingParams
+    choice: int = 0  # which of its prompt's ``n`` choices (usage counts a prompt once, at choice 0)
+    stream: GenerationStream | None = None
+    output: list[int] | None = None  # its generated tokens, once it completed
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt)
+
+
+async def serve(
+    backend: OpenAIBackend,
+    engine: Engine,
+    prompts: list[list[int]],
+    sampling: SamplingParams,
+    req: OpenAICompletionRequest | OpenAIChatCompletionRequest,
+    tenant: str,
+    chat: bool,
+    tools: ChatTools | None = None,
+) -> JSONResponse | StreamingResponse:
+    """Fill a fresh context per prompt and choice (``n`` per prompt), generate from each, answer (or
+    stream); contexts are always freed. ``tenant`` (who sent it) takes turns with other tenants in the
+    engine's waiting queue.
+
+    A streaming answer starts only once every generate has produced its first token, so that bad input
+    still answers with a status code rather than an error event inside a 200 stream. Until then nothing
+    was sent, so a failed engine costs nothing: the request runs again where the backend says
+    (`OpenAIBackend.retry_elsewhere`); a stream that already started ends with an error event instead.
+    """
+    for attempt in itertools.count(1):
+        try:
+            return await _serve_on(backend, engine, prompts, sampling, req, tenant, chat, tools)
+        except EngineError as e:
+            if not await backend.retry_elsewhere(engine, e, attempt):
+                raise
+            engine = backend.engine_for(req.model)  # engines of one model share the tokenizer: same prompts
+    raise AssertionError("unreachable")
+
+
+async def _serve_on(
+    backend: OpenAIBackend,
+    engine: Engine,
+    prompts: list[list[int]],
+    sampling: SamplingParams,
+    req: OpenAICompletionRequest | OpenAIChatCompletionRequest,
+    tenant: str,
+    chat: bool,
+    tools: ChatTools | None,
+) -> JSONResponse | StreamingResponse:
+    """`serve` on one engine."""
+    tokens = sum(len(p) + sampling.max_tokens for p in prompts) * (req.n or 1)
+    refusal = backend.hold_tokens(tenant, tokens)
+    if refusal is not None:
+        raise QuotaError(refusal)
+    jobs = [
+        _Job(
+            backend.open_context(engine),
+            p,
+            backend.estimate_length(engine, p, sampling),
+            _nth(sampling, k),
+            k,
+        )
+        for p in prompts
+        for k in range(req.n or 1)
+    ]
+    release = _Release(backend, engine, jobs, req.cache_salt, lambda: backend.release_tokens(tenant, tokens))
+    handed_off = False
+    try:
+        await _gather_all(
+            [
+                backend.fill_prompt(
+                    engine, j.context_id, j.prompt, req.cache_salt, _priority(req, j), tenant=tenant
+                )
+                for j in jobs
+            ]
+        )
+        for j in jobs:
+            j.stream = engine.submit_generate(
+                j.context_id, j.sampling, stream=bool(req.stream), priority=_priority(req, j), tenant=tenant
+            )
+        meta = _Meta(
+            id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            model=engine.model_name,
+        )
+        if not req.stream:
+            results = await _gather_all([j.stream.result() for j in jobs if j.stream is not None])
+            for j, r in zip(jobs, results, strict=True):
+                j.output = r.token_ids
+            usage = _usage(jobs, results)
+            tokenizer = engine.tokenizer
+            body: BaseModel = (
+                _chat_response(meta, results, usage, tokenizer, tools)
+                if chat
+                else _text_response(meta, results, usage, tokenizer, jobs if _with_ids(req) else None)
+            )
+            return JSONResponse(body.model_dump())
+        firsts = [await _first_token(j.stream) for j in jobs if j.stream is not None]
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        events = _stream_events(release, firsts, sampling, meta, chat, include_usage, _with_ids(req), tools)
+        handed_off = True
+        # Started here, so that its `finally` (which frees the contexts) runs even if the client is gone
+        # before the response begins: asyncio closes a started async generator when it is collected.
+        head = await anext(events)
+        return StreamingResponse(_prepend(head, events), media_type="text/event-stream")
+    finally:
+        if not handed_off:
+            await release()
+
+
+def _nth(sampling: SamplingParams, k: int) -> SamplingParams:
+    """The sampling of a prompt's ``k``-th choice: a seeded request seeds each choice apart (seed + k), so
+    that ``n`` seeded samples differ and still reproduce."""
+    return sampling if k == 0 or sampling.seed is None else replace(sampling, seed=sampling.seed + k)
+
+
+def _with_ids(req: OpenAICompletionRequest | OpenAIChatCompletionRequest) -> bool:
+    return bool(getattr(req, "return_token_ids", False))
+
+
+def _priority(req: OpenAICompletionRequest | OpenAIChatCompletionRequest, job: _Job) -> float | None:
+    """The engine priority of a job: the request's own ``priority`` (vLLM's extension) when it sends one,
+    else its predicted output length."""
+    if req.priority is not None:
+        return req.priority
+    return None if job.length is None else job.length.priority
+
+
+async def _gather_all(aws: Sequence[Any]) -> list[Any]:
+    """Await all; if any failed, raise the first error only after every one has settled."""
+    results = await asyncio.gather(*aws, return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results
+
+
+@dataclass
+class _Release:
+    """Hands a request's contexts back to the backend once: completed ones with their tokens (the backend
+    may keep them as cached prefixes), the rest aborted and freed.
+
+    The hand-backs run in a shielded task: a caller cancelled while waiting (a client that hung up) still
+    hands back all of them, not only the first.
+    """
+
+    backend: OpenAIBackend
+    engine: Engine
+    jobs: list[_Job]
+    cache_salt: str | None
+    release_tokens: Callable[[], None]  # the tenant's tokens in flight (`OpenAIBackend.hold_tokens`)
+
+    async def __call__(self) -> None:
+        jobs = list(self.jobs)
+        self.jobs.clear()  # released once, whoever calls first
+        if jobs:
+            self.release_tokens()
+        for j in jobs:
+            if j.stream is not None and j.output is None:
+                j.stream.cancel()
+            elif j.output is not None and j.length is not None:
+                self.backend.observe_length(j.length, len(j.output))
+        backs = [
+            self.backend.finish_context(
+                self.engine,
+                j.context_id,
+                None if j.output is None else j.prompt + j.output,
+                self.cache_salt,
+            )
+            for j in jobs
+        ]
+        if backs:
+            await asyncio.shield(_gather_quietly(backs))
+
+
+async def _gather_quietly(aws: Sequence[Any]) -> None:
+    for r in await asyncio.gather(*aws, return_exceptions=True):
+        if isinstance(r, BaseException) and not isinstance(r, EngineError):
+            raise r
+
+
+async def _first_token(stream: GenerationStream) -> int | None:
+    """The first token, or None when the generate ended without one; raises the request's error."""
+    try:
+        return await anext(stream)
+    except StopAsyncIteration:
+        await stream.result()
+        return None
+
+
+@dataclass(frozen=True)
+class _Meta:
+    id: str
+    created: int
+    model: str
+
+
+def _usage(jobs: list[_Job], results: list[GenerateResult]) -> OpenAIUsage:
+    """Token counts as OpenAI's and vLLM's: each prompt once, however many choices (``n``) it has."""
+    prompt = sum(j.prompt_tokens for j in jobs if j.choice == 0)
+    completion = sum(len(r.token_ids) for r in results)
+    return OpenAIUsage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def _text_response(
+    meta: _Meta, results: list[GenerateResult], usage: OpenAIUsage, tokenizer: Any, jobs: list[_Job] | None
+) -> OpenAICompletionResponse:
+    """The answer; with ``jobs`` (return_token_ids), each choice carries its prompt's and answer's ids."""
+    choices = [
+        OpenAICompletionChoice(
+            index=i,
+            text=r.text,
+            finish_reason=r.finish_reason,
+            logprobs=None if r.logprobs is None else completion_logprobs(tokenizer, r.logprobs),
+            token_ids=None if jobs is None else r.token_ids,
+            prompt_token_ids=None if jobs is None else jobs[i].prompt,
+        )
+        for i, r in enumerate(results)
+    ]
+    return OpenAICompletionResponse(
+        id=meta.id, created=meta.created, model=meta.model, choices=choices, usage=usage
+    )
+
+
+def _chat_response(
+    meta: _Meta, results: list[GenerateResult], usage: OpenAIUsage, tokenizer: Any, tools: ChatTools | None
+) -> OpenAIChatCompletionResponse:
+    choices = []
+    for i, r in enumerate(results):
+        message, finish = _assistant_message(r, tools)
+        logprobs = None if r.logprobs is None else chat_logprobs(tokenizer, r.logprobs)
+        choices.append(OpenAIChatChoice(index=i, message=message, finish_reason=finish, logprobs=logprobs))
+    return OpenAIChatCompletionResponse(
+        id=meta.id, created=meta.created, model=meta.model, choices=choices, usage=usage
+    )
+
+
+def _assistant_message(
+    result: GenerateResult, tools: ChatTools | None
+) -> tuple[OpenAIAssistantMessage, ChatFinishReason]:
+    """The assistant's message and finish reason: with tools, the calls it made are ``tool_calls``."""
+    if tools is None:
+        return OpenAIAssistantMessage(content=result.text), result.finish_reason
+    content, calls = parse_tool_calls(result.text, tools.functions, constrained=tools.guide is not None)
+    if not calls:  # e.g. a constrained list cut short by max_tokens: the text as it is
+        return OpenAIAssistantMessage(content=result.text), result.finish_reason
+    finish: ChatFinishReason = "tool_calls" if result.finish_reason == "stop" else result.finish_reason
+    return OpenAIAssistantMessage(content=content, tool_calls=calls), finish
+
+
+async def _prepend(head: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
+    yield head
+    async for item in rest:
+        yield item
+
+
+def _sse(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+async def _stream_events(
+    release: _Release,
+    firsts: list[int | None],
+    sampling: SamplingParams,
+    meta: _Meta,
+    chat: bool,
+    include_usage: bool,
+    with_ids: bool = False,
+    tools: ChatTools | None = None,
+) -> AsyncIterator[str]:
+    """The SSE body: each choice's deltas in turn (all generates run concurrently in the engine).
+    With tools, a choice is sent whole once complete: only then is it known to be calls or text.
+
+    Deltas come from `IncrementalDetokenizer`, so a stop string is never sent; the last chunk of a choice
+    carries its ``finish_reason``. With ``with_ids`` (completions' return_token_ids), each chunk carries
+    the token ids pushed since the last one, and a choice's first chunk its prompt's. The contexts are freed
+    however the stream ends.
+    """
+    pending: list[int] = []  # the current choice's ids not sent yet
+    prompt_ids: list[int] | None = None
+
+    def chunk(index: int, text: str | None, finish: str | None) -> str:
+        nonlocal prompt_ids
+        if chat:
+            return _chat_chunk(meta, index, text, finish)
+        if not with_ids:
+            return _text_chunk(meta, index, text or "", finish)
+        ids, prompt = list(pending), prompt_ids
+        pending.clear()
+        prompt_ids = None
+        return _text_chunk(meta, index, text or "", finish, ids, prompt)
+
+    engine, jobs = release.engine, list(release.jobs)
+    results: list[GenerateResult] = []
+    try:
+        for index, (job, first) in enumerate(zip(jobs, firsts, strict=True)):
+            assert job.stream is not None
+            detok = IncrementalDetokenizer(engine.tokenizer, sampling.stop)
+            pending.clear()
+            prompt_ids = job.prompt
+            if chat:
+                yield _sse(_chat_role_chunk(meta, index))
+            if tools is not None:
+                result = await job.stream.result()
+                job.output = result.token_ids
+                results.append(result)
+                yield _sse(_chat_whole_chunk(meta, index, *_assistant_message(result, tools)))
+                continue
+            if first is not None:
+                pending.append(first)
+                if delta := detok.push(first):
+                    yield chunk(index, delta, None)
+                async for token_id in job.stream:
+                    pending.append(token_id)
+                    if delta := detok.push(token_id):
+                        yield chunk(index, delta, None)
+            result = await job.stream.result()
+            job.output = result.token_ids
+            results.append(result)
+            yield chunk(index, detok.finish(result.text) or None, result.finish_reason)
+        if include_usage:
+            usage = _usage(jobs, results)
+            body: BaseModel = (
+                OpenAIChatCompletionChunk(
+                    id=meta.id, created=meta.created, model=meta.model, choices=[], usage=usage
+                )
+                if chat
+                else OpenAICompletionResponse(
+                    id=meta.id, created=meta.created, model=meta.model, choices=[], usage=usage
+                )
+            )
+            yield _sse(body.model_dump_json())
+        await release()  # before [DONE]: a client that saw the end sees the contexts handed back
+        yield _sse("[DONE]")
+    except EngineError as e:
+        yield _sse(ErrorResponse(error=ErrorBody(type=e.error_type, message=str(e))).model_dump_json())
+    finally:
+        await release()
+
+
+def _text_chunk(
+    meta: _Meta,
+    index: int,
+    text: str,
+    finish: str | None,
+    token_ids: list[int] | None = None,
+    prompt_token_ids: list[int] | None = None,
+) -> str:
+    choice = {"index": index, "text": text, "finish_reason": finish, "token_ids": token_ids}
+    choice["prompt_token_ids"] = prompt_token_ids
+    body = OpenAICompletionResponse(
+        id=meta.id,
+        created=meta.created,
+        model=meta.model,
+        choices=[OpenAICompletionChoice.model_validate(choice)],
+    )
+    return _sse(body.model_dump_json(exclude={"usage"}))
+
+
+def _chat_whole_chunk(meta: _Meta, index: int, message: OpenAIAssistantMessage, finish: str) -> str:
+    """A whole streamed answer in one chunk: its content or its tool calls (each with its index)."""
+    calls = None
+    if message.tool_calls:
+        calls = [{"index": k, **c.model_dump()} for k, c in enumerate(message.tool_calls)]
+    delta = OpenAIChatDelta(content=message.content, tool_calls=calls)
+    choice = OpenAIChatChunkChoice.model_validate({"index": index, "delta": delta, "finish_reason": finish})
+    body = OpenAIChatCompletionChunk(id=meta.id, created=meta.created, model=meta.model, choices=[choice])
+    data = body.model_dump(exclude={"usage"})
+    data["choices"][0]["delta"] = delta.model_dump(exclude_none=True)
+    return json.dumps(data)
+
+
+def _chat_role_chunk(meta: _Meta, index: int) -> str:
+    choice = OpenAIChatChunkChoice(index=index, delta=OpenAIChatDelta(role="assistant", content=""))
+    body = OpenAIChatCompletionChunk(id=meta.id, created=meta.created, model=meta.model, choices=[choice])
+    return body.model_dump_json(exclude={"usage"})
+
+
+def _chat_chunk(meta: _Meta, index: int, text: str | None, finish: str | None) -> str:
+    delta = OpenAIChatDelta(content=text)
+    choice = OpenAIChatChunkChoice.model_validate({"index": index, "delta": delta, "finish_reason": finish})
+    body = OpenAIChatCompletionChunk(id=meta.id, created=meta.created, model=meta.model, choices=[choice])
+    data = body.model_dump(exclude={"usage"})
+    data["choices"][0]["delta"] = delta.model_dump(exclude_none=True)  # the last delta is {}
+    return _sse(json.dumps(data))

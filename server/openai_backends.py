@@ -1,0 +1,148 @@
+"""What the OpenAI routes need from the server (`OpenAIBackend`): engines by model name, context ids, a
+context's fill and hand-back, length predictions, quotas and retries. The manager's is
+`server.serve.openai_serving.OpenAIServing`; `StaticBackend` serves fixed engines, filling whole and freeing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Mapping
+from typing import Protocol
+
+from server.engine.errors import EngineError
+from server.engine.interface import Engine
+from server.engine.sampling import SamplingParams
+from server.serve.errors import ModelNotFoundError
+from server.serve.output_lengths import LengthEstimate
+
+
+class OpenAIBackend(Protocol):
+    """What the router needs from the server: engines by model name and fresh context ids."""
+
+    def engine_for(self, model: str | None) -> Engine:
+        """The engine serving ``model`` (None: the default one); raises `ModelNotFoundError`."""
+        ...
+
+    def models(self) -> list[str]:
+        """The names of the models served, for ``GET /v1/models`` and error messages."""
+        ...
+
+    def open_context(self, engine: Engine) -> int:
+        """A context id no other user of any engine holds, for a request routed to ``engine``: it counts
+        there until `finish_context` (the router always hands it back)."""
+        ...
+
+    async def fill_prompt(
+        self,
+        engine: Engine,
+        context_id: int,
+        token_ids: list[int],
+        cache_salt: str | None,
+        priority: float | None = None,
+        *,
+        tenant: str | None = None,
+    ) -> None:
+        """Create ``context_id`` holding ``token_ids`` (from a cached prefix where the backend has one);
+        ``priority`` and ``tenant`` order it in the engine's waiting queue."""
+        ...
+
+    def estimate_length(
+        self, engine: Engine, token_ids: list[int], sampling: SamplingParams
+    ) -> LengthEstimate | None:
+        """The request's predicted output length (its engine priority), or None where the backend predicts
+        none."""
+        ...
+
+    def observe_length(self, estimate: LengthEstimate, length: int) -> None:
+        """A request `estimate_length` predicted wrote ``length`` tokens (the backend learns from it)."""
+        ...
+
+    async def finish_context(
+        self, engine: Engine, context_id: int, token_ids: list[int] | None, cache_salt: str | None
+    ) -> None:
+        """The request is over: ``token_ids`` is what its context holds (prompt and output) when it
+        completed — the backend may keep it as a cached prefix — or None (failed or aborted: free it)."""
+        ...
+
+    def hold_tokens(self, tenant: str, tokens: int) -> str | None:
+        """Count a request's ``tokens`` (each generation's prompt and max_tokens) as ``tenant``'s in flight
+        until `release_tokens`, or refuse them: the reason (a tenant's quota), answered 429."""
+        ...
+
+    def release_tokens(self, tenant: str, tokens: int) -> None:
+        """The request `hold_tokens` counted is over."""
+        ...
+
+    async def retry_elsewhere(self, engine: Engine, error: EngineError, attempt: int) -> bool:
+        """The request failed with ``error`` on ``engine`` on its ``attempt``-th try (1 first) before it
+        streamed anything: whether to run it again from its prompt on the engine `engine_for` picks next
+        (the backend takes a failed engine out of its choice first)."""
+        ...
+
+
+class StaticBackend:
+    """An `OpenAIBackend` over fixed engines keyed by model name (the first one is the default).
+
+    Context ids come from one counter starting at ``first_context_id``, chosen high so that they do not
+    collide with ids another component hands out on the same engines.
+    """
+
+    def __init__(self, engines: Mapping[str, Engine], first_context_id: int = 1 << 40) -> None:
+        if not engines:
+            raise ValueError("StaticBackend needs at least one engine")
+        self._engines = dict(engines)
+        self._ids = itertools.count(first_context_id)
+
+    def engine_for(self, model: str | None) -> Engine:
+        if model is None:
+            return next(iter(self._engines.values()))
+        try:
+            return self._engines[model]
+        except KeyError:
+            raise ModelNotFoundError(model, self.models()) from None
+
+    def models(self) -> list[str]:
+        return list(self._engines)
+
+    def open_context(self, engine: Engine) -> int:
+        return next(self._ids)
+
+    async def fill_prompt(
+        self,
+        engine: Engine,
+        context_id: int,
+        token_ids: list[int],
+        cache_salt: str | None,
+        priority: float | None = None,
+        *,
+        tenant: str | None = None,
+    ) -> None:
+        await engine.fill(context_id, token_ids, priority=priority, tenant=tenant)
+
+    def estimate_length(
+        self, engine: Engine, token_ids: list[int], sampling: SamplingParams
+    ) -> LengthEstimate | None:
+        return None  # fixed engines keep no history to predict from
+
+    def observe_length(self, estimate: LengthEstimate, length: int) -> None:
+        pass
+
+    async def finish_context(
+        self, engine: Engine, context_id: int, token_ids: list[int] | None, cache_salt: str | None
+    ) -> None:
+        await _free_quietly(engine, context_id)
+
+    def hold_tokens(self, tenant: str, tokens: int) -> str | None:
+        return None  # fixed engines keep no quotas
+
+    def release_tokens(self, tenant: str, tokens: int) -> None:
+        pass
+
+    async def retry_elsewhere(self, engine: Engine, error: EngineError, attempt: int) -> bool:
+        return False  # fixed engines: there is nowhere else to go
+
+
+async def _free_quietly(engine: Engine, context_id: int) -> None:
+    with contextlib.suppress(EngineError):
+        await engine.free_context(context_id)
