@@ -35,16 +35,25 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING
 
 from parrot.protocol import Criteria
 
-from server.serve.ir import CallIR, Step, VarFill, input_vars
+from server.serve.graph_checks import check_new_call
+from server.serve.ir import CallIR, input_vars
+from server.serve.step_node import (
+    CycleError,
+    DuplicateCallError,
+    GraphError,
+    StepNode,
+    StepRef,
+    StepStateError,
+    StepStatus,
+    UnknownStepError,
+)
 from server.serve.variables import (
     STEP_FAILED,
     StepId,
-    UnknownVariableError,
     Variable,
     VariableConflictError,
     VariableTable,
@@ -65,98 +74,8 @@ __all__ = [
     "UnknownStepError",
 ]
 
-StepStatus = Literal["waiting", "ready", "dispatched", "done", "failed", "cancelled"]
-
 # Which objective wins when a variable is asked for twice: latency is the stricter promise.
 _STRENGTH: dict[Criteria | None, int] = {None: 0, "throughput": 1, "latency": 2}
-
-
-@dataclass(eq=False)
-class StepNode:
-    """One step of a submitted call, as the graph tracks it. Owned by the graph: read it, never write it.
-
-    ``inputs`` are the variables the step waits for (`server.serve.ir.input_vars`); ``missing`` counts those
-    still pending, plus one while the previous step of the call is not done. ``depth`` is the step's
-    topological depth at submit time: 0 when nothing pending produces its inputs, else one more than the
-    deepest pending step it depends on (the app-level priority of the scheduler: lower runs first).
-
-    ``criteria`` and ``task_group`` are the step's deduced objective (`server.serve.deduction`): the
-    strongest criteria a get asked of it (it only ever strengthens), and the consumer step whose parallel
-    inputs it is one of (set once, when that consumer or the step arrives).
-    """
-
-    id: StepId
-    call: CallIR = field(repr=False)
-    inputs: tuple[str, ...]
-    depth: int = 0
-    status: StepStatus = "waiting"
-    activated: bool = False
-    missing: int = 0
-    criteria: Criteria | None = None
-    task_group: StepId | None = None
-    error: str | None = field(default=None, repr=False)
-
-    @property
-    def step(self) -> Step:
-        """The IR of this step (its fills and its output)."""
-        return self.call.steps[self.id.index]
-
-    @property
-    def output(self) -> str:
-        """The id of the variable this step generates."""
-        return self.call.steps[self.id.index].gen.var_id
-
-    @property
-    def runnable(self) -> bool:
-        """Ready, activated and not dispatched: the executor may dispatch it now."""
-        return self.status == "ready" and self.activated
-
-    def describe(self) -> str:
-        """``step 0 of call 'c' (output 'code')``, for messages."""
-        return f"{self.id} (output {self.step.gen.name!r})"
-
-
-StepRef = StepId | StepNode
-
-
-class GraphError(Exception):
-    """Base of the graph's errors; ``http_status`` is the status code the HTTP layer answers with."""
-
-    http_status: ClassVar[int] = 400
-    error_type: ClassVar[str] = "graph_error"
-
-
-class CycleError(GraphError):
-    """A submitted call would make the session's graph cyclic (HTTP 400). ``path`` lists the variable ids
-    of the cycle, from the call's output to the input that depends on it."""
-
-    error_type: ClassVar[str] = "cycle"
-
-    def __init__(self, message: str, path: list[str]) -> None:
-        super().__init__(message)
-        self.path = path
-
-
-class DuplicateCallError(GraphError):
-    """A call id that is still pending in the session was submitted again (HTTP 409)."""
-
-    http_status: ClassVar[int] = 409
-    error_type: ClassVar[str] = "duplicate_call"
-
-
-class UnknownStepError(GraphError, LookupError):
-    """No pending step by that id: it finished, failed or was cancelled, or never existed."""
-
-    http_status: ClassVar[int] = 404
-    error_type: ClassVar[str] = "unknown_step"
-
-
-class StepStateError(GraphError):
-    """A step was driven out of order (completed before dispatch, dispatched before ready): a bug in the
-    caller, never a user error."""
-
-    http_status: ClassVar[int] = 500
-    error_type: ClassVar[str] = "internal_error"
 
 
 def _downstream_error(error: str | None) -> str:
@@ -256,7 +175,7 @@ class SessionGraph:
         of its output (distinct, in that order)."""
         node = self.step(step)
         out: dict[StepId, StepNode] = {}
-        nxt = self._next(node)
+        nxt = self.next_step(node)
         if nxt is not None:
             out[nxt.id] = nxt
         out.update(self._consumers.get(node.output, {}))
@@ -300,7 +219,7 @@ class SessionGraph:
         would; so does an earlier get of one of its outputs. The call's steps get their task groups, and
         may complete those of steps already pending (see `server.serve.deduction`).
         """
-        self._validate(call)
+        check_new_call(self, call)
         nodes: list[StepNode] = []
         adopted: list[StepNode] = []  # steps whose output variable existed before (it may have consumers)
         for step in call.steps:
@@ -359,84 +278,6 @@ class SessionGraph:
             [node for node in adopted if node.status != "failed"],
         )
         return nodes
-
-    def _validate(self, call: CallIR) -> None:
-        """Every check of `add_call`, before anything changes."""
-        if any(StepId(call.call_id, step.index) in self._steps for step in call.steps):
-            raise DuplicateCallError(
-                f"call {call.call_id!r} is already pending in this session: give each call a new id"
-            )
-        for seg in call.segments:
-            if isinstance(seg, VarFill) and seg.var_id not in self.variables:
-                raise UnknownVariableError(
-                    f"input {seg.name!r} of call {call.call_id!r} names variable {seg.var_id!r}, which does "
-                    "not exist in this session: create it first (POST /variables) or use an id a call of "
-                    "this session returned in its 'outputs'",
-                    seg.var_id,
-                )
-        outputs = [step.gen.var_id for step in call.steps]
-        if len(set(outputs)) != len(outputs):
-            raise ValueError(f"call {call.call_id!r} names an output variable twice: {outputs}")
-        for step in call.steps:
-            var_id = step.gen.var_id
-            if var_id not in self.variables:
-                continue
-            var = self.variables.get(var_id)
-            if var.status != "pending":
-                state = "already has a value" if var.status == "ready" else f"has failed ({var.error})"
-                raise VariableConflictError(
-                    f"output {step.gen.name!r} of call {call.call_id!r} names {var.describe()}, which "
-                    f"{state}: an output must be a fresh variable",
-                    var_id,
-                )
-            if var.producer is not None:
-                raise VariableConflictError(
-                    f"output {step.gen.name!r} of call {call.call_id!r} names {var.describe()}, which is "
-                    f"already the output of {var.producer}: a variable has one producer",
-                    var_id,
-                )
-        self._check_acyclic(call)
-
-    def _check_acyclic(self, call: CallIR) -> None:
-        """Raise `CycleError` if adding ``call`` would close a cycle.
-
-        The graph is acyclic before the call. A new cycle must pass through the call, and the call's own
-        edges only go forward (step j -> step j+1), so it must leave the call at some output of step i,
-        run through existing nodes and come back to an input of some step j <= i. So: walk downstream from
-        the outputs, last step first, accumulating what is reachable from steps i..k, and check step i's
-        inputs against it. Fresh outputs have no consumers, so this costs O(call) for ordinary submissions.
-        """
-        parent: dict[str, str | None] = {}  # reachable variable -> the variable it was reached from
-        seen_steps: set[StepId] = set()
-        for step in reversed(call.steps):
-            out = step.gen.var_id
-            if out not in parent:
-                parent[out] = None
-                stack = [out]
-                while stack:
-                    var_id = stack.pop()
-                    for consumer in self._consumers.get(var_id, {}).values():
-                        # A consumer's later steps come after it: their outputs are downstream too.
-                        node: StepNode | None = consumer
-                        while node is not None and node.id not in seen_steps:
-                            seen_steps.add(node.id)
-                            if node.output not in parent:
-                                parent[node.output] = var_id
-                                stack.append(node.output)
-                            node = self._next(node)
-            for fill in step.fills:
-                if isinstance(fill, VarFill) and fill.var_id in parent:
-                    path = [fill.var_id]
-                    while (up := parent[path[-1]]) is not None:
-                        path.append(up)
-                    path.reverse()
-                    output = next(s.gen.name for s in call.steps if s.gen.var_id == path[0])
-                    raise CycleError(
-                        f"call {call.call_id!r} would create a cycle: its input {fill.name!r} (variable "
-                        f"{fill.var_id!r}) depends on its own output {output!r} (variables "
-                        f"{' -> '.join(path)}); a call cannot consume what it produces",
-                        path,
-                    )
 
     # ======================================================================================== activation
     def activate(self, var_id: str, criteria: Criteria | None = None) -> list[StepNode]:
@@ -502,7 +343,7 @@ class SessionGraph:
             )
         self.variables.set(node.output, value, kind)
         node.status = "done"
-        nxt = self._next(node)
+        nxt = self.next_step(node)
         self._remove(node)
         woken: dict[StepId, StepNode] = {}
         if nxt is not None:
@@ -679,7 +520,7 @@ class SessionGraph:
             self._reprioritised.setdefault(node.id, node)
 
     # ========================================================================================== internals
-    def _next(self, node: StepNode) -> StepNode | None:
+    def next_step(self, node: StepNode) -> StepNode | None:
         """The next step of the node's call, if pending (it is, while this node is: it waits for it)."""
         return self._steps.get(StepId(node.id.call_id, node.id.index + 1))
 
@@ -747,7 +588,7 @@ class SessionGraph:
             node, message = queue.popleft()
             if node.id not in self._steps:  # reached twice (a diamond): already failed
                 continue
-            nxt = self._next(node)
+            nxt = self.next_step(node)
             node.status = "failed"
             node.error = message
             self._remove(node)
