@@ -33,7 +33,7 @@ from parrot.protocol import ErrorBody, ErrorResponse
 from pydantic import BaseModel
 
 from server.engine.detokenize import IncrementalDetokenizer
-from server.engine.engine import GenerationStream
+from server.engine.engine_front import GenerationStream
 from server.engine.errors import EngineError
 from server.engine.interface import Engine
 from server.engine.request import GenerateResult

@@ -17,7 +17,8 @@ except ModuleNotFoundError as e:
     ) from e
 
 from server.engine.config import EngineConfig, ModelConfig
-from server.engine.engine import EngineStats, GenerationStream, LLMEngine
+from server.engine.engine import EngineStats, LLMEngine
+from server.engine.engine_front import GenerationStream
 from server.engine.errors import (
     ContextBusyError,
     ContextExistsError,

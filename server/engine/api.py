@@ -25,7 +25,8 @@ from parrot.protocol import ErrorBody, ErrorResponse, TokenLogprobConfig
 from server.auth_first import AuthFirstMiddleware, GuardedRoute, guarded_routes
 from server.body_limit import BodyLimitMiddleware
 from server.engine.detokenize import IncrementalDetokenizer
-from server.engine.engine import GenerationStream, LLMEngine
+from server.engine.engine import LLMEngine
+from server.engine.engine_front import GenerationStream
 from server.engine.errors import EngineError
 from server.engine.manager_link import ManagerLink
 from server.engine.request import GenerateResult

@@ -8,7 +8,6 @@ A command is validated on that thread: bad input fails only its own request, wit
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import queue
@@ -17,7 +16,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -28,6 +27,16 @@ from server.engine.block_manager import BlockAllocator
 from server.engine.compute_thread import on_own_thread
 from server.engine.config import EngineConfig, ModelConfig, step_activation_bytes
 from server.engine.context import Context, ContextTable, blocks_for
+from server.engine.engine_front import (
+    Abort,
+    Call,
+    Compiled,
+    Free,
+    GenerationStream,
+    Sink,
+    Submit,
+    mark_retrieved,
+)
 from server.engine.errors import (
     ContextBusyError,
     ContextExistsError,
@@ -47,7 +56,7 @@ from server.engine.model import LlamaForCausalLM
 from server.engine.model_names import DEFAULT_MODEL, TINY_MODEL
 from server.engine.model_runner import GraphSettings, KVCache, ModelRunner
 from server.engine.remote_kv import KVLease, KVSourceLostError, RemotePrefix, RemoteRows
-from server.engine.request import FinishReason, GenerateResult, Request
+from server.engine.request import FinishReason, Request
 from server.engine.sampling import SamplingParams, make_generator, sample, token_logprobs
 from server.engine.scheduler import ScheduledChunk, Scheduler
 from server.engine.step_features import StepRecord, step_features
@@ -72,122 +81,6 @@ class StepRunner(Protocol):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Next-token logits of the given hidden states."""
         ...
-
-
-def _mark_retrieved(future: asyncio.Future[Any]) -> None:
-    if not future.cancelled():
-        future.exception()
-
-
-class _Sink:
-    """Delivers a request's tokens and outcome from the engine thread into the caller's event loop."""
-
-    _END = object()
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, stream: bool) -> None:
-        self.loop = loop
-        self.future: asyncio.Future[Any] = loop.create_future()
-        self.queue: asyncio.Queue[object] | None = asyncio.Queue() if stream else None
-
-    def token(self, token_id: int) -> None:
-        if self.queue is not None:
-            self._post(self.queue.put_nowait, token_id)
-
-    def finish(self, result: object, error: BaseException | None = None) -> None:
-        self._post(self._settle, result, error)
-
-    def _settle(self, result: object, error: BaseException | None) -> None:
-        if not self.future.done():
-            if error is None:
-                self.future.set_result(result)
-            else:
-                self.future.set_exception(error)
-        if self.queue is not None:
-            self.queue.put_nowait(self._END)
-
-    def _post(self, fn: Any, *args: Any) -> None:
-        # RuntimeError: the caller's loop is closed, so nobody is listening any more.
-        with contextlib.suppress(RuntimeError):
-            self.loop.call_soon_threadsafe(fn, *args)
-
-
-@dataclass
-class _Submit:
-    sink: _Sink
-    context_id: int
-    parent_id: int | None
-    token_ids: list[int] = field(default_factory=list)
-    sampling: SamplingParams | None = None  # None: a fill
-    latency_cap: int | None = None  # a generate's latency cap (`Scheduler`); None: none
-    parent_len: int | None = None  # fork from the parent's first this many tokens; None: all of them
-    priority: float | None = None  # its place in the waiting queue under "sjf" (lower: sooner)
-    tenant: str | None = None  # who sent it: tenants take turns in the waiting queue
-    remote: RemotePrefix | None = None  # a new context's leading KV, held by another engine
-    grammar: CompiledGrammar | None = None  # a guided generate's grammar, once compiled
-
-
-@dataclass
-class _Compiled:
-    """A guided generate's grammar came back from the compiler thread (or failed to compile)."""
-
-    submit: _Submit
-    error: BaseException | None
-
-
-@dataclass
-class _Call:
-    """Run ``fn`` on the engine thread and answer its result (or its `EngineError`)."""
-
-    sink: _Sink
-    fn: Callable[[], object]
-
-
-@dataclass
-class _Free:
-    sink: _Sink
-    context_id: int
-
-
-@dataclass
-class _Abort:
-    sink: _Sink
-
-
-class GenerationStream:
-    """A generate in flight: iterate it for token ids as they are sampled, then await `result()`.
-
-    Iteration raises the request's error, if it failed. Cancelling the consuming task, or `cancel()`,
-    aborts the request in the engine.
-    """
-
-    def __init__(self, engine: LLMEngine, sink: _Sink) -> None:
-        self._engine = engine
-        self._sink = sink
-
-    def __aiter__(self) -> GenerationStream:
-        return self
-
-    async def __anext__(self) -> int:
-        assert self._sink.queue is not None, "submitted with stream=False"
-        try:
-            item = await self._sink.queue.get()
-        except asyncio.CancelledError:
-            self.cancel()
-            raise
-        if item is _Sink._END:
-            self._sink.queue.put_nowait(item)  # stay exhausted
-            error = self._sink.future.exception()
-            if error is not None:
-                raise error
-            raise StopAsyncIteration
-        return item  # type: ignore[return-value]
-
-    def cancel(self) -> None:
-        """Abort the request if it is still running."""
-        self._engine._abort(self._sink)
-
-    async def result(self) -> GenerateResult:
-        return await self._engine._wait(self._sink)
 
 
 class LLMEngine(KVExchange, Engine):
@@ -305,9 +198,9 @@ class LLMEngine(KVExchange, Engine):
             clock=clock,
         )
         self._runner = runner
-        self._requests: dict[_Sink, Request] = {}
-        self._deferred: list[_Submit] = []  # forks waiting for a busy parent to finish
-        self._compiling: set[_Sink] = set()  # guided generates whose grammar is being compiled
+        self._requests: dict[Sink, Request] = {}
+        self._deferred: list[Submit] = []  # forks waiting for a busy parent to finish
+        self._compiling: set[Sink] = set()  # guided generates whose grammar is being compiled
         self._grammars = GrammarCompiler(tokenizer, self.vocab_size, self.eos_token_ids)
         self._commands: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._stalled = False
@@ -383,7 +276,7 @@ class LLMEngine(KVExchange, Engine):
         Returns the context's length in tokens (here: without the remote prefix).
         """
         sink = self._post_submit(
-            _Submit(
+            Submit(
                 self._new_sink(False),
                 context_id,
                 parent_context_id,
@@ -412,7 +305,7 @@ class LLMEngine(KVExchange, Engine):
         are `generate`'s."""
         sampling = sampling or SamplingParams()
         sink = self._post_submit(
-            _Submit(
+            Submit(
                 self._new_sink(stream),
                 context_id,
                 parent_context_id,
@@ -424,12 +317,12 @@ class LLMEngine(KVExchange, Engine):
                 tenant,
             )
         )
-        return GenerationStream(self, sink)
+        return GenerationStream(sink, self._abort, self._wait)
 
     async def free_context(self, context_id: int) -> None:
         """Drop a context; its blocks return once no fork shares them. A running request on it aborts."""
         sink = self._new_sink(False)
-        self._post(_Free(sink, context_id))
+        self._post(Free(sink, context_id))
         await self._wait(sink)
 
     def stats(self) -> EngineStats:
@@ -511,32 +404,32 @@ class LLMEngine(KVExchange, Engine):
         self.shutdown()
 
     # ----------------------------------------------------------------------------------- caller side
-    def _new_sink(self, stream: bool) -> _Sink:
-        return _Sink(asyncio.get_running_loop(), stream)
+    def _new_sink(self, stream: bool) -> Sink:
+        return Sink(asyncio.get_running_loop(), stream)
 
     def _post(self, command: object) -> None:
         if self._dead is not None or not self._thread.is_alive():
             raise EngineDeadError(f"the engine loop is not running: {self._dead or 'shut down'}")
         self._commands.put(command)
 
-    def _post_submit(self, command: _Submit) -> _Sink:
+    def _post_submit(self, command: Submit) -> Sink:
         self._post(command)
         return command.sink
 
-    def _abort(self, sink: _Sink) -> None:
+    def _abort(self, sink: Sink) -> None:
         if not sink.future.done() and self._thread.is_alive():
             # Whoever aborts will not read the outcome (RequestAbortedError): mark it read, not "never
             # retrieved" in the log.
-            sink.future.add_done_callback(_mark_retrieved)
-            self._commands.put(_Abort(sink))
+            sink.future.add_done_callback(mark_retrieved)
+            self._commands.put(Abort(sink))
 
     async def _run_on_thread(self, fn: Callable[[], T]) -> T:
         """``fn()`` on the engine thread, which owns all state; its `EngineError` is raised here."""
         sink = self._new_sink(False)
-        self._post(_Call(sink, fn))
+        self._post(Call(sink, fn))
         return await self._wait(sink)
 
-    async def _wait(self, sink: _Sink) -> Any:
+    async def _wait(self, sink: Sink) -> Any:
         try:
             return await asyncio.shield(sink.future)
         except asyncio.CancelledError:
@@ -578,7 +471,7 @@ class LLMEngine(KVExchange, Engine):
                 return True
 
     def _handle(self, cmd: object) -> None:
-        if isinstance(cmd, _Submit):
+        if isinstance(cmd, Submit):
             try:
                 if cmd.sampling is not None and cmd.sampling.guided is not None and cmd.grammar is None:
                     self._compile(cmd)
@@ -586,25 +479,25 @@ class LLMEngine(KVExchange, Engine):
                     self._submit(cmd)
             except EngineError as e:
                 cmd.sink.finish(None, e)
-        elif isinstance(cmd, _Compiled):
+        elif isinstance(cmd, Compiled):
             if cmd.submit.sink in self._compiling:  # else it was aborted meanwhile
                 self._compiling.discard(cmd.submit.sink)
                 if cmd.error is None:
                     self._handle(cmd.submit)
                 else:
                     cmd.submit.sink.finish(None, cmd.error)
-        elif isinstance(cmd, _Call):
+        elif isinstance(cmd, Call):
             try:
                 cmd.sink.finish(cmd.fn())
             except EngineError as e:
                 cmd.sink.finish(None, e)
-        elif isinstance(cmd, _Free):
+        elif isinstance(cmd, Free):
             try:
                 self._free(cmd.context_id)
                 cmd.sink.finish(None)
             except EngineError as e:
                 cmd.sink.finish(None, e)
-        elif isinstance(cmd, _Abort):
+        elif isinstance(cmd, Abort):
             req = self._requests.get(cmd.sink)
             if req is not None:
                 self._finish(req, error=RequestAbortedError("the request was cancelled"))
@@ -614,8 +507,8 @@ class LLMEngine(KVExchange, Engine):
             else:
                 self._deferred = [d for d in self._deferred if d.sink is not cmd.sink]
 
-    def _compile(self, cmd: _Submit) -> None:
-        """Send a guided generate's constraint to the compiler thread; it comes back as `_Compiled`."""
+    def _compile(self, cmd: Submit) -> None:
+        """Send a guided generate's constraint to the compiler thread; it comes back as `Compiled`."""
         assert cmd.sampling is not None and cmd.sampling.guided is not None
         cmd.sampling.validate(self.vocab_size)
         self._compiling.add(cmd.sink)
@@ -624,11 +517,11 @@ class LLMEngine(KVExchange, Engine):
             if error is not None and not isinstance(error, EngineError):
                 error = EngineError(f"guided decoding failed to compile: {error!r}")
             # No `_post`: after a shutdown, `_fail_all` has already answered this request.
-            self._commands.put(_Compiled(replace(cmd, grammar=grammar), error))
+            self._commands.put(Compiled(replace(cmd, grammar=grammar), error))
 
         self._grammars.submit(cmd.sampling.guided, done)
 
-    def _submit(self, cmd: _Submit) -> None:
+    def _submit(self, cmd: Submit) -> None:
         kind = "fill" if cmd.sampling is None else "generate"
         bad = [t for t in cmd.token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
         if bad:
@@ -743,7 +636,7 @@ class LLMEngine(KVExchange, Engine):
                 f"{self.block_size} tokens); raise num_kv_blocks or shorten the prompt"
             )
 
-    def _start(self, ctx: Context, cmd: _Submit) -> None:
+    def _start(self, ctx: Context, cmd: Submit) -> None:
         if cmd.token_ids:
             ctx.token_ids.extend(cmd.token_ids)
             ctx.last_hidden = None
@@ -784,7 +677,7 @@ class LLMEngine(KVExchange, Engine):
         for cmd in ready:
             self._handle(cmd)
 
-    def _parent_busy(self, cmd: _Submit) -> bool:
+    def _parent_busy(self, cmd: Submit) -> bool:
         parent = cmd.parent_id
         return parent is not None and parent in self._contexts and self._contexts.get(parent).busy
 
@@ -933,7 +826,7 @@ class LLMEngine(KVExchange, Engine):
         req.finished = True
         self._scheduler.remove(req)
         req.context.busy = False
-        self._requests.pop(req.handle, None)  # type: ignore[call-overload]  # the handle is its _Sink
+        self._requests.pop(req.handle, None)  # type: ignore[call-overload]  # the handle is its Sink
         req.on_finish(result, error)
 
     def _fail_all(self, error: EngineError) -> None:

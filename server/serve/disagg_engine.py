@@ -26,7 +26,7 @@ from dataclasses import replace
 from typing import Any
 
 from server.engine import EngineError, LLMEngine, SamplingParams
-from server.engine.engine import GenerationStream
+from server.engine.engine_front import GenerationStream
 from server.engine.interface import Engine
 from server.engine.remote_kv import KVLease, RemotePrefix
 from server.engine.request import GenerateResult

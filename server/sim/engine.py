@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from server.engine.config import EngineConfig, ModelConfig
-from server.engine.engine import LLMEngine, _Abort, _Sink
+from server.engine.engine import LLMEngine
+from server.engine.engine_front import Abort, Sink
 from server.engine.errors import EngineDeadError
 from server.engine.remote_kv import RemoteRows
 from server.engine.request import Request
@@ -70,7 +71,7 @@ class SimRunner:
         return out
 
 
-class _HeldSink(_Sink):
+class _HeldSink(Sink):
     """A sink whose deliveries wait while the engine's step is "running" (they land when it ends)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, stream: bool, engine: SimEngine) -> None:
@@ -124,7 +125,7 @@ class SimEngine(LLMEngine):
         return [int(t) for t in hidden[:, 0].tolist()]
 
     # The caller side of `LLMEngine`, without the thread: commands are handled at once on the loop.
-    def _new_sink(self, stream: bool) -> _Sink:
+    def _new_sink(self, stream: bool) -> Sink:
         return _HeldSink(asyncio.get_running_loop(), stream, self)
 
     def _post(self, command: object) -> None:
@@ -134,9 +135,9 @@ class SimEngine(LLMEngine):
         self._handle(command)
         self._kick()
 
-    def _abort(self, sink: _Sink) -> None:
+    def _abort(self, sink: Sink) -> None:
         if not sink.future.done() and not self._closed:
-            self._handle(_Abort(sink))
+            self._handle(Abort(sink))
             self._kick()
 
     def shutdown(self) -> None:
