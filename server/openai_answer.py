@@ -45,6 +45,7 @@ from server.openai_requests import (
     QuotaError,
 )
 from server.openai_tools import parse_tool_calls
+from server.serve.openai_serving import Routed
 from server.serve.output_lengths import LengthEstimate
 
 
@@ -87,11 +88,20 @@ async def serve(
     for attempt in itertools.count(1):
         try:
             return await _serve_on(backend, engine, prompts, sampling, req, tenant, chat, tools)
-        except EngineError as e:
-            if not await backend.retry_elsewhere(engine, e, attempt):
-                raise
+        except _EngineFailed as e:
+            if not await backend.retry_elsewhere(e.engine, e.cause, attempt):
+                raise e.cause from None
             engine = backend.engine_for(req.model)  # engines of one model share the tokenizer: same prompts
     raise AssertionError("unreachable")
+
+
+class _EngineFailed(Exception):
+    """A request's try failed with ``cause`` on ``engine`` (the one it was routed to) before it streamed."""
+
+    def __init__(self, engine: Engine, cause: EngineError) -> None:
+        super().__init__(str(cause))
+        self.engine = engine
+        self.cause = cause
 
 
 async def _serve_on(
@@ -104,11 +114,18 @@ async def _serve_on(
     chat: bool,
     tools: ChatTools | None,
 ) -> JSONResponse | StreamingResponse:
-    """`serve` on one engine."""
-    tokens = sum(len(p) + sampling.max_tokens for p in prompts) * (req.n or 1)
+    """`serve` on one engine: the one the backend routes the request to."""
+    n = req.n or 1
+    tokens = sum(len(p) + sampling.max_tokens for p in prompts) * n
     refusal = backend.hold_tokens(tenant, tokens)
     if refusal is not None:
         raise QuotaError(refusal)
+    try:
+        routed = await backend.route(engine, prompts, sampling.max_tokens, n, tenant, req.cache_salt)
+    except BaseException:
+        backend.release_tokens(tenant, tokens)
+        raise
+    engine = routed.engine
     jobs = [
         _Job(
             backend.open_context(engine),
@@ -118,15 +135,15 @@ async def _serve_on(
             k,
         )
         for p in prompts
-        for k in range(req.n or 1)
+        for k in range(n)
     ]
-    release = _Release(backend, engine, jobs, req.cache_salt, lambda: backend.release_tokens(tenant, tokens))
+    release = _Release(backend, routed, jobs, req.cache_salt, lambda: backend.release_tokens(tenant, tokens))
     handed_off = False
     try:
         await _gather_all(
             [
                 backend.fill_prompt(
-                    engine, j.context_id, j.prompt, req.cache_salt, _priority(req, j), tenant=tenant
+                    routed, j.context_id, j.prompt, req.cache_salt, _priority(req, j), tenant=tenant
                 )
                 for j in jobs
             ]
@@ -160,6 +177,8 @@ async def _serve_on(
         # before the response begins: asyncio closes a started async generator when it is collected.
         head = await anext(events)
         return StreamingResponse(_prepend(head, events), media_type="text/event-stream")
+    except EngineError as e:
+        raise _EngineFailed(engine, e) from e
     finally:
         if not handed_off:
             await release()
@@ -202,16 +221,23 @@ class _Release:
     """
 
     backend: OpenAIBackend
-    engine: Engine
+    routed: Routed
     jobs: list[_Job]
     cache_salt: str | None
     release_tokens: Callable[[], None]  # the tenant's tokens in flight (`OpenAIBackend.hold_tokens`)
+    released: bool = False
+
+    @property
+    def engine(self) -> Engine:
+        return self.routed.engine
 
     async def __call__(self) -> None:
+        if self.released:
+            return
+        self.released = True  # released once, whoever calls first
         jobs = list(self.jobs)
-        self.jobs.clear()  # released once, whoever calls first
-        if jobs:
-            self.release_tokens()
+        self.jobs.clear()
+        self.release_tokens()
         for j in jobs:
             if j.stream is not None and j.output is None:
                 j.stream.cancel()
@@ -219,21 +245,25 @@ class _Release:
                 self.backend.observe_length(j.length, len(j.output))
         backs = [
             self.backend.finish_context(
-                self.engine,
+                self.routed,
                 j.context_id,
                 None if j.output is None else j.prompt + j.output,
                 self.cache_salt,
             )
             for j in jobs
         ]
-        if backs:
-            await asyncio.shield(_gather_quietly(backs))
+        error = None if all(j.output is not None for j in jobs) else "it did not complete"
+        await asyncio.shield(_gather_quietly(backs, lambda: self.backend.unroute(self.routed, error)))
 
 
-async def _gather_quietly(aws: Sequence[Any]) -> None:
-    for r in await asyncio.gather(*aws, return_exceptions=True):
-        if isinstance(r, BaseException) and not isinstance(r, EngineError):
-            raise r
+async def _gather_quietly(aws: Sequence[Any], then: Callable[[], None]) -> None:
+    """Await all (engine errors ignored: the context is gone with its engine), then ``then()``."""
+    try:
+        for r in await asyncio.gather(*aws, return_exceptions=True):
+            if isinstance(r, BaseException) and not isinstance(r, EngineError):
+                raise r
+    finally:
+        then()
 
 
 async def _first_token(stream: GenerationStream) -> int | None:

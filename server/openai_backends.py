@@ -14,6 +14,7 @@ from server.engine.errors import EngineError
 from server.engine.interface import Engine
 from server.engine.sampling import SamplingParams
 from server.serve.errors import ModelNotFoundError
+from server.serve.openai_serving import Routed
 from server.serve.output_lengths import LengthEstimate
 
 
@@ -28,14 +29,31 @@ class OpenAIBackend(Protocol):
         """The names of the models served, for ``GET /v1/models`` and error messages."""
         ...
 
+    async def route(
+        self,
+        engine: Engine,
+        prompts: list[list[int]],
+        max_tokens: int,
+        n: int,
+        tenant: str,
+        cache_salt: str | None,
+    ) -> Routed:
+        """Where the request runs: an engine serving ``engine``'s model, once it has room for ``n``
+        generations of at most ``max_tokens`` from each prompt. The router always calls `unroute` after."""
+        ...
+
+    def unroute(self, routed: Routed, error: str | None) -> None:
+        """The request is over (``error``: why it did not complete), every context handed back."""
+        ...
+
     def open_context(self, engine: Engine) -> int:
-        """A context id no other user of any engine holds, for a request routed to ``engine``: it counts
-        there until `finish_context` (the router always hands it back)."""
+        """A context id no other user of any engine holds, for a request routed to ``engine`` (the router
+        always hands it back: `finish_context`)."""
         ...
 
     async def fill_prompt(
         self,
-        engine: Engine,
+        routed: Routed,
         context_id: int,
         token_ids: list[int],
         cache_salt: str | None,
@@ -43,8 +61,9 @@ class OpenAIBackend(Protocol):
         *,
         tenant: str | None = None,
     ) -> None:
-        """Create ``context_id`` holding ``token_ids`` (from a cached prefix where the backend has one);
-        ``priority`` and ``tenant`` order it in the engine's waiting queue."""
+        """Create ``context_id`` holding ``token_ids`` on the routed engine (from a cached prefix where the
+        backend has one, counted in ``routed.prefill_tokens_saved``); ``priority`` and ``tenant`` order it
+        in the engine's waiting queue."""
         ...
 
     def estimate_length(
@@ -59,9 +78,9 @@ class OpenAIBackend(Protocol):
         ...
 
     async def finish_context(
-        self, engine: Engine, context_id: int, token_ids: list[int] | None, cache_salt: str | None
+        self, routed: Routed, context_id: int, token_ids: list[int] | None, cache_salt: str | None
     ) -> None:
-        """The request is over: ``token_ids`` is what its context holds (prompt and output) when it
+        """A context's request is over: ``token_ids`` is what its context holds (prompt and output) when it
         completed — the backend may keep it as a cached prefix — or None (failed or aborted: free it)."""
         ...
 
@@ -105,12 +124,26 @@ class StaticBackend:
     def models(self) -> list[str]:
         return list(self._engines)
 
+    async def route(
+        self,
+        engine: Engine,
+        prompts: list[list[int]],
+        max_tokens: int,
+        n: int,
+        tenant: str,
+        cache_salt: str | None,
+    ) -> Routed:
+        return Routed(engine)  # one engine per model: it queues what it cannot run yet
+
+    def unroute(self, routed: Routed, error: str | None) -> None:
+        pass
+
     def open_context(self, engine: Engine) -> int:
         return next(self._ids)
 
     async def fill_prompt(
         self,
-        engine: Engine,
+        routed: Routed,
         context_id: int,
         token_ids: list[int],
         cache_salt: str | None,
@@ -118,7 +151,7 @@ class StaticBackend:
         *,
         tenant: str | None = None,
     ) -> None:
-        await engine.fill(context_id, token_ids, priority=priority, tenant=tenant)
+        await routed.engine.fill(context_id, token_ids, priority=priority, tenant=tenant)
 
     def estimate_length(
         self, engine: Engine, token_ids: list[int], sampling: SamplingParams
@@ -129,9 +162,9 @@ class StaticBackend:
         pass
 
     async def finish_context(
-        self, engine: Engine, context_id: int, token_ids: list[int] | None, cache_salt: str | None
+        self, routed: Routed, context_id: int, token_ids: list[int] | None, cache_salt: str | None
     ) -> None:
-        await _free_quietly(engine, context_id)
+        await _free_quietly(routed.engine, context_id)
 
     def hold_tokens(self, tenant: str, tokens: int) -> str | None:
         return None  # fixed engines keep no quotas

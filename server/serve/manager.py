@@ -99,7 +99,17 @@ class Manager:
         self.executor = StepExecutor(
             self.registry, self.kept, self.placement, self.waits, config, self.lengths, clock
         )
-        self.openai = OpenAIServing(self.registry, self.kept, config, self.lengths, self.tokens, self.gate)
+        self.openai = OpenAIServing(
+            self.registry,
+            self.kept,
+            self.placement,
+            self.executor.steps,
+            config,
+            self.lengths,
+            self.tokens,
+            self.gate,
+            clock,
+        )
 
     @property
     def engines(self) -> list[Engine]:

@@ -1,82 +1,142 @@
-"""The OpenAI endpoints' side of the manager (`server.openai_api.OpenAIBackend`): which engine serves a
+"""The OpenAI endpoints' side of the manager (`server.openai_backends.OpenAIBackend`): which engine serves a
 request, and its context's life there.
 
-A request's prompt is forked from the longest kept context its tokens extend and the rest filled, within
-its ``cache_salt`` (turn 2 of a chat prefills only its new tokens, as vLLM's automatic prefix caching does);
-a completed request's context is kept for the next. Its output length is predicted and sent as its engine
-priority (SSJF), Mutel's early rejection refuses it when its engine would miss the SLOs, its tokens count
-against its tenant's quota, and a request whose engine failed before it streamed anything runs again on
-another engine (``max_step_retries``). The request-centric endpoints thus run on the same engines, caches
-and predictor as the Semantic Function steps.
+A request waits for its engine in the manager's `Placement`, as a step does, and goes where a kept context
+holds the most of its prompt. Its prompt is forked from the longest kept context its tokens extend and the
+rest filled, within its ``cache_salt`` (turn 2 of a chat prefills only its new tokens, as vLLM's automatic
+prefix caching does); a completed request's context is kept for the next. Its output length is predicted
+and sent as its engine priority (SSJF), Mutel's early rejection refuses it when its engine would miss the
+SLOs, its tokens count against its tenant's quota, and a request whose engine failed before it streamed
+anything runs again on another engine (``max_step_retries``). The request-centric endpoints thus run on the
+same engines, caches, placement and predictor as the Semantic Function steps.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from server.engine import EngineError, SamplingParams
 from server.engine.errors import engine_unavailable
 from server.engine.interface import Engine
 from server.serve.drain_gate import DrainGate
 from server.serve.engine_registry import EngineRegistry
-from server.serve.errors import SloRejectedError
+from server.serve.errors import NoEngineError, SloRejectedError
 from server.serve.kept_contexts import KeptContexts, namespace
 from server.serve.length_predictor import LengthPredictor
 from server.serve.manager_config import ManagerConfig
 from server.serve.output_lengths import PROMPT_TAIL_TOKENS, LengthEstimate, OutputLengths
+from server.serve.placement import NoServingEngineError, Placement
+from server.serve.scheduler import QueuedRequest
 from server.serve.slo_admission import admission
+from server.serve.step_records import StepRecord, StepRecords
 from server.serve.tenant_tokens import TenantTokens
 
 
+@dataclass
+class Routed:
+    """Where a request runs: its engine, the backend's own handle on its place there (None: none), and the
+    prompt tokens its fills forked from kept contexts instead of computing."""
+
+    engine: Engine
+    ticket: Any = None
+    prefill_tokens_saved: int = 0
+
+
 class OpenAIServing:
-    """Engines, contexts, priorities, quotas and retries for OpenAI requests."""
+    """Engines, contexts, priorities, quotas and retries for OpenAI requests.
+
+    A request waits for its engine in the same `Placement` as the Semantic Function steps (one request, no
+    objective given): tenants take turns there, the engines' caps hold, and it goes where a kept context
+    holds the most of its prompt (a chat's next turn finds its last one). It counts in the step records'
+    histograms and per-engine prefix hits (``/metrics``, the live view)."""
 
     def __init__(
         self,
         registry: EngineRegistry,
         kept: KeptContexts,
+        placement: Placement,
+        steps: StepRecords,
         config: ManagerConfig,
         lengths: OutputLengths | None,
         tokens: TenantTokens,
         gate: DrainGate,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.registry = registry
         self.kept = kept
+        self.placement = placement
+        self.steps = steps
         self.config = config
         self.lengths = lengths
         self.tokens = tokens
         self.gate = gate
-        # Engine index -> OpenAI requests' contexts routed there and not finished: an engine's stats lag
-        # behind a burst (a request counts there only once its fill reaches the engine).
-        self.routed: Counter[int] = Counter()
+        self._clock = clock
 
     def models(self) -> list[str]:
         return self.registry.models()
 
     def engine_for(self, model: str | None) -> Engine:
         self.gate.check("requests")
-        return self.registry.engines[self._pick(self.registry.serving(model))]
+        return self.registry.engines[self.registry.serving(model)[0]]
 
-    def _pick(self, candidates: list[int]) -> int:
-        """The least loaded engine (lowest index on ties). Its load: the requests it reports, or the OpenAI
-        requests routed to it and not finished where more (a burst routed before any fill arrives there
-        would otherwise all land on one engine)."""
+    async def route(
+        self,
+        engine: Engine,
+        prompts: list[list[int]],
+        max_tokens: int,
+        n: int,
+        tenant: str,
+        cache_salt: str | None,
+    ) -> Routed:
+        """Wait until the placement gives the request an engine serving ``engine``'s model; pair with
+        `unroute`. It counts its prompts and ``n`` generations of ``max_tokens`` (at most what the largest
+        such engine runs at once: the engine itself bounds what one request may hold)."""
+        serving = self.registry.serving(engine.model_name)
+        cached: dict[int, int] = {}
+        if self.config.openai_prefix_cache and self.config.prefix_affinity:
+            ns = namespace(cache_salt)
+            for i in serving:
+                match = self.kept.match(i, ns, prompts[0])
+                if match is not None:
+                    cached[i] = match.length
+        most = max(self.registry.caps(self.registry.engines[i])[0] for i in serving)
+        key = f"openai/{self.kept.new_id()}"
+        request = QueuedRequest(
+            key=key,
+            app=key,
+            seq=self.placement.next_seq(),
+            tokens=min(most, n * sum(len(p) + max_tokens for p in prompts)),
+            cached=cached,
+            model=engine.model_name,
+            tenant=tenant,
+        )
+        record = StepRecord("", key, 0, "", "openai", None, None, self._clock())
+        try:
+            index = await self.placement.acquire(request)
+        except NoServingEngineError as e:
+            raise NoEngineError(str(e)) from None
+        self.steps.started(record, index, self.registry.engine_name(index), self._clock())
+        record.prompt_tokens = sum(len(p) for p in prompts)
+        return Routed(self.registry.engines[index], (index, request, record))
 
-        def load(i: int) -> int:
-            stats = self.registry.engines[i].stats()
-            return max(stats.running + stats.waiting, self.routed[i])
-
-        return min(candidates, key=lambda i: (load(i), i))
+    def unroute(self, routed: Routed, error: str | None) -> None:
+        """The request `route` placed is over (``error``: why it did not complete): its engine's room is
+        free for others."""
+        index, request, record = routed.ticket
+        record.prefill_tokens_saved = routed.prefill_tokens_saved
+        self.steps.ended(record, self._clock(), error)
+        self.placement.release(index, request)
 
     def open_context(self, engine: Engine) -> int:
-        """A new context id for a request routed to ``engine``: it counts against the engine's load until
-        `finish_context`."""
-        self.routed[self.registry.index_of(engine)] += 1
+        """A new context id for a request routed to ``engine``."""
         return self.kept.new_id()
 
     async def fill_prompt(
         self,
-        engine: Engine,
+        routed: Routed,
         context_id: int,
         token_ids: list[int],
         cache_salt: str | None,
@@ -87,6 +147,7 @@ class OpenAIServing:
         """A request's prompt: forked from the longest cached token prefix, the rest filled; refused first
         if the engine would miss the SLOs (`ManagerConfig.slo`), whose TPOT objective also resizes a
         prefill + decode pair's prefill chunks (`Engine.tune_for_tpot`)."""
+        engine = routed.engine
         if self.config.slo is not None:
             self._admit(engine, token_ids, cache_salt)
             await engine.tune_for_tpot(self.config.slo.tpot_s)
@@ -94,7 +155,9 @@ class OpenAIServing:
             await engine.fill(context_id, token_ids, priority=priority, tenant=tenant)
             return
         index = self.registry.index_of(engine)
-        await self.kept.fill(index, namespace(cache_salt), context_id, token_ids, priority, tenant)
+        ns = namespace(cache_salt)
+        saved = await self.kept.fill(index, ns, context_id, token_ids, priority, tenant)
+        routed.prefill_tokens_saved += saved
 
     def _admit(self, engine: Engine, token_ids: list[int], cache_salt: str | None) -> None:
         """Mutel's early rejection, from the engine's measured step times and queued prompt work (no
@@ -131,12 +194,11 @@ class OpenAIServing:
         return None if self.lengths is None else self.lengths.predictor
 
     async def finish_context(
-        self, engine: Engine, context_id: int, token_ids: list[int] | None, cache_salt: str | None
+        self, routed: Routed, context_id: int, token_ids: list[int] | None, cache_salt: str | None
     ) -> None:
         """A request is over: a completed one's context is kept as a cached prefix (the next turn of a chat
         repeats it), anything else freed."""
-        index = self.registry.index_of(engine)
-        self.routed -= Counter([index])  # drops the engine at zero
+        index = self.registry.index_of(routed.engine)
         keep = self.config.prefix_sharing and self.config.openai_prefix_cache
         if token_ids is None or not token_ids or not keep:
             await self.registry.free(index, context_id)

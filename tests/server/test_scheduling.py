@@ -91,8 +91,8 @@ def test_a_latency_step_reaches_its_engine_with_the_latency_cap(
 async def test_an_openai_burst_is_spread_over_both_engines(
     two_engines: LaunchedServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Requests routed in one burst reach no engine's stats before the next is routed: the manager counts
-    the ones it routed, so a burst of 8 lands 4 and 4, not 8 on engine 0."""
+    """Requests routed in one burst reach no engine's stats before the next is routed: the placement counts
+    the ones it placed, so a burst of 8 lands 4 and 4, not 8 on engine 0."""
     generates = [0, 0]
     for i, engine in enumerate(two_engines.engines):
 
@@ -107,4 +107,31 @@ async def test_an_openai_burst_is_spread_over_both_engines(
     assert [a.status_code for a in answers] == [200] * 8
     assert len({a.json()["choices"][0]["text"] for a in answers}) == 1
     assert generates == [4, 4]
-    assert not two_engines.manager.openai.routed  # every routed request was counted out
+    placement = two_engines.manager.placement
+    assert [placement.running_steps(i) for i in (0, 1)] == [0, 0]  # every request was counted out
+
+
+def test_an_openai_chat_follows_its_kept_turns_to_their_engine(two_engines: LaunchedServer) -> None:
+    """A chat's later turns over ``/v1`` are placed where its earlier turns' contexts are kept (the
+    placement's context branch), however busy the other engine is not: each turn prefills only its new
+    tokens there, the other engine computes nothing, and the live view counts the hits."""
+    placement, steps = two_engines.manager.placement, two_engines.manager.steps
+    before = [e.stats().prefill_tokens_computed for e in two_engines.engines]
+    placed_before, hits_before = placement.placed.copy(), steps.prefix_hits.copy()
+    messages = [{"role": "system", "content": SYSTEM}]
+    with httpx.Client(base_url=two_engines.url, timeout=120) as http:
+        for turn in range(4):
+            messages.append({"role": "user", "content": f"Question {turn}: what does guideline {turn} say?"})
+            body = {"messages": messages, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+            r = http.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            messages.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
+    computed = [
+        e.stats().prefill_tokens_computed - b for e, b in zip(two_engines.engines, before, strict=True)
+    ]
+    placed = placement.placed - placed_before
+    (engine,) = {e for e, _ in placed}  # every turn on one engine
+    assert computed[1 - engine] == 0
+    assert placed[engine, "context"] == 3  # turns 2-4 followed the kept conversation
+    assert steps.prefix_hits[engine] - hits_before[engine] == 3
+    assert [placement.running_steps(i) for i in (0, 1)] == [0, 0]
