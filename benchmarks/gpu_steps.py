@@ -40,6 +40,7 @@ from benchmarks.harness.prefill_ab import paged_prefill_ab
 from benchmarks.harness.step_anatomy import anatomy, grouping
 from benchmarks.harness.step_tables import anatomy_table, grouping_table
 from kernels import cpu_kernels, layer_ops
+from kernels.settings import CPU_KERNELS, LAYER_KERNELS
 from server.engine import EngineConfig, LLMEngine
 from server.engine.config import ModelConfig
 
@@ -176,8 +177,8 @@ def main(argv: list[str] | None = None) -> None:
         ours.close()
         pair.engine.shutdown()
     if args.compare_layer_ops:  # a second engine over the same weights, its graphs captured without them
-        os.environ[layer_ops.DISABLE_ENV] = "0"
-        os.environ[cpu_kernels.DISABLE_ENV] = "0"
+        os.environ[LAYER_KERNELS.name] = "0"
+        os.environ[CPU_KERNELS.name] = "0"
         layer_ops.clear_cache()
         cpu_kernels.clear_cache()
         e = pair.engine

@@ -40,7 +40,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import os
 import platform
 import threading
 from collections.abc import Callable
@@ -49,8 +48,9 @@ from typing import Any
 
 import torch
 
+from kernels.settings import CPU_KERNELS
+
 __all__ = [
-    "DISABLE_ENV",
     "AddRMSNorm",
     "Gemv",
     "PartialAttention",
@@ -72,7 +72,6 @@ log = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 SOURCES = sorted(_CSRC.glob("*.cpp"))
 HEADERS = sorted(_CSRC.glob("*.h"))
-DISABLE_ENV = "PARROT_CPU_KERNELS"  # "0": never build or use the kernels
 
 # (q [B, H, D], k_cache, v_cache [blocks, block_size, KVH, D], block_tables [B, n] int32,
 #  context_lens [B] int32, scale) -> (out [B, H, D] float32, lse [B, H] float32)
@@ -134,7 +133,7 @@ def _build_tag() -> str:
 @functools.cache
 def _ops() -> Any | None:
     """``torch.ops.parrot_cpu`` once the kernels are built and loaded; None where they cannot be."""
-    if os.environ.get(DISABLE_ENV, "1") == "0":
+    if not CPU_KERNELS.get():
         return None
     with _build_lock:
         try:

@@ -37,16 +37,15 @@ at 32 (0.79x; the sweeps alone still showed 1.1x there): float32 stops at 8 rows
 from __future__ import annotations
 
 import functools
-import os
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
 from kernels.cpu_kernels import gemv_kernel, packed_f32_ops, packed_gemm_ops
+from kernels.settings import BF16_GEMM
 
 __all__ = [
-    "BF16_GEMM_ENV",
     "GEMV_MAX_ROWS",
     "Bf16Gemm",
     "bf16_gemm",
@@ -64,8 +63,6 @@ _PACK_ROWS_HINT = 1
 # On an AMX CPU, the rows oneDNN's layout is chosen for: a batch of decode steps, as vLLM's CPU linears
 # (``create_onednn_mm(weight, 32)``), so the primitive picked for it is an AMX one.
 _AMX_PACK_ROWS_HINT = 32
-# Which GEMM runs bf16 linears: "ours", "onednn" or "auto" (default; `choose_bf16_gemm`). An A/B switch.
-BF16_GEMM_ENV = "PARROT_BF16_GEMM"
 Bf16Gemm = Literal["ours", "onednn"]
 # Most rows a linear takes through `gemv_kernel` rather than oneDNN, per dtype (measured above); a bf16
 # weight packed for our GEMM goes there instead, at every row count.
@@ -114,9 +111,10 @@ def choose_bf16_gemm(*, amx: bool, ours_built: bool, invariant: bool, override: 
     too): there a vector dot product computes several times slower than the tiles (an AMX Xeon, 2 cores:
     ours at batch 16-64 ran at the ~100 GFLOP/s of its dot products, vLLM's oneDNN at ~350). ``invariant``
     (`EngineConfig.batch_invariant`) needs ours wherever it is built: it sums each output row in one order
-    at every row count. ``override`` ("ours" / "onednn", from `BF16_GEMM_ENV`) wins where it can run."""
+    at every row count. ``override`` ("ours" / "onednn", from `kernels.settings.BF16_GEMM`) wins where it
+    can run."""
     if override not in ("auto", "ours", "onednn"):
-        raise ValueError(f"{BF16_GEMM_ENV}={override!r}: use auto, ours or onednn")
+        raise ValueError(f"${BF16_GEMM.name}={override!r}: use auto, ours or onednn")
     if not ours_built or override == "onednn":
         return "onednn"
     if invariant or override == "ours":
@@ -132,12 +130,12 @@ def _amx() -> bool:
 
 
 def bf16_gemm(invariant: bool = False) -> Bf16Gemm:
-    """`choose_bf16_gemm` for this CPU, this build and `BF16_GEMM_ENV`."""
+    """`choose_bf16_gemm` for this CPU, this build and ``$PARROT_BF16_GEMM``."""
     return choose_bf16_gemm(
         amx=_amx(),
         ours_built=packed_gemm_ops() is not None,
         invariant=invariant,
-        override=os.environ.get(BF16_GEMM_ENV, "auto") or "auto",
+        override=BF16_GEMM.get(),
     )
 
 

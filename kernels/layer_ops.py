@@ -13,23 +13,22 @@ own, ``PARROT_CPU_KERNELS``). Importing this module never imports triton.
 from __future__ import annotations
 
 import functools
-import os
 from types import ModuleType
 
 import torch
 
 from kernels import cpu_kernels
 from kernels.cpu_kernels import AddRMSNorm, RopeWriteKV, SiluMul
+from kernels.settings import LAYER_KERNELS
 
-__all__ = ["DISABLE_ENV", "add_rms_norm_op", "clear_cache", "rope_write_kv_op", "silu_mul_op"]
+__all__ = ["add_rms_norm_op", "clear_cache", "rope_write_kv_op", "silu_mul_op"]
 
-DISABLE_ENV = "PARROT_LAYER_KERNELS"
 _HALF = (torch.bfloat16, torch.float16)
 
 
 @functools.cache
 def _triton_ops() -> ModuleType | None:
-    if os.environ.get(DISABLE_ENV, "1") == "0":
+    if not LAYER_KERNELS.get():
         return None
     from kernels import triton_available
 

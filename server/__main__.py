@@ -37,6 +37,7 @@ from server.cli import (
     program_name,
     serve,
 )
+from server.settings import epilog
 
 try:  # without the server extra (a client-only install) this is one line naming the pip command to run
     from starlette.types import ASGIApp
@@ -66,7 +67,10 @@ def main(argv: list[str] | None = None) -> int:
         restart_with_objects_on_malloc()
     prog = program_name("server", "parrot-serve")
     p = argparse.ArgumentParser(
-        prog=prog, description=__doc__.split("\n")[0], formatter_class=DefaultsHelpFormatter
+        prog=prog,
+        description=__doc__.split("\n")[0],
+        formatter_class=DefaultsHelpFormatter,
+        epilog=epilog(),
     )
     p.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     p.add_argument("--engines", type=int, default=1, help="in-process engines (remote ones may also join)")

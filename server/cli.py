@@ -67,9 +67,10 @@ def exit_if_extra_missing(error: ModuleNotFoundError, prog: str, extra: str = "s
     )
 
 
-class DefaultsHelpFormatter(argparse.HelpFormatter):
+class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter):
     """``--help`` that shows every option's default, as "(default: X)" after its help — unless the help
-    already says what the default is, or there is nothing to show (None, an unset flag, an empty list)."""
+    already says what the default is, or there is nothing to show (None, an unset flag, an empty list) —
+    and keeps the description's and epilog's lines as written (the environment variables' table)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 import time
 from collections import Counter
@@ -21,11 +20,12 @@ from server.engine import EngineConfig, LLMEngine
 from server.engine.interface import Engine
 from server.engine.model_names import DEFAULT_MODEL
 from server.netdelay import NetworkDelayMiddleware
-from server.security import CLUSTER_TOKEN_ENV, SecurityConfig, api_keys_from
+from server.security import SecurityConfig, api_keys_from
 from server.serve.disagg_engine import DisaggregatedEngine
 from server.serve.manager import Manager, ManagerConfig
 from server.serve.openai_backend import OpenAIBackendConfig, OpenAIBackendEngine
 from server.serve.ray_engines import RayEngines
+from server.settings import CLUSTER_TOKEN
 
 T = TypeVar("T")
 
@@ -126,7 +126,7 @@ def launch(
     ``ray``: more engines, placed by Ray as actors that register with this server
     (`server.serve.ray_engines`); the server is yielded once they all serve.
     """
-    token = cluster_token or os.environ.get(CLUSTER_TOKEN_ENV, "").strip()
+    token = cluster_token or CLUSTER_TOKEN.get()
     settings = (
         SecurityConfig(token, api_keys_from(api_keys), max_remote_engines)
         if token

@@ -30,6 +30,7 @@ from parrot.protocol import API_KEY_ENV, API_KEY_HEADER, ErrorBody, ErrorRespons
 
 from server.auth_first import header_guard
 from server.engine.gguf_loader import cache_dir
+from server.settings import API_KEY, CLUSTER_TOKEN
 
 __all__ = [
     "API_KEY_ENV",
@@ -54,7 +55,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-CLUSTER_TOKEN_ENV = "PARROT_CLUSTER_TOKEN"
+CLUSTER_TOKEN_ENV = CLUSTER_TOKEN.name
 TOKEN_FILE_NAME = "cluster_token"
 # What a caller is told to use, named in every refusal (the setting, never the secret).
 CLUSTER_TOKEN_HINT = (
@@ -119,7 +120,7 @@ def load_cluster_token(token_file: str | Path | None = None) -> ClusterToken:
     file. A file that does not exist is created with a new token (mode 0600, its folder 0700) and the path
     is logged; an empty or unreadable file raises `ValueError` naming it."""
     if token_file is None:
-        env = os.environ.get(CLUSTER_TOKEN_ENV, "").strip()
+        env = CLUSTER_TOKEN.get()
         if env:
             return ClusterToken(env, f"${CLUSTER_TOKEN_ENV}")
     path = Path(token_file).expanduser() if token_file is not None else default_token_path()
@@ -178,7 +179,7 @@ def api_keys_from(keys: Iterable[str] | None) -> tuple[str, ...]:
         if not all(given):
             raise ValueError("an API key must not be empty")
         return given
-    env = os.environ.get(API_KEY_ENV, "").strip()
+    env = API_KEY.get()
     return (env,) if env else ()
 
 

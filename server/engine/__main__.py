@@ -39,12 +39,16 @@ from server.engine.model_names import DEFAULT_MODEL, MODEL_HELP
 from server.engine.ordering import add_scheduling_args
 from server.engine.sampling import SamplingParams
 from server.security import load_cluster_token
+from server.settings import epilog
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The engine's command line (``argv``, default: ``sys.argv[1:]``)."""
     p = argparse.ArgumentParser(
-        prog=_prog(), description=__doc__.split("\n")[0], formatter_class=DefaultsHelpFormatter
+        prog=_prog(),
+        description=__doc__.split("\n")[0],
+        formatter_class=DefaultsHelpFormatter,
+        epilog=epilog(),
     )
     p.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     add_listen_args(p, port=9100)

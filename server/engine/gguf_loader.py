@@ -32,10 +32,10 @@ import numpy as np
 import torch
 
 from server.engine.config import ModelConfig
+from server.settings import CACHE_DIR
 
 log = logging.getLogger(__name__)
 
-CACHE_ENV = "PARROT_CACHE_DIR"
 SUPPORTED_VERSIONS = (2, 3)  # v1 counted with 32-bit integers; llama.cpp stopped writing it in 2023
 _DEFAULT_ALIGNMENT = 32
 # Metadata arrays of strings that are parsed into lists; every other string array (the vocabulary, the
@@ -567,8 +567,7 @@ def gguf_state_dict(gguf_file: GGUFFile, cfg: ModelConfig, dtype: torch.dtype) -
 # -------------------------------------------------------------------------------------- the tokenizer
 def cache_dir() -> Path:
     """Where converted artifacts are kept: ``$PARROT_CACHE_DIR``, else ``~/.cache/parrot-serve``."""
-    env = os.environ.get(CACHE_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "parrot-serve"
+    return CACHE_DIR.get() or Path.home() / ".cache" / "parrot-serve"
 
 
 def tokenizer_cache_path(path: str | Path) -> Path:
@@ -647,5 +646,5 @@ def _save_to_cache(tokenizer: Any, target: Path) -> None:
             "later starts faster",
             target,
             e,
-            CACHE_ENV,
+            CACHE_DIR.name,
         )

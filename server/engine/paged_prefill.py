@@ -13,16 +13,14 @@ decode query) was 3-8x slower than the gather on an H100; this kernel is not mea
 
 from __future__ import annotations
 
-import os
 from typing import Protocol
 
 import torch
 
 import kernels
+from server.settings import PAGED_PREFILL
 
-__all__ = ["ENABLE_ENV", "attend", "enabled"]
-
-ENABLE_ENV = "PARROT_PAGED_PREFILL"
+__all__ = ["attend", "enabled"]
 
 
 class CachedChunk(Protocol):
@@ -37,7 +35,7 @@ class CachedChunk(Protocol):
 
 def enabled(device: torch.device) -> bool:
     """Whether fills after cached tokens on ``device`` take this path (CUDA, switched on)."""
-    return device.type == "cuda" and os.environ.get(ENABLE_ENV) == "1"
+    return device.type == "cuda" and PAGED_PREFILL.get()
 
 
 def attend(

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +17,7 @@ from server.engine.loader import load_tokenizer
 from server.engine.request import FinishReason, GenerateResult
 from server.serve.remote_engine import RemoteEngineError
 from server.serve.task_stream import Emit
+from server.settings import BACKEND_API_KEY
 
 __all__ = [
     "BACKEND_KEY_ENV",
@@ -31,7 +31,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 # The backends' API key (sent as a bearer token), unless a configuration gives its own.
-BACKEND_KEY_ENV = "PARROT_BACKEND_API_KEY"
+BACKEND_KEY_ENV = BACKEND_API_KEY.name
 
 # Text whose tokens the local tokenizer must give exactly as the backend's /tokenize does.
 _PROBE = "Parrot checks its tokenizer: 3.14 naïve café — 你好 <|im_start|> done.\n\n  end"
@@ -56,7 +56,7 @@ class OpenAIBackendConfig:
     url: str
     model: str | None = None
     tokenizer: str | None = None
-    api_key: str | None = field(default_factory=lambda: os.environ.get(BACKEND_KEY_ENV) or None, repr=False)
+    api_key: str | None = field(default_factory=BACKEND_API_KEY.get, repr=False)
     capacity_tokens: int = 16384
     latency_cap_tokens: int | None = None
     block_size: int = 16

@@ -101,11 +101,12 @@ async def test_triton_layer_kernels_agree_with_the_torch_ops(
     """The engine with the Triton layer kernels (`kernels.layer_ops`) and without them: the same greedy
     tokens but where a near-tie flips (the norm's mean sums in another order)."""
     from kernels import layer_ops
+    from kernels.settings import LAYER_KERNELS
 
     batch = prompts(8, seed=27, low=2, high=90)
 
     async def run(enabled: bool) -> list[list[int]]:
-        monkeypatch.setenv(layer_ops.DISABLE_ENV, "1" if enabled else "0")
+        monkeypatch.setenv(LAYER_KERNELS.name, "1" if enabled else "0")
         layer_ops.clear_cache()
         probe = torch.zeros(1, 2, dtype=getattr(torch, dtype), device="cuda")
         assert (layer_ops.silu_mul_op(probe) is not None) == enabled

@@ -24,6 +24,7 @@ from server.engine.gguf_loader import GGUFFormatError, UnsupportedGGUFError, rea
 from server.engine.loader import load_model_config
 from server.engine.model_names import ModelNotFoundError, ModelPackageMissingError, resolve_model
 from server.engine.tiny import TOKENIZER_DIR
+from server.settings import CACHE_DIR
 from tests.engine.conftest import BASE_CONFIG, prompts
 
 gguf = pytest.importorskip("gguf")
@@ -155,7 +156,7 @@ def random_llama(seed: int = 0, **overrides: Any) -> tuple[dict[str, Any], dict[
 @pytest.fixture(autouse=True)
 def _private_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     """Converted tokenizers go to a per-session folder, not the user's cache."""
-    monkeypatch.setenv(gguf_loader.CACHE_ENV, str(tmp_path_factory.getbasetemp() / "parrot-cache"))
+    monkeypatch.setenv(CACHE_DIR.name, str(tmp_path_factory.getbasetemp() / "parrot-cache"))
 
 
 @pytest.fixture(scope="module")
@@ -329,7 +330,7 @@ def test_tokenizer_carries_chat_template_and_is_cached(
 ) -> None:
     from transformers import AutoTokenizer
 
-    monkeypatch.setenv(gguf_loader.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(CACHE_DIR.name, str(tmp_path / "cache"))
     path, _ = gguf_files["q8_0"]
     gguf_file = read_gguf(path)
     cold = gguf_loader.load_gguf_tokenizer(gguf_file)
@@ -354,7 +355,7 @@ def test_unwritable_cache_falls_back(
 ) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
-    monkeypatch.setenv(gguf_loader.CACHE_ENV, str(blocker / "cache"))
+    monkeypatch.setenv(CACHE_DIR.name, str(blocker / "cache"))
     path, _ = gguf_files["f16"]
     with caplog.at_level(logging.WARNING, logger="server.engine.gguf_loader"):
         tokenizer = gguf_loader.load_gguf_tokenizer(read_gguf(path))
@@ -365,7 +366,7 @@ def test_unwritable_cache_falls_back(
 def test_corrupt_cache_entry_is_replaced(
     gguf_files: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv(gguf_loader.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(CACHE_DIR.name, str(tmp_path / "cache"))
     path, _ = gguf_files["f16"]
     entry = gguf_loader.tokenizer_cache_path(path)
     entry.mkdir(parents=True)
@@ -537,7 +538,7 @@ def smollm2_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def smollm2(smollm2_cache: Path) -> Iterator[LLMEngine]:
     _smollm2_or_skip()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(gguf_loader.CACHE_ENV, str(smollm2_cache))
+        mp.setenv(CACHE_DIR.name, str(smollm2_cache))
         engine = LLMEngine.from_pretrained("smollm2", EngineConfig(dtype="float32", device="cpu"))
     yield engine
     engine.shutdown()
@@ -628,7 +629,7 @@ async def test_smollm2_bfloat16_answers_equal_transformers_in_bfloat16(
     is transformers' own in bf16 on the same GGUF — or, where transformers' bf16 rounding ties a near-tie
     (the second chat's first token: 32.900 vs 32.874 in float32, 32.75 for both in bf16), its float32 one."""
     path = _smollm2_or_skip()
-    monkeypatch.setenv(gguf_loader.CACHE_ENV, str(smollm2_cache))
+    monkeypatch.setenv(CACHE_DIR.name, str(smollm2_cache))
     theirs_model = copy.deepcopy(hf_gguf_model(path)).to(torch.bfloat16)
     with LLMEngine.from_pretrained("smollm2", EngineConfig(dtype="bfloat16", device="cpu")) as engine:
         prompts = [chat_ids(engine, c) for c in CHATS]
@@ -647,7 +648,7 @@ def test_smollm2_cached_tokenizer_equals_converted(
     def no_conversion(_: Any) -> Any:
         raise AssertionError("the cached tokenizer should have been used")
 
-    monkeypatch.setenv(gguf_loader.CACHE_ENV, str(smollm2_cache))
+    monkeypatch.setenv(CACHE_DIR.name, str(smollm2_cache))
     monkeypatch.setattr(gguf_loader, "_convert_tokenizer", no_conversion)
     cached = gguf_loader.load_gguf_tokenizer(read_gguf(_smollm2_or_skip()))
     text = "Hello world! 123 émoji 🦜 <|im_end|> foo\n\n  bar"

@@ -11,6 +11,7 @@ import torch
 from kernels import Backend, triton_available
 from server.engine import paged_prefill
 from server.engine.attention import PrefillChunk, _prefill
+from server.settings import PAGED_PREFILL
 
 BLOCK = 16
 
@@ -82,9 +83,9 @@ def test_bad_operands_are_refused_and_the_switch_is_cuda_only(monkeypatch: pytes
         short = PrefillChunk(0, 4, 20, chunk.block_table[:1])  # one block of 16 for 24 tokens
         with pytest.raises(ValueError, match="cannot hold 20 \\+ 4 tokens"):
             _in_place(q, k_cache, v_cache, short, "triton")
-    monkeypatch.setenv(paged_prefill.ENABLE_ENV, "1")
+    monkeypatch.setenv(PAGED_PREFILL.name, "1")
     assert paged_prefill.enabled(torch.device("cuda")) and not paged_prefill.enabled(torch.device("cpu"))
-    monkeypatch.setenv(paged_prefill.ENABLE_ENV, "0")
+    monkeypatch.setenv(PAGED_PREFILL.name, "0")
     assert not paged_prefill.enabled(torch.device("cuda"))
 
 
@@ -95,7 +96,7 @@ def test_on_cuda_the_switch_gives_the_gathers_answer(
 ) -> None:
     q, k_cache, v_cache, chunk = _case(300, 200, 32, 8, seed=3, dim=128, device="cuda")
     q, k_cache, v_cache = (x.to(dtype) for x in (q, k_cache, v_cache))
-    monkeypatch.delenv(paged_prefill.ENABLE_ENV, raising=False)
+    monkeypatch.delenv(PAGED_PREFILL.name, raising=False)
     want = _prefill(q, k_cache, v_cache, chunk, 0.125)
-    monkeypatch.setenv(paged_prefill.ENABLE_ENV, "1")
+    monkeypatch.setenv(PAGED_PREFILL.name, "1")
     torch.testing.assert_close(_prefill(q, k_cache, v_cache, chunk, 0.125), want, atol=2e-2, rtol=2e-2)

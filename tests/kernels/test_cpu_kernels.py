@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from kernels import cpu_kernels, reference
+from kernels.settings import CPU_KERNELS
 from server.engine.model import RMSNorm
 from tests.kernels.cases import random_case
 
@@ -118,12 +119,12 @@ def test_an_uncovered_shape_takes_the_torch_path_in_the_engine(monkeypatch: pyte
 
 
 def test_turned_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(cpu_kernels.DISABLE_ENV, "0")
+    monkeypatch.setenv(CPU_KERNELS.name, "0")
     cpu_kernels.clear_cache()
     try:
         assert cpu_kernels.paged_decode_kernel() is None and cpu_kernels.add_rms_norm_kernel() is None
     finally:
-        monkeypatch.delenv(cpu_kernels.DISABLE_ENV)
+        monkeypatch.delenv(CPU_KERNELS.name)
         cpu_kernels.clear_cache()
     assert cpu_kernels.paged_decode_kernel() is not None
 

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from benchmarks.harness.engine_models import engine_model
 from kernels import cpu_kernels, cpu_linear
+from kernels.settings import CPU_KERNELS
 from server.engine import EngineConfig, LLMEngine, SamplingParams
 
 BF16_NATIVE = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
@@ -274,7 +275,7 @@ def test_pack_weight_prefers_our_layout_and_linear_routes_to_it(monkeypatch: pyt
     assert rows == [10] and got.shape == (2, 5, 48)
     odd = cpu_linear.pack_weight(torch.randn(48, 63, dtype=torch.bfloat16))
     assert odd is not None and odd.dim() != 4  # oneDNN's blocked weight
-    monkeypatch.setenv(cpu_kernels.DISABLE_ENV, "0")
+    monkeypatch.setenv(CPU_KERNELS.name, "0")
     cpu_kernels.clear_cache()
     try:
         off = cpu_linear.pack_weight(w)
@@ -282,7 +283,7 @@ def test_pack_weight_prefers_our_layout_and_linear_routes_to_it(monkeypatch: pyt
         y = torch.randn(3, 64, dtype=torch.bfloat16)
         torch.testing.assert_close(cpu_linear.linear(y, w, None, off).float(), F.linear(y, w).float(), **BF16)
     finally:
-        monkeypatch.delenv(cpu_kernels.DISABLE_ENV)
+        monkeypatch.delenv(CPU_KERNELS.name)
         cpu_kernels.clear_cache()
 
 

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 import kernels
 from kernels import layer_ops
+from kernels.settings import LAYER_KERNELS
 from server.engine.model import RMSNorm
 from server.engine.rope import RotaryEmbedding, rotate
 
@@ -119,7 +120,7 @@ def test_layer_ops_choose_by_device_and_dtype(monkeypatch: pytest.MonkeyPatch) -
         assert layer_ops.silu_mul_op(x32.cuda()) is None
         assert layer_ops.silu_mul_op(xc) is _ops().silu_mul
         assert layer_ops.rope_write_kv_op(xc, 96) is None
-        monkeypatch.setenv(layer_ops.DISABLE_ENV, "0")
+        monkeypatch.setenv(LAYER_KERNELS.name, "0")
         layer_ops.clear_cache()
         try:
             assert layer_ops.silu_mul_op(xc) is None
