@@ -38,7 +38,7 @@ from benchmarks.harness.kernel_cases import BLOCK, HEAD_DIM, HEADS, KV_HEADS, Ro
 from benchmarks.harness.machine import machine_info
 from benchmarks.harness.output import result_line, write_json
 from benchmarks.plotting import pyplot, save
-from server.malloc_tuning import tune_glibc_malloc
+from server.common.malloc_tuning import tune_glibc_malloc
 
 SUFFIX = 256
 

@@ -13,8 +13,9 @@ each, with its own HTTP connections, as separate users have). Reported:
 * server RSS (``/proc/<pid>/status``) before the load (after a warm-up wave), its peak during, and after
   the sessions ended, and the growth ``after / before - 1`` in percent; "before" and "after" are read once
   the server has been idle for ``settle_s`` (an idle server returns freed memory to the OS:
-  `server.malloc_tuning.release_free_memory`; the server started here runs, as ``python -m server`` does,
-  with ``PYTHONMALLOC=malloc``, `server.malloc_tuning.restart_with_objects_on_malloc`);
+  `server.common.malloc_tuning.release_free_memory`; the server started here runs, as ``python -m server``
+  does,
+  with ``PYTHONMALLOC=malloc``, `server.common.malloc_tuning.restart_with_objects_on_malloc`);
 * KV blocks in use on every engine after everything ended (``GET /v1/engines``, with the cluster token)
   and, for a server this tool started, after the manager dropped its prefix cache too — the blocks
   nothing should hold any more: ``kv_blocks_leaked``.
@@ -89,7 +90,7 @@ class Config:
     warmup: int = 20  # sessions run (unmeasured) before the "before" RSS: lazy imports, caches, pools
     kill_engine_every: float | None = None
     timeout_s: float = 600.0  # per session: a chain not done by then counts as lost
-    settle_s: float = 6.0  # idle seconds before an RSS reading: > 2 ticks of server.app.IDLE_CHECK_S
+    settle_s: float = 6.0  # idle seconds before an RSS reading: > 2 ticks of server.http.app.IDLE_CHECK_S
 
 
 FULL = Config()

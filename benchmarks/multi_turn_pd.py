@@ -8,7 +8,7 @@ workload (`server.sim.disagg_workload`: 1-8 turns, mean 3.6; prompts median 100 
 a PCIe 4.0 x16 link (the paper's) and NVLink. Per setting and policy, bisection over the conversation rate
 (`max_sustained_rate`; rejected and unfinished turns count as SLO misses); reported as turns per second.
 
-Policies, all deciding with `server.serve.mutel`:
+Policies, all deciding with `server.cluster.mutel`:
 
 * **colocated** — four instances doing both (vLLM-like) with KV kept across turns, routing by locality
   and load, and prompt chunks sized to the TPOT budget: the strongest colocated baseline the same code
@@ -39,7 +39,7 @@ Mutel's best split read 1.55x Splitwise's and 1.21x colocated (whose rate then m
 
 Real engines (`benchmarks.harness.disagg_runs`, ``--model``, default SmolLM2-135M-Instruct in float32 on
 CPU): two in-process engines — colocated as two full engines, Splitwise-like and Mutel-style as one prefill
-and one decode engine (`server.serve.disagg_chat`) — serve the same conversations in lockstep turns. Per
+and one decode engine (`server.cluster.disagg_chat`) — serve the same conversations in lockstep turns. Per
 policy and turn: median TTFT, KV bytes moved between the engines, attention-exchange bytes (queries out,
 partials back), prefill tokens; answers compared across policies (greedy, float32: they must be equal).
 ``mutel_moved_over_new_kv`` = Mutel's KV bytes moved per turn / the KV of that turn's new tokens (goal <= 1);
@@ -57,7 +57,7 @@ from benchmarks.harness import disagg_runs, record
 from benchmarks.harness.disagg_runs import RealConfig
 from benchmarks.harness.output import log, markdown_table
 from benchmarks.harness.stats import safe_ratio
-from server.serve.mutel import Slo
+from server.cluster.mutel import Slo
 from server.sim.disagg import Policy, max_sustained_rate
 from server.sim.disagg_cost import LINKS, a100_llama13b
 from server.sim.disagg_workload import WorkloadSpec

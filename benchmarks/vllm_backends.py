@@ -4,7 +4,7 @@ The same vLLM server (its CPU build, ``--vllm-python`` / ``$PARROT_VLLM_PYTHON``
 default) serves two clients in one run:
 
 * **parrot** — the `parrot` frontend against a Parrot manager with no engine of its own and the vLLM server
-  as its engine (`server.serve.openai_backend`): token-id prompts, a shared prefix computed once on vLLM
+  as its engine (`server.cluster.openai_backend`): token-id prompts, a shared prefix computed once on vLLM
   before the requests that fork from it, the DAG run server-side;
 * **baseline** — the request-centric client straight to vLLM: rendered prompts, ``POST /v1/completions``.
 

@@ -3,7 +3,7 @@
 A setting is declared once (`EnvSetting`: its variable, type, default and doc) and read where it acts with
 ``.get()``: an unset or empty variable gives the default, a value that does not parse raises `ValueError`
 naming the variable and what it takes. Every ``PARROT_*`` variable of the service is listed, with these, in
-`server.settings.SETTINGS` (``python -m server --help`` prints them).
+`server.common.settings.SETTINGS` (``python -m server --help`` prints them).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Parrot serve: the manager (`server.serve`), the engine (`server.engine`) and the HTTP app (`server.app`).
+"""Parrot serve: the manager (`server.serve`), the engine (`server.engine`) and the HTTP app
+(`server.http.app`).
 
 `server.launch(model="tiny", engines=1, port=0)` starts the whole service in the background
 (`server.launcher`).

@@ -12,7 +12,7 @@ generated into $PARROT_CACHE_DIR/cluster_token (or ~/.cache/parrot-serve/cluster
 
 from __future__ import annotations
 
-from server.malloc_tuning import restart_with_objects_on_malloc
+from server.common.malloc_tuning import restart_with_objects_on_malloc
 
 if __name__ == "__main__":  # first thing: the imports below would otherwise be paid twice
     restart_with_objects_on_malloc()
@@ -37,24 +37,24 @@ from server.cli import (
     program_name,
     serve,
 )
-from server.settings import epilog
+from server.common.settings import epilog
 
 try:  # without the server extra (a client-only install) this is one line naming the pip command to run
     from starlette.types import ASGIApp
 
-    from server.app import create_app
+    from server.cluster.mutel import Slo
+    from server.cluster.openai_backend import OpenAIBackendConfig
+    from server.cluster.openai_backend_http import BACKEND_KEY_ENV
+    from server.cluster.ray_engines import RayEngines
+    from server.common.netdelay import NetworkDelayMiddleware
+    from server.common.security import SecurityConfig, api_keys_from, load_cluster_token
     from server.engine import EngineConfig, EngineError
     from server.engine.model_names import DEFAULT_MODEL, MODEL_HELP
     from server.engine.ordering import add_scheduling_args
+    from server.http.app import create_app
     from server.launcher import build_engines, connect_openai_backends
-    from server.netdelay import NetworkDelayMiddleware
-    from server.security import SecurityConfig, api_keys_from, load_cluster_token
     from server.serve.length_predictor import LengthPredictorStateError
     from server.serve.manager import Manager, ManagerConfig
-    from server.serve.mutel import Slo
-    from server.serve.openai_backend import OpenAIBackendConfig
-    from server.serve.openai_backend_http import BACKEND_KEY_ENV
-    from server.serve.ray_engines import RayEngines
 except ModuleNotFoundError as missing:
     exit_if_extra_missing(missing, program_name("server", "parrot-serve"))
     raise
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         for engine in engines:
             engine.shutdown()
         if ray_actors:
-            from server.serve.ray_engines import stop_ray_engines
+            from server.cluster.ray_engines import stop_ray_engines
 
             stop_ray_engines(ray_actors)
     return 0
@@ -311,7 +311,7 @@ def _place_on_ray(
 ) -> None:
     """Once the manager answers, have Ray start the engines, which then register with it; their handles go
     to ``placed`` (an actor whose handles are all gone is ended)."""
-    from server.serve.ray_engines import manager_url_for, start_ray_engines
+    from server.cluster.ray_engines import manager_url_for, start_ray_engines
 
     local = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
     while True:

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from server.connection_limits import ConnectionLimits, guarded_h11
+from server.common.connection_limits import ConnectionLimits, guarded_h11
 
 if TYPE_CHECKING:
     from starlette.types import ASGIApp

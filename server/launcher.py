@@ -14,18 +14,18 @@ from typing import Any, TypeVar
 import uvicorn
 from fastapi import FastAPI
 
-from server.app import create_app
-from server.connection_limits import ConnectionLimits, guarded_h11
+from server.cluster.disagg_engine import DisaggregatedEngine
+from server.cluster.openai_backend import OpenAIBackendConfig, OpenAIBackendEngine
+from server.cluster.ray_engines import RayEngines
+from server.common.connection_limits import ConnectionLimits, guarded_h11
+from server.common.netdelay import NetworkDelayMiddleware
+from server.common.security import SecurityConfig, api_keys_from
+from server.common.settings import CLUSTER_TOKEN
 from server.engine import EngineConfig, LLMEngine
 from server.engine.interface import Engine
 from server.engine.model_names import DEFAULT_MODEL
-from server.netdelay import NetworkDelayMiddleware
-from server.security import SecurityConfig, api_keys_from
-from server.serve.disagg_engine import DisaggregatedEngine
+from server.http.app import create_app
 from server.serve.manager import Manager, ManagerConfig
-from server.serve.openai_backend import OpenAIBackendConfig, OpenAIBackendEngine
-from server.serve.ray_engines import RayEngines
-from server.settings import CLUSTER_TOKEN
 
 T = TypeVar("T")
 
@@ -111,7 +111,8 @@ def launch(
     ``"tiny"``, a ``.gguf`` file or a Hugging Face folder: see `server.engine.model_names`); stop everything
     on exit.
 
-    ``network_delay=(low, high)`` puts the simulated client network delay (`server.netdelay`) in front of
+    ``network_delay=(low, high)`` puts the simulated client network delay (`server.common.netdelay`) in front
+    of
     every request, as benchmarks do for both Parrot and the baseline.
 
     ``api_keys`` (default: ``$PARROT_API_KEY`` if set) guard the OpenAI routes. In-process engines need no
@@ -121,10 +122,10 @@ def launch(
     ``disaggregate``: the engines serve in prefill + decode pairs (`build_engines`).
 
     ``openai_backends``: OpenAI-compatible servers (vLLM, SGLang, another Parrot) that serve as engines too,
-    each a URL or an `OpenAIBackendConfig` (`server.serve.openai_backend`).
+    each a URL or an `OpenAIBackendConfig` (`server.cluster.openai_backend`).
 
     ``ray``: more engines, placed by Ray as actors that register with this server
-    (`server.serve.ray_engines`); the server is yielded once they all serve.
+    (`server.cluster.ray_engines`); the server is yielded once they all serve.
     """
     token = cluster_token or CLUSTER_TOKEN.get()
     settings = (
@@ -170,7 +171,7 @@ def launch(
         yield launched
     finally:
         if launched is not None and launched.ray_actors:
-            from server.serve.ray_engines import stop_ray_engines
+            from server.cluster.ray_engines import stop_ray_engines
 
             stop_ray_engines(launched.ray_actors)
         server.should_exit = True
@@ -188,7 +189,7 @@ def _place_on_ray(
     timeout: float,
 ) -> list[Any]:
     """Ray's engines, started and registered with ``server`` (its manager counts them in service)."""
-    from server.serve.ray_engines import manager_url_for, start_ray_engines
+    from server.cluster.ray_engines import manager_url_for, start_ray_engines
 
     port = int(server.url.rsplit(":", 1)[1])
     before = len(server.manager.engines)

@@ -1,7 +1,8 @@
 """Dependencies flow one way (docs/architecture.md): the adapters -> `parrot`; `server` -> `parrot.protocol`
 and `kernels`; `kernels` -> torch/triton only; `parrot` never imports `server`, torch or transformers (a
-client install is httpx + pydantic). Inside the service the HTTP edge (`server.app`, `server.openai_api`, the
-launcher) sits on the manager (`server.serve`), which sits on the engine (`server.engine`). The benchmarks
+client install is httpx + pydantic). Inside the service the wings stack: the HTTP edge (`server.http`, the
+launcher, the CLI) on the manager (`server.serve`), on the cluster's engine kinds (`server.cluster`), on the
+engine (`server.engine`); `server.common` (settings, security, bounds) under all of them. The benchmarks
 and the recipes share their workload text through `workload_text`, not through each other; experiments
 (``benchmarks/<name>.py``) share through `benchmarks.harness` and `benchmarks.workloads`, not through each
 other.
@@ -35,14 +36,7 @@ ROOTS: dict[str, Path] = {
     "workload_text": ROOT / "workload_text.py",
 }
 
-_HTTP_EDGE = {
-    "server.app",
-    "server.openai_api",
-    "server.openai_answer",
-    "server.openai_backends",
-    "server.launcher",
-    "server.__main__",
-}
+_HTTP_EDGE = {"server.http", "server.launcher", "server.__main__"}
 
 # importer -> what it must never import. A dotted name stands for that module and everything under it.
 FORBIDDEN: dict[str, set[str]] = {
@@ -62,8 +56,13 @@ FORBIDDEN: dict[str, set[str]] = {
     "llamaindex_parrot": {"server", "kernels", "benchmarks", "recipes", "langchain_parrot", "torch"},
     "kernels": {"server", "parrot", "langchain_parrot", "llamaindex_parrot", "benchmarks", "recipes"},
     "server": {"langchain_parrot", "llamaindex_parrot", "benchmarks", "recipes"},
-    # The engine knows nothing of the manager, the simulator built on it, or the HTTP edge above them.
-    "server.engine": {"server.serve", "server.sim", *_HTTP_EDGE},
+    # Shared by every wing, so it imports none of them.
+    "server.common": {"server.engine", "server.cluster", "server.serve", "server.sim", *_HTTP_EDGE},
+    # The engine knows nothing of the other engine kinds, the manager, the simulator built on it, or the HTTP
+    # edge above them.
+    "server.engine": {"server.cluster", "server.serve", "server.sim", *_HTTP_EDGE},
+    # The other engine kinds are engines: they know nothing of the manager that holds them.
+    "server.cluster": {"server.serve", "server.sim", *_HTTP_EDGE},
     # The manager decides; the HTTP edge answers for it and the simulator drives it.
     "server.serve": {"server.sim", *_HTTP_EDGE},
     # The kernels benchmark times the kernels alone: loading the engine would skew the machine it measures.
@@ -224,7 +223,7 @@ def test_the_import_reader_sees_lazy_type_only_and_relative_imports(tmp_path: Pa
     path.write_text(
         "from typing import TYPE_CHECKING\n"
         "if TYPE_CHECKING:\n"
-        "    from server.app import create_app\n"
+        "    from server.http.app import create_app\n"
         "def f():\n"
         "    import torch.nn\n"
         "from .sibling import thing\n"
@@ -233,7 +232,7 @@ def test_the_import_reader_sees_lazy_type_only_and_relative_imports(tmp_path: Pa
     names = set(imported_names("server.serve", path))
     assert names == {
         "typing.TYPE_CHECKING",
-        "server.app.create_app",
+        "server.http.app.create_app",
         "torch.nn",
         "server.serve.sibling.thing",
         "server.other",

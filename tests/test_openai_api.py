@@ -24,8 +24,8 @@ from fastapi.responses import JSONResponse
 import kernels  # noqa: F401  (before transformers, so TRITON_INTERPRET from conftest applies)
 from server.engine import EngineConfig, LLMEngine, SamplingParams
 from server.engine.api import error_response
-from server.openai_api import create_openai_router
-from server.openai_backends import StaticBackend
+from server.http.openai_api import create_openai_router
+from server.http.openai_backends import StaticBackend
 
 _ref_ids = itertools.count(1 << 50)  # the reference generates' own context ids
 

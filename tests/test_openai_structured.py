@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from server.engine import LLMEngine, SamplingParams
-from server.openai_tools import parse_tool_calls
+from server.http.openai_tools import parse_tool_calls
 from tests.test_openai_api import MESSAGES, PROMPT, base_url, client, engine  # noqa: F401  (fixtures)
 
 # Bounded (string lengths, array sizes, number ranges), so that a random model finishes every answer.

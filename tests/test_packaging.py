@@ -21,7 +21,7 @@ import httpx
 import parrot as P
 import pytest
 
-from server.security import CLUSTER_TOKEN_ENV
+from server.common.security import CLUSTER_TOKEN_ENV
 from tests.processes import served_url, stop, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,5 @@
-"""Every ``PARROT_*`` variable is declared once (`server.settings.SETTINGS`), typed, and read only through
+"""Every ``PARROT_*`` variable is declared once (`server.common.settings.SETTINGS`), typed, and read only
+through
 its declaration; a value that does not parse is an error naming the variable."""
 
 from __future__ import annotations
@@ -9,14 +10,14 @@ from pathlib import Path
 import pytest
 
 from kernels.settings import EnvSetting, choice, switch
-from server.settings import SETTINGS, epilog
+from server.common.settings import SETTINGS, epilog
 
 ROOT = Path(__file__).resolve().parents[1]
 # What the service's own code may read of the environment besides its settings: CPython's allocator
 # switch (set before a restart), a child process's copy of the environment, a build script's tokenizer flag.
 OTHER_ENV_READS = {
-    "server/malloc_tuning.py",
-    "server/serve/ray_vllm.py",
+    "server/common/malloc_tuning.py",
+    "server/cluster/ray_vllm.py",
     "server/engine/tiny/build_tokenizer.py",
 }
 
@@ -45,7 +46,8 @@ def test_the_help_lists_every_setting_with_its_default() -> None:
     text = epilog()
     for s in SETTINGS:
         assert s.name in text
-    assert "(default: 'auto')" in text
+    assert "PARROT_BF16_GEMM" in text and "(default: auto)" in text and "(default: 1)" in text
+    assert "(default: None)" not in text  # an unset variable's doc says what happens instead
 
 
 def test_a_setting_parses_its_value_or_names_itself_in_the_error(monkeypatch: pytest.MonkeyPatch) -> None:

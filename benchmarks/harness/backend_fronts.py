@@ -1,4 +1,4 @@
-"""Parrot in front of OpenAI-compatible backends (`server.serve.openai_backend`), as
+"""Parrot in front of OpenAI-compatible backends (`server.cluster.openai_backend`), as
 `benchmarks.vllm_backends` runs it: the backends started on a model's weights (`backends`: vLLM servers,
 or Parrot's own ``/v1`` where no vLLM is given), a Parrot manager with no engine of its own over them
 (`front`), and the client network delay both clients add to each of their requests (`Delay`).
@@ -22,10 +22,10 @@ from benchmarks.harness.hf_generate import hf_folder
 from benchmarks.harness.openai_servers import Backend, parrot_backend, vllm_backends
 from benchmarks.harness.systems import DELAY_S
 from benchmarks.harness.vllm_settings import vllm_env
+from server.cluster.openai_backend import OpenAIBackendConfig
 from server.engine import EngineConfig, LLMEngine
 from server.launcher import launch
 from server.serve.manager import ManagerConfig
-from server.serve.openai_backend import OpenAIBackendConfig
 
 __all__ = ["Delay", "backends", "front"]
 

@@ -1,4 +1,4 @@
-"""Multi-turn chat on real engines under the three disaggregation policies (`server.serve.disagg_chat`).
+"""Multi-turn chat on real engines under the three disaggregation policies (`server.cluster.disagg_chat`).
 
 Two in-process engines on the same weights: ``colocated`` uses both as full engines (a conversation stays
 on one); ``splitwise`` and ``mutel`` use one as the prefill instance and one as the decode instance;
@@ -21,9 +21,9 @@ from typing import Any
 
 from benchmarks.harness.output import log, markdown_table
 from benchmarks.workloads.chat import TextPool, conversations
+from server.cluster.disagg_chat import POLICIES, DisaggregatedChat, TurnResult
 from server.engine import EngineConfig, LLMEngine, SamplingParams
 from server.engine.model_runner import KVCache
-from server.serve.disagg_chat import POLICIES, DisaggregatedChat, TurnResult
 
 RECOMPUTE = "mutel recompute"
 RUNS = (*POLICIES, RECOMPUTE)  # Mutel both ways: the answer's KV moved back once, or recomputed there

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from typing import IO, Any
 
 from benchmarks.harness.output import log
-from server.malloc_tuning import OBJECTS_ON_MALLOC, PYTHON_ALLOCATOR_ENV
+from server.common.malloc_tuning import OBJECTS_ON_MALLOC, PYTHON_ALLOCATOR_ENV
 
 CLUSTER_TOKEN_ENV = "PARROT_CLUSTER_TOKEN"  # what `python -m server` and `python -m server.engine` read
 HEARTBEAT_S = 0.5  # the hosted manager's heartbeat check, so a dead remote engine leaves service quickly
@@ -43,7 +43,7 @@ class HostedServer:
     def __init__(self, engines: int, token: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        # Run as `python -m server` runs (server.malloc_tuning): Python's objects on glibc's heap.
+        # Run as `python -m server` runs (server.common.malloc_tuning): Python's objects on glibc's heap.
         env = {**os.environ, CLUSTER_TOKEN_ENV: token}
         env.setdefault(PYTHON_ALLOCATOR_ENV, OBJECTS_ON_MALLOC)
         self.proc = subprocess.Popen(

@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 
 from benchmarks.harness.process_groups import wait_until_answers
+from server.cluster.ray_nodes import free_port
 from server.launcher import LaunchedServer, launch
-from server.serve.ray_nodes import free_port
 
 __all__ = ["Backend", "parrot_backend", "vllm_backend", "vllm_backends"]
 

@@ -22,10 +22,10 @@ import httpx
 
 from benchmarks.harness.flags import bench_dtype
 from kernels import cpu_kernels
+from server.common.netdelay import NetworkDelayMiddleware
 from server.engine import EngineConfig
 from server.engine.config import cpu_has_native_bf16
 from server.launcher import LaunchedServer, launch
-from server.netdelay import NetworkDelayMiddleware
 from server.serve.manager import ManagerConfig
 
 __all__ = [

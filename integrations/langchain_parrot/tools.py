@@ -4,7 +4,7 @@ OpenAI shapes of the server's ``/v1/chat/completions`` (``tools``, ``tool_choice
 
 The server offers the tools to the model in its chat template (or a Hermes-format system message) and, for
 a forced choice (``"required"`` or a named function), constrains the answer to a JSON list of calls whose
-arguments are valid under each tool's parameter schema (see ``server/openai_tools.py``).
+arguments are valid under each tool's parameter schema (see ``server/http/openai_tools.py``).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ $PARROT_CLUSTER_TOKEN, else the default file the manager writes ($PARROT_CACHE_D
 
 from __future__ import annotations
 
-from server.malloc_tuning import restart_with_objects_on_malloc
+from server.common.malloc_tuning import restart_with_objects_on_malloc
 
 if __name__ == "__main__":  # first thing: the imports below would otherwise be paid twice
     restart_with_objects_on_malloc()
@@ -32,14 +32,14 @@ from server.cli import (
     program_name,
     serve,
 )
+from server.common.security import load_cluster_token
+from server.common.settings import epilog
 from server.engine.config import ENGINE_ROLES, EngineConfig
 from server.engine.engine import LLMEngine
 from server.engine.manager_link import ManagerLink
 from server.engine.model_names import DEFAULT_MODEL, MODEL_HELP
 from server.engine.ordering import add_scheduling_args
 from server.engine.sampling import SamplingParams
-from server.security import load_cluster_token
-from server.settings import epilog
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -22,8 +22,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from parrot.protocol import ErrorBody, ErrorResponse, TokenLogprobConfig
 
-from server.auth_first import AuthFirstMiddleware, GuardedRoute, guarded_routes
-from server.body_limit import BodyLimitMiddleware
+from server.common.auth_first import AuthFirstMiddleware, GuardedRoute, guarded_routes
+from server.common.body_limit import BodyLimitMiddleware
+from server.common.security import AuthError, auth_error_response, cluster_token_guard, install_auth_handler
 from server.engine.detokenize import IncrementalDetokenizer
 from server.engine.engine import LLMEngine
 from server.engine.engine_front import GenerationStream
@@ -43,7 +44,6 @@ from server.engine.wire import (
     EngineStreamChunk,
     EngineTokenizerFiles,
 )
-from server.security import AuthError, auth_error_response, cluster_token_guard, install_auth_handler
 
 # A fill carries token ids as JSON (~6-8 bytes each): 64 MiB holds a few million, beyond any context window.
 MAX_ENGINE_BODY_BYTES = 64 * 1024 * 1024

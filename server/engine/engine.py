@@ -22,6 +22,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
+from server.common.malloc_tuning import tune_glibc_malloc
 from server.engine import cuda_graphs
 from server.engine.block_manager import BlockAllocator
 from server.engine.compute_thread import on_own_thread
@@ -62,7 +63,6 @@ from server.engine.scheduler import ScheduledChunk, Scheduler
 from server.engine.step_features import StepRecord, step_features
 from server.engine.step_timing import StepTiming
 from server.engine.wire import MAX_TENANT_CHARS, EngineStats
-from server.malloc_tuning import tune_glibc_malloc
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -358,7 +358,7 @@ class LLMEngine(KVExchange, Engine):
     async def set_token_budget(self, tokens: int) -> None:
         """Tokens one step may compute from now on (``max_num_batched_tokens``): fills are chunked to it.
         Mutel's coordination shrinks a prefill instance's chunks while decode instances wait on it for
-        attention over the KV it holds (`server.serve.mutel.chunk_size`)."""
+        attention over the KV it holds (`server.cluster.mutel.chunk_size`)."""
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
             raise InvalidRequestError(f"set_token_budget: a positive token count, not {tokens!r}")
 

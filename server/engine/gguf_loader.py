@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from server.common.settings import CACHE_DIR, cache_dir
 from server.engine.config import ModelConfig
-from server.settings import CACHE_DIR
 
 log = logging.getLogger(__name__)
 
@@ -565,11 +565,6 @@ def gguf_state_dict(gguf_file: GGUFFile, cfg: ModelConfig, dtype: torch.dtype) -
 
 
 # -------------------------------------------------------------------------------------- the tokenizer
-def cache_dir() -> Path:
-    """Where converted artifacts are kept: ``$PARROT_CACHE_DIR``, else ``~/.cache/parrot-serve``."""
-    return CACHE_DIR.get() or Path.home() / ".cache" / "parrot-serve"
-
-
 def tokenizer_cache_path(path: str | Path) -> Path:
     """The cache folder of a GGUF file's converted tokenizer: keyed by the file's resolved path, size and
     mtime (a replaced file gets a new entry) and the transformers version that converted it."""

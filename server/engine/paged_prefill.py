@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 
 import kernels
-from server.settings import PAGED_PREFILL
+from server.common.settings import PAGED_PREFILL
 
 __all__ = ["attend", "enabled"]
 

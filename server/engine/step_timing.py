@@ -1,5 +1,5 @@
 """How long the engine's recent steps took: what a manager predicts time to first token and time per output
-token from (Mutel's early rejection, `server.serve.mutel.admit`)."""
+token from (Mutel's early rejection, `server.cluster.mutel.admit`)."""
 
 from __future__ import annotations
 

@@ -120,7 +120,7 @@ class EngineStats(BaseModel):
     kv_bytes_moved: int = 0  # KV copied out of or into this engine instead of being recomputed
     remote_attention_bytes: int = 0  # queries and partial outputs exchanged with engines holding remote KV
     # Recent timing (moving averages; 0 until measured) and the prompt work queued: what the manager
-    # predicts TTFT and TPOT from when it admits requests against SLOs (`server.serve.mutel.admit`).
+    # predicts TTFT and TPOT from when it admits requests against SLOs (`server.cluster.mutel.admit`).
     decode_step_s: float = 0.0
     prefill_s_per_token: float = 0.0
     queued_prefill_tokens: int = 0
@@ -157,7 +157,7 @@ class EngineRegistration(StrictModel):
 
 class BackendRegistration(StrictModel):
     """``POST /v1/backends``: an OpenAI-compatible server (vLLM, SGLang, another Parrot) joins a running
-    manager as an engine (`server.serve.openai_backend`). What cannot be read from it is given here: the
+    manager as an engine (`server.cluster.openai_backend`). What cannot be read from it is given here: the
     tokens it runs at once, its latency cap, its context window where its model list does not say, the
     tokenizer (a model name or path on the manager's machine; default: the served model's id) and whether it
     schedules by priority."""

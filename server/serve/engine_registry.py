@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import httpx
 
+from server.cluster.openai_backend import OpenAIBackendConfig, OpenAIBackendEngine
+from server.cluster.remote_engine import RemoteEngine
 from server.engine import EngineError
 from server.engine.errors import EngineDrainingError, engine_unavailable
 from server.engine.interface import Engine
@@ -35,8 +37,6 @@ from server.serve.errors import (
     UnknownEngineError,
 )
 from server.serve.manager_config import ManagerConfig
-from server.serve.openai_backend import OpenAIBackendConfig, OpenAIBackendEngine
-from server.serve.remote_engine import RemoteEngine
 from server.serve.scheduler import EngineState
 
 log = logging.getLogger(__name__)

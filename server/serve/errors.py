@@ -1,4 +1,5 @@
-"""Typed errors the manager raises that the HTTP edges (`server.app`, `server.openai_api`) answer too.
+"""Typed errors the manager raises that the HTTP edges (`server.http.app`, `server.http.openai_api`) answer
+too.
 
 They live here, below both, so that the manager never imports an HTTP module to raise one (dependencies
 point from the HTTP edge down to the manager and the engine, never back).
@@ -25,7 +26,7 @@ __all__ = [
 class ModelNotFoundError(EngineError):
     """The request names a model no engine serves (``404 model_not_found``); raised by whatever picks an
     engine by model name: `OpenAIBackend.engine_for` (`server.serve.openai_serving`,
-    `server.openai_backends.StaticBackend`) and a call's submission.
+    `server.http.openai_backends.StaticBackend`) and a call's submission.
 
     An `EngineError` like `EngineFailedError`: it is about the engines in service, and every layer that
     answers engine errors with their status (the OpenAI router, a step's failure, the app's handler)

@@ -9,7 +9,7 @@
   token quotas of their tenants.
 
 What is here is the session API itself — sessions, variables, calls, batches — and the server's lifetime
-(drain, shutdown). The HTTP edge (`server.app`) calls only this object and its parts.
+(drain, shutdown). The HTTP edge (`server.http.app`) calls only this object and its parts.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from server.serve.mutel import Slo
+from server.cluster.mutel import Slo
 from server.serve.quotas import Quotas
 
 
@@ -64,7 +64,7 @@ class ManagerConfig:
     # Admission by predicted length (SSJF §6): a step counts against an engine's capacity with its predicted
     # output times this margin (at most max_tokens) instead of max_tokens; None: max_tokens, as before.
     admit_by_predicted_length: float | None = None
-    # Mutel's early rejection (`server.serve.mutel.admit`): an OpenAI request whose engine's predicted time
+    # Mutel's early rejection (`server.cluster.mutel.admit`): an OpenAI request whose engine's predicted time
     # to first token or time per output token misses these P90 objectives is refused at once with a 503
     # (`slo_rejected`, saying which and by how much) instead of queueing; None: every request is admitted.
     # On prefill + decode pairs it also sizes the prefill engine's chunks to the TPOT objective.

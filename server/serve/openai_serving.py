@@ -1,4 +1,5 @@
-"""The OpenAI endpoints' side of the manager (`server.openai_backends.OpenAIBackend`): which engine serves a
+"""The OpenAI endpoints' side of the manager (`server.http.openai_backends.OpenAIBackend`): which engine
+serves a
 request, and its context's life there.
 
 A request waits for its engine in the manager's `Placement`, as a step does, and goes where a kept context
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from server.cluster.slo_admission import admission
 from server.engine import EngineError, SamplingParams
 from server.engine.errors import engine_unavailable
 from server.engine.interface import Engine
@@ -30,7 +32,6 @@ from server.serve.manager_config import ManagerConfig
 from server.serve.output_lengths import PROMPT_TAIL_TOKENS, LengthEstimate, OutputLengths
 from server.serve.placement import NoServingEngineError, Placement
 from server.serve.scheduler import QueuedRequest
-from server.serve.slo_admission import admission
 from server.serve.step_records import StepRecord, StepRecords
 from server.serve.tenant_tokens import TenantTokens
 

@@ -25,9 +25,9 @@ from typing import Any
 import httpx
 from fastapi import FastAPI
 
-from server.app import create_app
+from server.common.netdelay import NetworkDelayMiddleware
 from server.engine.config import EngineConfig, ModelConfig
-from server.netdelay import NetworkDelayMiddleware
+from server.http.app import create_app
 from server.serve.manager import Manager, ManagerConfig
 from server.sim.clock import VirtualTimeLoop
 from server.sim.engine import SimEngine

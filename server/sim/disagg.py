@@ -1,7 +1,7 @@
 """Prefill/decode disaggregation for multi-turn chat on a simulated GPU cluster: policies, results, and the
 highest request rate each sustains under P90 TTFT and TPOT SLOs.
 
-Three policies, all deciding with `server.serve.mutel` (the baselines with its features off):
+Three policies, all deciding with `server.cluster.mutel` (the baselines with its features off):
 
 * ``colocated`` (vLLM-like) — every instance prefills and decodes; a conversation's KV stays cached where
   it ran (prefix caching; routing by locality, unless that instance's decodes would pass their TPOT SLO);
@@ -31,7 +31,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from server.serve.mutel import Slo
+from server.cluster.mutel import Slo
 from server.sim.disagg_cost import ClusterCost
 from server.sim.disagg_events import ClusterSim
 from server.sim.disagg_types import POLICIES, Policy, SimResult, TurnRecord, p90

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from server.serve.mutel import CostModel
+from server.cluster.mutel import CostModel
 from server.sim.latency import LatencyModel, load_profile
 
 __all__ = ["LINKS", "LLAMA_13B", "NVLINK", "PCIE4_X16", "ClusterCost", "Link", "ModelShape", "a100_llama13b"]
@@ -101,7 +101,8 @@ class ClusterCost:
         return m.base + m.decode_seq * seqs + m.kv_token * kv_tokens
 
     def costs(self, host: bool = False) -> CostModel:
-        """The coefficients `server.serve.mutel`'s decisions take (the link to a peer, or to host memory)."""
+        """The coefficients `server.cluster.mutel`'s decisions take (the link to a peer, or to host
+        memory)."""
         m = self.latency
         bw, lat = (
             (self.link.host_bytes_per_s, self.link.host_latency_s)

@@ -14,12 +14,20 @@ from collections import Counter, OrderedDict, defaultdict, deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from server.serve.mutel import CostModel, Role, Slo, TurnRequest, balance_kv, choose_decode, move_or_recompute
+from server.cluster.mutel import (
+    CostModel,
+    Role,
+    Slo,
+    TurnRequest,
+    balance_kv,
+    choose_decode,
+    move_or_recompute,
+)
 from server.sim.disagg_cost import ClusterCost
 from server.sim.disagg_types import Policy, TurnRecord
 
 if TYPE_CHECKING:
-    from server.serve.mutel import InstanceView
+    from server.cluster.mutel import InstanceView
     from server.sim.disagg_workload import Conversation
 
 __all__ = ["DecodeSide", "Instance"]

@@ -28,8 +28,8 @@ from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
-from server.serve import mutel
-from server.serve.mutel import InstanceView, RejectReason, Slo, TurnRequest
+from server.cluster import mutel
+from server.cluster.mutel import InstanceView, RejectReason, Slo, TurnRequest
 from server.sim.disagg_cost import ClusterCost
 from server.sim.disagg_decode import DecodeSide, Instance
 from server.sim.disagg_types import Policy, SimResult, TurnRecord

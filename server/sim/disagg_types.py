@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from server.serve.mutel import RejectReason, Role, Slo
+from server.cluster.mutel import RejectReason, Role, Slo
 
 __all__ = ["POLICIES", "Policy", "SimResult", "TurnRecord", "p90"]
 

@@ -8,11 +8,11 @@ from contextlib import asynccontextmanager
 
 import httpx
 
+from server.cluster.remote_engine import RemoteEngine
 from server.engine import LLMEngine
 from server.engine.api import create_engine_app
 from server.engine.request import Request
 from server.engine.wire import EngineInfo
-from server.serve.remote_engine import RemoteEngine
 
 
 @asynccontextmanager

@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 import torch
 
+from server.common.settings import CACHE_DIR
 from server.engine import EngineConfig, LLMEngine, SamplingParams, gguf_loader, model_names
 from server.engine.config import cpu_has_native_bf16
 from server.engine.gguf_loader import GGUFFormatError, UnsupportedGGUFError, read_gguf
 from server.engine.loader import load_model_config
 from server.engine.model_names import ModelNotFoundError, ModelPackageMissingError, resolve_model
 from server.engine.tiny import TOKENIZER_DIR
-from server.settings import CACHE_DIR
 from tests.engine.conftest import BASE_CONFIG, prompts
 
 gguf = pytest.importorskip("gguf")

@@ -20,6 +20,7 @@ import jsonschema
 import pytest
 import torch
 
+from server.cluster.remote_engine import result_of
 from server.engine import EngineConfig, LLMEngine, SamplingParams, guided as guided_module
 from server.engine.api import create_engine_app
 from server.engine.errors import GuidedDecodingTooCostlyError, InvalidSamplingParamsError, RequestAbortedError
@@ -33,7 +34,6 @@ from server.engine.guided import (
 )
 from server.engine.sampling import MAX_GUIDE_CHARS, GuidedDecoding
 from server.engine.wire import EngineGenerateResponse
-from server.serve.remote_engine import result_of
 from tests.engine.conftest import _hf_model, prompts
 
 _ids = itertools.count(10_000)

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from kernels import Backend, triton_available
+from server.common.settings import PAGED_PREFILL
 from server.engine import paged_prefill
 from server.engine.attention import PrefillChunk, _prefill
-from server.settings import PAGED_PREFILL
 
 BLOCK = 16
 

@@ -15,12 +15,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from server.cluster.remote_engine import RemoteEngine, RemoteEngineError
 from server.engine import EngineConfig, LLMEngine, SamplingParams
 from server.engine.api import create_engine_app
 from server.engine.context import blocks_for
 from server.engine.errors import InvalidRequestError
 from server.engine.wire import EngineInfo
-from server.serve.remote_engine import RemoteEngine, RemoteEngineError
 from server.sim import LatencyModel, SimEngine, run, tiny_tokenizer
 from server.sim.cluster import sim_model_config
 from tests.engine.conftest import prompts

@@ -14,12 +14,12 @@ import httpx
 import parrot as P
 import pytest
 
+from server.common.security import tenant_of
 from server.engine import EngineConfig, InvalidRequestError, LLMEngine, SamplingParams
 from server.engine.ordering import Queued, SchedulingPolicy, order_waiting, tenant_turns
 from server.engine.request import Request
 from server.engine.scheduler import Scheduler
 from server.launcher import launch
-from server.security import tenant_of
 from tests.engine.conftest import prompts
 from tests.engine.remote_asgi import recorded_remote
 from tests.engine.test_caps import _generate, _running, _table

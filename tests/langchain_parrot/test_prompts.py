@@ -259,7 +259,7 @@ def test_the_servers_model_card_renders_as_the_tokenizer(messages: list[dict[str
     from transformers import AutoTokenizer
 
     from server.engine import LLMEngine
-    from server.openai_api import model_card
+    from server.http.openai_api import model_card
 
     engine = LLMEngine.from_pretrained("tiny")
     try:

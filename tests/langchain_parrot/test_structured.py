@@ -43,10 +43,10 @@ from langchain_parrot.messages import to_wire_messages
 from pydantic import BaseModel
 from transformers import AutoTokenizer
 
-from server.app import create_app
 from server.engine.interface import Engine
 from server.engine.request import GenerateResult
 from server.engine.wire import EngineStats
+from server.http.app import create_app
 from server.serve.manager import Manager
 
 

@@ -96,7 +96,7 @@ def prompts(served: LaunchedServer, monkeypatch: pytest.MonkeyPatch) -> Prompts:
         return text
 
     monkeypatch.setattr(manager_module, "render_prompt", recording_render)
-    import server.openai_api as openai_module
+    import server.http.openai_api as openai_module
 
     prompts_of = openai_module.completion_prompts
 

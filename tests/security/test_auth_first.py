@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from server.auth_first import AuthFirstMiddleware
+from server.common.auth_first import AuthFirstMiddleware
 from server.engine import EngineConfig, LLMEngine
 from server.engine.api import create_engine_app
 from server.launcher import LaunchedServer, launch

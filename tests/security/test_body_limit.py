@@ -11,8 +11,8 @@ import httpx
 import pytest
 from starlette.types import Message, Receive, Scope, Send
 
-import server.app
-from server.body_limit import BodyLimitMiddleware
+import server.http.app
+from server.common.body_limit import BodyLimitMiddleware
 from server.launcher import launch
 
 LIMIT = 1000
@@ -74,7 +74,7 @@ async def test_bodies_within_the_limit_reach_the_app_whole() -> None:
 
 
 def test_the_server_refuses_a_chunked_upload_over_its_limit(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(server.app, "MAX_BODY_BYTES", LIMIT)
+    monkeypatch.setattr(server.http.app, "MAX_BODY_BYTES", LIMIT)
     with launch("tiny") as served:
         # A generator body goes out chunked (no Content-Length): the case the header check missed.
         r = httpx.post(f"{served.url}/v1/sessions", content=_chunks(3 * LIMIT), timeout=30)

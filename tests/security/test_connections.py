@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from server.connection_limits import ConnectionLimits
+from server.common.connection_limits import ConnectionLimits
 from server.launcher import launch
 from tests.processes import free_port, stop, wait_healthy
 

@@ -14,8 +14,8 @@ import httpx
 import pytest
 from parrot.template import MAX_TEMPLATE_PLACEHOLDERS
 
+from server.http.openai_requests import MAX_GENERATIONS
 from server.launcher import LaunchedServer, launch
-from server.openai_requests import MAX_GENERATIONS
 from server.serve.manager import ManagerConfig
 
 T = TypeVar("T")

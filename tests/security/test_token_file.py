@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server.security import CLUSTER_TOKEN_ENV, load_cluster_token
+from server.common.security import CLUSTER_TOKEN_ENV, load_cluster_token
 from tests.processes import free_port
 
 
@@ -35,14 +35,14 @@ def test_a_missing_file_is_created_readable_only_by_its_owner_and_logged(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     path = tmp_path / "secrets" / "token"
-    with caplog.at_level(logging.INFO, logger="server.security"):
+    with caplog.at_level(logging.INFO, logger="server.common.security"):
         token = load_cluster_token(path)
     assert path.read_text().strip() == token.value and len(token.value) >= 32
     assert _mode(path) == 0o600 and _mode(path.parent) == 0o700
     assert token.source == str(path) and str(path) in caplog.text
     assert token.value not in caplog.text  # the secret itself is never logged
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="server.security"):
+    with caplog.at_level(logging.INFO, logger="server.common.security"):
         assert load_cluster_token(path) == token  # read back, not replaced
     assert "generated" not in caplog.text
 
@@ -73,7 +73,7 @@ def test_bad_files_are_named(tmp_path: Path, caplog: pytest.LogCaptureFixture) -
     shared = tmp_path / "shared"
     shared.write_text("abc")
     shared.chmod(0o644)
-    with caplog.at_level(logging.WARNING, logger="server.security"):
+    with caplog.at_level(logging.WARNING, logger="server.common.security"):
         assert load_cluster_token(shared).value == "abc"
     assert f"{shared} is readable by other users" in caplog.text
 

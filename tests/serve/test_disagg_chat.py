@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from server.cluster.disagg_chat import POLICIES, DisaggregatedChat, TurnResult
 from server.engine import EngineConfig, LLMEngine, SamplingParams
-from server.serve.disagg_chat import POLICIES, DisaggregatedChat, TurnResult
 from tests.engine.conftest import prompts, save_hf_model
 
 SAMPLING = SamplingParams(max_tokens=10, ignore_eos=True)

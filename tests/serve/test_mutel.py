@@ -1,10 +1,10 @@
-"""Mutel's load balancer (`server.serve.mutel`): every decision on small hand-made snapshots."""
+"""Mutel's load balancer (`server.cluster.mutel`): every decision on small hand-made snapshots."""
 
 from __future__ import annotations
 
 import pytest
 
-from server.serve.mutel import (
+from server.cluster.mutel import (
     CostModel,
     InstanceView,
     PrefillChoice,

@@ -18,9 +18,9 @@ import pytest
 
 from server import launch
 from server.__main__ import main as server_main
+from server.common.security import CLUSTER_TOKEN_ENV
 from server.engine import LLMEngine
 from server.engine.__main__ import main as engine_main
-from server.security import CLUSTER_TOKEN_ENV
 from tests.processes import served_url, spawn_logged, stop, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,10 +11,10 @@ import httpx
 import parrot as P
 import pytest
 
+from server.cluster.disagg_engine import DisaggregatedEngine
 from server.engine import EngineConfig, SamplingParams
 from server.engine.errors import RequestAbortedError
 from server.launcher import LaunchedServer, build_engines, launch
-from server.serve.disagg_engine import DisaggregatedEngine
 
 CONFIG = EngineConfig(num_kv_blocks=256)
 GREEDY = {"temperature": 0.0, "ignore_eos": True, "max_tokens": 12}

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
+from server.cluster.openai_backend import OpenAIBackendConfig, OpenAIBackendEngine
+from server.cluster.remote_engine import RemoteEngine
 from server.engine import EngineConfig, EngineError, LLMEngine, SamplingParams
 from server.engine.api import create_engine_app
 from server.engine.interface import Engine
 from server.launcher import build_engines, launch
-from server.serve.openai_backend import OpenAIBackendConfig, OpenAIBackendEngine
-from server.serve.remote_engine import RemoteEngine
 from tests.security.conftest import serving
 
 CONFIG = EngineConfig(num_kv_blocks=128)
@@ -114,7 +114,7 @@ async def test_every_kind_answers_the_engine_calls_alike(kind: str) -> None:
 
 # Where engines are built (or are themselves an engine kind): the only places that may name engine classes
 # in an isinstance check.
-BUILDERS = {"server/launcher.py", "server/serve/ray_engines.py", "server/sim/engine.py"}
+BUILDERS = {"server/launcher.py", "server/cluster/ray_engines.py", "server/sim/engine.py"}
 ENGINE_CLASSES = {"LLMEngine", "RemoteEngine", "DisaggregatedEngine", "OpenAIBackendEngine", "SimEngine"}
 
 

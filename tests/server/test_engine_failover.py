@@ -23,9 +23,9 @@ import pytest
 from fastapi.testclient import TestClient
 from parrot.protocol import PlaceholderSpec, SamplingConfig, SubmitCallRequest
 
-from server.app import create_app
 from server.engine import EngineConfig, LLMEngine, SamplingParams
 from server.engine.errors import EngineDeadError
+from server.http.app import create_app
 from server.launcher import LaunchedServer, launch
 from server.serve.manager import Manager, ManagerConfig
 from server.serve.sessions import Session

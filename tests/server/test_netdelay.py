@@ -10,7 +10,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from server.netdelay import NetworkDelayMiddleware
+from server.common.netdelay import NetworkDelayMiddleware
 
 
 def _app() -> FastAPI:

@@ -1,5 +1,5 @@
 """The servers' command lines run with CPython's objects on glibc malloc (``PYTHONMALLOC=malloc``), so the
-memory of a burst of sessions goes back to the OS once it ends (`server.malloc_tuning`)."""
+memory of a burst of sessions goes back to the OS once it ends (`server.common.malloc_tuning`)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from server import malloc_tuning
-from server.malloc_tuning import OBJECTS_ON_MALLOC, PYTHON_ALLOCATOR_ENV, restart_with_objects_on_malloc
-from server.security import CLUSTER_TOKEN_ENV
+from server.common import malloc_tuning
+from server.common.malloc_tuning import (
+    OBJECTS_ON_MALLOC,
+    PYTHON_ALLOCATOR_ENV,
+    restart_with_objects_on_malloc,
+)
+from server.common.security import CLUSTER_TOKEN_ENV
 from tests.processes import served_url, spawn_logged, stop, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""OpenAI-compatible servers as engines (`server.serve.openai_backend`), with Parrot's own ``/v1`` as the
+"""OpenAI-compatible servers as engines (`server.cluster.openai_backend`), with Parrot's own ``/v1`` as the
 backend: Semantic Variable applications and the OpenAI routes give what the backend's own engine gives,
 prefix affinity keeps sharing requests on one backend, and failures keep their engine types."""
 
@@ -14,6 +14,9 @@ import parrot as P
 import pytest
 
 from server.__main__ import main as server_main
+from server.cluster.openai_backend import OpenAIBackendConfig, OpenAIBackendEngine
+from server.cluster.openai_backend_http import BACKEND_KEY_ENV, stream_completion
+from server.cluster.remote_engine import RemoteEngineError
 from server.engine import EngineConfig, SamplingParams, model_names
 from server.engine.errors import (
     ContextBusyError,
@@ -26,9 +29,6 @@ from server.engine.errors import (
 )
 from server.launcher import LaunchedServer, launch
 from server.serve.manager import ManagerConfig
-from server.serve.openai_backend import OpenAIBackendConfig, OpenAIBackendEngine
-from server.serve.openai_backend_http import BACKEND_KEY_ENV, stream_completion
-from server.serve.remote_engine import RemoteEngineError
 from tests.processes import free_port
 
 CONFIG = EngineConfig(num_kv_blocks=256)

@@ -15,11 +15,11 @@ import parrot as P
 import pytest
 
 from benchmarks.harness.openai_servers import Backend, vllm_backend
+from server.cluster.openai_backend import OpenAIBackendEngine
 from server.engine import EngineConfig
 from server.engine.tiny.model import save_tiny
 from server.launcher import LaunchedServer, launch
 from server.serve.manager import ManagerConfig
-from server.serve.openai_backend import OpenAIBackendEngine
 from tests.server.test_openai_backend import STORY
 
 VLLM_PYTHON = os.environ.get("PARROT_VLLM_PYTHON", "")

@@ -17,9 +17,9 @@ import httpx
 import parrot as P
 import pytest
 
+from server.cluster.ray_engines import RayEngines, start_ray_engines
 from server.engine import EngineConfig
 from server.launcher import LaunchedServer, launch
-from server.serve.ray_engines import RayEngines, start_ray_engines
 from tests.processes import free_port
 
 ray = pytest.importorskip("ray", reason="needs the ray extra (pip install parrot-serve[ray])")

@@ -11,11 +11,11 @@ from collections.abc import Iterator
 
 import pytest
 
+from server.cluster.openai_backend import OpenAIBackendEngine
+from server.cluster.ray_engines import RayEngines
 from server.engine import EngineConfig
 from server.engine.tiny.model import save_tiny
 from server.launcher import LaunchedServer, launch
-from server.serve.openai_backend import OpenAIBackendEngine
-from server.serve.ray_engines import RayEngines
 from tests.server.test_openai_backend_vllm import VLLM_PYTHON, _stories
 
 ray = pytest.importorskip("ray", reason="needs the ray extra (pip install parrot-serve[ray])")

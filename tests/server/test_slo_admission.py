@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import httpx
 
+from server.cluster.disagg_engine import DisaggregatedEngine
+from server.cluster.mutel import RejectReason, Slo
+from server.cluster.slo_admission import admission, prefill_chunk_tokens
 from server.engine import EngineConfig
 from server.engine.wire import EngineStats
 from server.launcher import launch
-from server.serve.disagg_engine import DisaggregatedEngine
 from server.serve.manager import ManagerConfig
-from server.serve.mutel import RejectReason, Slo
-from server.serve.slo_admission import admission, prefill_chunk_tokens
 
 PROMPT = "A prompt of a few dozen tokens, long enough that its prefill is timed per token: " * 2
 

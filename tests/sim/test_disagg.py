@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from server.serve.mutel import RejectReason, Slo
+from server.cluster.mutel import RejectReason, Slo
 from server.sim import disagg
 from server.sim.disagg import Policy, SimResult, max_sustained_rate, simulate
 from server.sim.disagg_cost import NVLINK, PCIE4_X16, a100_llama13b

@@ -1,11 +1,10 @@
 """Mutel on the manager's live engines: an engine's reported stats as the snapshot that
-`server.serve.mutel.admit` decides on (early rejection), and a prefill engine's chunk size from its decode
-partner's step (`server.serve.mutel.chunk_size`). Pure: stats in, a decision out."""
+`server.cluster.mutel.admit` decides on (early rejection), and a prefill engine's chunk size from its decode
+partner's step (`server.cluster.mutel.chunk_size`). Pure: stats in, a decision out."""
 
 from __future__ import annotations
 
-from server.engine.wire import EngineStats
-from server.serve.mutel import (
+from server.cluster.mutel import (
     CostModel,
     InstanceView,
     Rejection,
@@ -16,6 +15,7 @@ from server.serve.mutel import (
     chunk_size,
     predict_prefill,
 )
+from server.engine.wire import EngineStats
 
 # A decode step waits on its prefill partner layer by layer: each layer's remote attention waits for the
 # same layer of the chunk under way, on average half of it (`mutel.chunk_size`'s ``blocking``).

@@ -19,8 +19,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from server.cluster.ray_nodes import free_port, node_ip
 from server.engine.config import EngineConfig
-from server.serve.ray_nodes import free_port, node_ip
 
 __all__ = ["EngineActor", "RayEngines", "manager_url_for", "start_ray_engines", "stop_ray_engines"]
 
@@ -35,7 +35,7 @@ class RayEngines:
     the one ``$RAY_ADDRESS`` names). ``num_gpus``: per engine; None asks for one where the cluster has GPUs.
     ``init_args``: more `ray.init` arguments (e.g. ``num_cpus`` for a local cluster).
     ``placement_timeout_s``: how long the engines may take to be placed and start.
-    ``vllm_python``: each actor serves vLLM instead of our engine (`server.serve.ray_vllm`), started with
+    ``vllm_python``: each actor serves vLLM instead of our engine (`server.cluster.ray_vllm`), started with
     this interpreter (a virtualenv with vLLM on every node) and ``vllm_args`` / ``vllm_env``; the manager
     uses it as an OpenAI backend with ``tokenizer`` (None: the served model's id).
     """
@@ -108,7 +108,7 @@ def start_ray_engines(
     }
     actors: list[Any]  # Ray's actor handles
     if spec.vllm_python is not None:
-        from server.serve.ray_vllm import VLLMActor
+        from server.cluster.ray_vllm import VLLMActor
 
         vllm: Any = ray.remote(**resources, max_task_retries=0)(VLLMActor)
         args = (spec.vllm_python, model, manager_url, cluster_token, spec.vllm_args, spec.vllm_env)

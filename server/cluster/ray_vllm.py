@@ -2,7 +2,7 @@
 
 The actor starts vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``, with the interpreter
 of a virtualenv that has vLLM, on the actor's node) and adds it to the manager as an OpenAI backend
-(``POST /v1/backends`` with the cluster token, `server.serve.openai_backend`). vLLM dies with the actor
+(``POST /v1/backends`` with the cluster token, `server.cluster.openai_backend`). vLLM dies with the actor
 (Linux: the parent-death signal). When Ray restarts the actor, the new one starts vLLM again and adds it
 again: the manager took the old one out of service when it stopped answering, and runs its work elsewhere.
 """
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import httpx
 
-from server.serve.ray_nodes import free_port, node_ip
+from server.cluster.ray_nodes import free_port, node_ip
 
 __all__ = ["VLLMActor"]
 
@@ -27,7 +27,7 @@ _PR_SET_PDEATHSIG = 1
 
 
 class VLLMActor:
-    """The body of one vLLM actor (wrapped by `ray.remote` in `server.serve.ray_engines`)."""
+    """The body of one vLLM actor (wrapped by `ray.remote` in `server.cluster.ray_engines`)."""
 
     def __init__(
         self,

@@ -25,14 +25,14 @@ import itertools
 from dataclasses import replace
 from typing import Any
 
+from server.cluster.slo_admission import prefill_chunk_tokens
+from server.cluster.task_stream import Emit, TaskStream
 from server.engine import EngineError, LLMEngine, SamplingParams
 from server.engine.engine_front import GenerationStream
 from server.engine.interface import Engine
 from server.engine.remote_kv import KVLease, RemotePrefix
 from server.engine.request import GenerateResult
 from server.engine.wire import EngineStats
-from server.serve.slo_admission import prefill_chunk_tokens
-from server.serve.task_stream import Emit, TaskStream
 
 _SUMMED = (
     "blocks_total", "blocks_used", "blocks_free", "blocks_peak", "running", "waiting", "tokens_in_last_step",

@@ -1,4 +1,4 @@
-"""The HTTP side of an OpenAI-compatible server used as an engine (`server.serve.openai_backend`): its
+"""The HTTP side of an OpenAI-compatible server used as an engine (`server.cluster.openai_backend`): its
 configuration, what is read from it when it joins (served model, tokenizer check), one streamed completion
 with token ids, and its errors as engine errors."""
 
@@ -12,12 +12,12 @@ from typing import Any
 
 import httpx
 
+from server.cluster.remote_engine import RemoteEngineError
+from server.cluster.task_stream import Emit
+from server.common.settings import BACKEND_API_KEY
 from server.engine.errors import EngineDeadError, EngineDrainingError
 from server.engine.loader import load_tokenizer
 from server.engine.request import FinishReason, GenerateResult
-from server.serve.remote_engine import RemoteEngineError
-from server.serve.task_stream import Emit
-from server.settings import BACKEND_API_KEY
 
 __all__ = [
     "BACKEND_KEY_ENV",

@@ -14,7 +14,16 @@ from parrot.protocol import API_KEY_ENV
 
 from kernels.settings import KERNEL_SETTINGS, EnvSetting, switch
 
-__all__ = ["API_KEY", "BACKEND_API_KEY", "CACHE_DIR", "CLUSTER_TOKEN", "PAGED_PREFILL", "SETTINGS", "epilog"]
+__all__ = [
+    "API_KEY",
+    "BACKEND_API_KEY",
+    "CACHE_DIR",
+    "CLUSTER_TOKEN",
+    "PAGED_PREFILL",
+    "SETTINGS",
+    "cache_dir",
+    "epilog",
+]
 
 
 def _text(raw: str) -> str:
@@ -70,10 +79,20 @@ SETTINGS: Sequence[EnvSetting[Any]] = (
 )
 
 
+def cache_dir() -> Path:
+    """Where converted artifacts and the cluster token are kept: ``$PARROT_CACHE_DIR``, else
+    ``~/.cache/parrot-serve``."""
+    return CACHE_DIR.get() or Path.home() / ".cache" / "parrot-serve"
+
+
 def epilog(width: int = 100) -> str:
     """The settings as a command's ``--help`` ends with them (one wrapped paragraph each)."""
     lines = ["environment variables:"]
     for s in SETTINGS:
-        text = f"{s.name}: {s.doc} (default: {s.default!r})"
+        text = f"{s.name}: {s.doc}"
+        if isinstance(s.default, bool):
+            text += f" (default: {int(s.default)})"
+        elif s.default:  # None or "": the doc says what happens unset
+            text += f" (default: {s.default})"
         lines += textwrap.wrap(text, width, initial_indent="  ", subsequent_indent="    ")
     return "\n".join(lines)

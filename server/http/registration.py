@@ -1,5 +1,5 @@
 """Pure checks of what remote engines send the manager: whether one more may register, and whether a
-heartbeat's stats make sense. No I/O: the routes in `server.app` call them and answer the refusals."""
+heartbeat's stats make sense. No I/O: the routes in `server.http.app` call them and answer the refusals."""
 
 from __future__ import annotations
 

@@ -28,9 +28,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from parrot.protocol import API_KEY_ENV, API_KEY_HEADER, ErrorBody, ErrorResponse
 
-from server.auth_first import header_guard
-from server.engine.gguf_loader import cache_dir
-from server.settings import API_KEY, CLUSTER_TOKEN
+from server.common.auth_first import header_guard
+from server.common.settings import API_KEY, CLUSTER_TOKEN, cache_dir
 
 __all__ = [
     "API_KEY_ENV",

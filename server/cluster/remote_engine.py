@@ -32,6 +32,7 @@ from parrot.protocol import ErrorResponse, SamplingConfig
 from pydantic import BaseModel, ValidationError
 from transformers import AutoTokenizer  # at import: its lazy import in threads can race
 
+from server.cluster.task_stream import Emit, TaskStream
 from server.engine.errors import ContextBusyError, EngineDeadError, EngineError
 from server.engine.interface import Engine
 from server.engine.request import GenerateResult
@@ -47,7 +48,6 @@ from server.engine.wire import (
     EngineStreamChunk,
     EngineTokenizerFiles,
 )
-from server.serve.task_stream import Emit, TaskStream
 
 __all__ = ["RemoteEngine", "RemoteEngineError", "RemoteGenerationStream"]
 

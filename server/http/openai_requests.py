@@ -1,7 +1,8 @@
 """The OpenAI endpoints' requests turned into engine inputs: options checked (a 400 naming the field),
 prompts tokenized (chat messages through the model's template, tools offered in it), and the sampling
 parameters, with the constraint ``response_format``, ``structured_outputs`` or a required tool call asks
-for. Pure functions of the request and the engine's tokenizer and limits; `server.openai_api` serves them.
+for. Pure functions of the request and the engine's tokenizer and limits; `server.http.openai_api` serves
+them.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from parrot.openai_types import OpenAIChatCompletionRequest, OpenAICompletionReq
 from server.engine.interface import Engine
 from server.engine.sampling import MAX_LOGPROBS, GuidedDecoding, SamplingParams
 from server.engine.special_text import SpecialText
-from server.openai_tools import (
+from server.http.openai_tools import (
     ToolRequestError,
     calls_schema,
     chosen_functions,

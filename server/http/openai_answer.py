@@ -38,13 +38,13 @@ from server.engine.errors import EngineError
 from server.engine.interface import Engine
 from server.engine.request import GenerateResult
 from server.engine.sampling import SamplingParams
-from server.openai_backends import OpenAIBackend
-from server.openai_logprobs import chat_logprobs, completion_logprobs
-from server.openai_requests import (
+from server.http.openai_backends import OpenAIBackend
+from server.http.openai_logprobs import chat_logprobs, completion_logprobs
+from server.http.openai_requests import (
     ChatTools,
     QuotaError,
 )
-from server.openai_tools import parse_tool_calls
+from server.http.openai_tools import parse_tool_calls
 from server.serve.openai_serving import Routed
 from server.serve.output_lengths import LengthEstimate
 

@@ -42,8 +42,21 @@ from prometheus_client.registry import Collector
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.auth_first import AuthFirstMiddleware, GuardedRoute, guarded_routes, header_guard
-from server.body_limit import BodyLimitMiddleware
+from server.cluster.openai_backend import OpenAIBackendConfig
+from server.common.auth_first import AuthFirstMiddleware, GuardedRoute, guarded_routes, header_guard
+from server.common.body_limit import BodyLimitMiddleware
+from server.common.malloc_tuning import release_free_memory
+from server.common.security import (
+    AuthError,
+    SecurityConfig,
+    api_key_guard,
+    auth_error_response,
+    bearer_token,
+    check_api_key,
+    cluster_token_guard,
+    install_auth_handler,
+    requester,
+)
 from server.engine import EngineError
 from server.engine.api import error_response
 from server.engine.wire import (
@@ -55,20 +68,9 @@ from server.engine.wire import (
     EngineRegistration,
     EngineStatus,
 )
-from server.malloc_tuning import release_free_memory
-from server.openai_api import OpenAIAPIError, create_openai_router
-from server.registration import EngineLimitError, HeartbeatError, heartbeat_problem, registration_refusal
-from server.security import (
-    AuthError,
-    SecurityConfig,
-    api_key_guard,
-    auth_error_response,
-    bearer_token,
-    check_api_key,
-    cluster_token_guard,
-    install_auth_handler,
-    requester,
-)
+from server.http.openai_api import OpenAIAPIError, create_openai_router
+from server.http.registration import EngineLimitError, HeartbeatError, heartbeat_problem, registration_refusal
+from server.http.ui import create_ui_router
 from server.serve.dag_view import step_info
 from server.serve.errors import (
     BatchOpError,
@@ -81,12 +83,10 @@ from server.serve.errors import (
 )
 from server.serve.graph import GraphError
 from server.serve.manager import Manager
-from server.serve.openai_backend import OpenAIBackendConfig
 from server.serve.sessions import Session, SessionError
 from server.serve.step_records import Histogram
 from server.serve.streams import STREAM_ANSWER, server_sent_events
 from server.serve.variables import VariableError
-from server.ui import create_ui_router
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +201,7 @@ class _ManagerCollector(Collector):
 @header_guard
 async def _session(request: Request) -> Session:
     """The authenticated session of a session-scoped route (401/403/404 otherwise), checked before the
-    body is read (`server.auth_first`).
+    body is read (`server.common.auth_first`).
 
     ``async`` although it does no I/O: FastAPI would run a plain function on its thread pool, a thread hop
     per request for a dictionary lookup (and one the simulator's virtual clock cannot see).
@@ -281,7 +281,8 @@ def create_app(
                 await manager.check_engines()
 
         async def release_memory_when_idle() -> None:
-            # Work frees memory that the tuned allocator keeps (`server.malloc_tuning`); once the server is
+            # Work frees memory that the tuned allocator keeps (`server.common.malloc_tuning`); once the
+            # server is
             # idle again (no session open, no completion answered for a while) it goes back to the OS.
             busy, answered = False, 0
             while True:
@@ -417,7 +418,7 @@ def create_app(
 
     @app.post("/v1/backends", dependencies=cluster_only)
     async def add_backend(req: BackendRegistration) -> BackendRegistered:
-        """An OpenAI-compatible server joins as an engine (`server.serve.openai_backend`); the manager reads
+        """An OpenAI-compatible server joins as an engine (`server.cluster.openai_backend`); the manager reads
         its model and checks its tokenizer before answering."""
         nonlocal joining
         refusal = registration_refusal(manager.engine_status(), "", joining, security.max_remote_engines)

@@ -14,8 +14,8 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response, StreamingResponse
 from parrot.protocol import GetVariableResponse, SessionDag
 
-from server.auth_first import header_guard
-from server.security import bearer_token, cluster_token_guard, matches_any
+from server.common.auth_first import header_guard
+from server.common.security import bearer_token, cluster_token_guard, matches_any
 from server.serve.dag_view import ClusterView
 from server.serve.manager import Manager
 from server.serve.sessions import Session
@@ -23,7 +23,7 @@ from server.serve.streams import STREAM_ANSWER, server_sent_events
 
 __all__ = ["UI_FILES", "ViewedSession", "create_ui_router"]
 
-# The page's files (package data, `server/static`) and their media types.
+# The page's files (package data, `server/http/static`) and their media types.
 UI_FILES = {
     "ui.html": "text/html; charset=utf-8",
     "ui.js": "text/javascript; charset=utf-8",
@@ -59,7 +59,7 @@ ViewedSession = Annotated[Session, Depends(_viewer)]
 def create_ui_router(manager: Manager, cluster_token: str) -> APIRouter:
     """The page and its routes over ``manager``; ``cluster_token`` opens the whole view."""
     router = APIRouter()
-    static = files("server") / "static"
+    static = files("server.http") / "static"
 
     def page_file(name: str) -> Response:
         return Response(static.joinpath(name).read_bytes(), media_type=UI_FILES[name], headers=_PAGE_HEADERS)

@@ -2,10 +2,10 @@
 
 Any OpenAI client works against them, and they are the request-centric baseline of the benchmarks. Here a
 request is checked and parsed (its prompt tokenized with the engine's tokenizer, its sampling built); then
-`server.openai_answer.serve` fills a context per prompt and choice, generates and answers, and hands the
+`server.http.openai_answer.serve` fills a context per prompt and choice, generates and answers, and hands the
 contexts back to the backend (always, also on error or a client that goes away).
 
-The router is built over an `OpenAIBackend` (`server.openai_backends`) — anything that picks an engine by
+The router is built over an `OpenAIBackend` (`server.http.openai_backends`) — anything that picks an engine by
 model name and hands out unique context ids — so the manager and the tests plug in their own. Errors answer
 ``{"error": {"type", "message"}}``: engine errors with their own status, unsupported options with 400.
 """
@@ -33,12 +33,13 @@ from parrot.openai_types import (
 )
 from parrot.protocol import ErrorResponse
 
+from server.common.security import requester
 from server.engine.api import error_response
 from server.engine.errors import EngineError
 from server.engine.interface import Engine
-from server.openai_answer import serve
-from server.openai_backends import OpenAIBackend
-from server.openai_requests import (
+from server.http.openai_answer import serve
+from server.http.openai_backends import OpenAIBackend
+from server.http.openai_requests import (
     InvalidPromptError,
     OpenAIAPIError,
     chat_prompt,
@@ -48,7 +49,6 @@ from server.openai_requests import (
     reject_unsupported,
     sampling_for,
 )
-from server.security import requester
 
 
 def model_card(name: str, engine: Engine, created: int) -> OpenAIModelCard:

@@ -32,6 +32,14 @@ from typing import Any
 
 import httpx
 
+from server.cluster.openai_backend_http import (
+    OpenAIBackendConfig,
+    check_tokenizer,
+    local_tokenizer,
+    served_model,
+    stream_completion,
+)
+from server.cluster.task_stream import Emit, TaskStream
 from server.engine.errors import (
     ContextBusyError,
     ContextExistsError,
@@ -47,14 +55,6 @@ from server.engine.interface import Engine
 from server.engine.request import GenerateResult
 from server.engine.sampling import SamplingParams
 from server.engine.wire import EngineStats
-from server.serve.openai_backend_http import (
-    OpenAIBackendConfig,
-    check_tokenizer,
-    local_tokenizer,
-    served_model,
-    stream_completion,
-)
-from server.serve.task_stream import Emit, TaskStream
 
 __all__ = ["OpenAIBackendConfig", "OpenAIBackendEngine"]
 

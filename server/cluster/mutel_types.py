@@ -1,4 +1,4 @@
-"""The frozen snapshots and results Mutel's decisions (`server.serve.mutel`) take and give: an instance's
+"""The frozen snapshots and results Mutel's decisions (`server.cluster.mutel`) take and give: an instance's
 role and state, a turn, the cost coefficients, the SLOs, a rejection and a prefill choice."""
 
 from __future__ import annotations

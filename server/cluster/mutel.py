@@ -14,7 +14,7 @@ attention over the prompt part runs on the prefill instance holding it. The deci
   `chunk_within` — or that ends within the gap between decode instances' attention requests (never blocks);
 * `move_or_recompute` — move KV over the link or recompute it, whichever takes less time.
 
-The snapshots they decide on are `server.serve.mutel_types`. Nothing here does I/O, reads a clock or keeps
+The snapshots they decide on are `server.cluster.mutel_types`. Nothing here does I/O, reads a clock or keeps
 state: the manager and the cluster simulator (`server.sim.disagg`) call the same functions, and the
 baselines are the same code with features off (colocated: every instance has role ``BOTH``; Splitwise-like:
 no locality, whole contexts moved).
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from server.serve.mutel_types import (
+from server.cluster.mutel_types import (
     CostModel,
     Fetch,
     InstanceView,
