@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import queue
 import threading
 import time
@@ -23,11 +22,10 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from server.common.malloc_tuning import tune_glibc_malloc
-from server.engine import cuda_graphs
 from server.engine.block_manager import BlockAllocator
 from server.engine.compute_thread import on_own_thread
-from server.engine.config import EngineConfig, ModelConfig, step_activation_bytes
-from server.engine.context import Context, ContextTable, blocks_for
+from server.engine.config import EngineConfig, ModelConfig
+from server.engine.context import Context, ContextTable
 from server.engine.engine_front import (
     Abort,
     Call,
@@ -44,25 +42,25 @@ from server.engine.errors import (
     EngineDeadError,
     EngineError,
     InvalidRequestError,
-    PromptTooLongError,
     RequestAbortedError,
-    TokenOutOfVocabError,
     UnknownContextError,
 )
-from server.engine.guided import CompiledGrammar, GrammarCompiler, Guide, mask_logits
+from server.engine.guided import CompiledGrammar, GrammarCompiler, Guide
 from server.engine.interface import Engine
 from server.engine.kv_exchange import KVExchange
 from server.engine.loader import Checkpoint, build_model, load_checkpoint
 from server.engine.model import LlamaForCausalLM
 from server.engine.model_names import DEFAULT_MODEL, TINY_MODEL
-from server.engine.model_runner import GraphSettings, KVCache, ModelRunner
+from server.engine.model_runner import build_runner
+from server.engine.postprocess import finish_reason, next_tokens
 from server.engine.remote_kv import KVLease, KVSourceLostError, RemotePrefix, RemoteRows
-from server.engine.request import FinishReason, Request
-from server.engine.sampling import SamplingParams, make_generator, sample, token_logprobs
+from server.engine.request import Request
+from server.engine.sampling import SamplingParams, make_generator
 from server.engine.scheduler import ScheduledChunk, Scheduler
 from server.engine.step_features import StepRecord, step_features
 from server.engine.step_timing import StepTiming
-from server.engine.wire import MAX_TENANT_CHARS, EngineStats
+from server.engine.submit_checks import check_length, check_submit, inherited
+from server.engine.wire import EngineStats
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -124,42 +122,8 @@ class LLMEngine(KVExchange, Engine):
         config: EngineConfig,
         model_name: str,
     ) -> None:
-        device, dtype = config.torch_device(), config.torch_dtype()
-        num_blocks = config.num_kv_blocks or max(
-            1,
-            config.kv_cache_bytes(model.num_bytes(), step_activation_bytes(model_config, config, dtype))
-            // KVCache.bytes_per_block(
-                model_config.num_hidden_layers,
-                config.block_size,
-                model_config.num_key_value_heads,
-                model_config.head_dim,
-                dtype,
-            ),
-        )
-        graph_backend = cuda_graphs.graph_backend(config)
-        kv = KVCache(
-            model_config.num_hidden_layers,
-            num_blocks + (graph_backend is not None),  # the last: graphs' scratch block, never allocated
-            config.block_size,
-            model_config.num_key_value_heads,
-            model_config.head_dim,
-            device,
-            dtype,
-        )
-        graphs = None
-        if graph_backend is not None:
-            max_len = config.model_len(model_config)
-            graphs = GraphSettings(graph_backend, config.max_num_seqs, max_len, scratch_block=num_blocks)
-        runner = ModelRunner(
-            model,
-            kv,
-            config.block_size,
-            device,
-            config.shared_prefix_decode,
-            graphs=graphs,
-            batch_invariant=config.batch_invariant,
-        )
-        self._init_state(runner, tokenizer, model_config, config, model_name, num_blocks, kv.copy_block)
+        runner, num_blocks, copy_block = build_runner(model, model_config, config)
+        self._init_state(runner, tokenizer, model_config, config, model_name, num_blocks, copy_block)
 
     def _init_state(
         self,
@@ -523,37 +487,10 @@ class LLMEngine(KVExchange, Engine):
 
     def _submit(self, cmd: Submit) -> None:
         kind = "fill" if cmd.sampling is None else "generate"
-        bad = [t for t in cmd.token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
-        if bad:
-            raise TokenOutOfVocabError(
-                f"{kind}: token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
-            )
-        if cmd.sampling is not None:
-            cmd.sampling.validate(self.vocab_size)
-        if cmd.latency_cap is not None and cmd.latency_cap < 1:
-            raise InvalidRequestError(
-                f"{kind}: latency_cap must be a positive token count, not {cmd.latency_cap}"
-            )
-        if cmd.priority is not None and not _finite_number(cmd.priority):
-            raise InvalidRequestError(
-                f"{kind}: priority must be a finite number (lower starts sooner), not {cmd.priority!r}"
-            )
-        if cmd.tenant is not None and len(cmd.tenant) > MAX_TENANT_CHARS:
-            raise InvalidRequestError(
-                f"{kind}: tenant is {len(cmd.tenant)} characters, over {MAX_TENANT_CHARS}: send a short id"
-            )
-        if cmd.parent_len is not None:
-            if cmd.parent_id is None:
-                raise InvalidRequestError(
-                    f"{kind}: parent_len ({cmd.parent_len}) needs parent_context_id: it is how many of the "
-                    "parent's tokens a new context is forked from"
-                )
-            if isinstance(cmd.parent_len, bool) or not isinstance(cmd.parent_len, int) or cmd.parent_len < 0:
-                known = cmd.parent_id in self._contexts
-                top = len(self._contexts.get(cmd.parent_id).token_ids) if known else "the parent's length"
-                raise InvalidRequestError(
-                    f"{kind}: parent_len must be a token count in [0, {top}], not {cmd.parent_len!r}"
-                )
+        parent_tokens = None
+        if cmd.parent_id is not None and cmd.parent_id in self._contexts:
+            parent_tokens = len(self._contexts.get(cmd.parent_id).token_ids)
+        check_submit(cmd, kind, self.vocab_size, parent_tokens)
         if cmd.context_id in self._contexts:
             ctx = self._contexts.get(cmd.context_id)
             if cmd.parent_id is not None and cmd.parent_id != ctx.parent_id:
@@ -606,35 +543,12 @@ class LLMEngine(KVExchange, Engine):
             ctx.remote = cmd.remote
         self._start(ctx, cmd)
 
-    @staticmethod
-    def _inherited(kind: str, parent: Context, parent_len: int | None) -> int:
-        """The tokens a fork of ``parent`` takes: ``parent_len``, checked against the parent's length now."""
-        n = len(parent.token_ids)
-        if parent_len is None:
-            return n
-        if parent_len > n:
-            raise InvalidRequestError(
-                f"{kind}: parent_len {parent_len} is outside [0, {n}]: parent context "
-                f"{parent.context_id} holds {n} tokens"
-            )
-        return parent_len
+    _inherited = staticmethod(inherited)
 
     def _check_length(self, kind: str, total: int, generate: bool, remote: int = 0) -> None:
-        """``total`` tokens held here, after ``remote`` tokens held by another engine."""
-        if generate and total == 0:
-            raise InvalidRequestError("generate: the context is empty; fill it with a prompt first")
-        limit = self.max_model_len - 1 if generate else self.max_model_len
-        if total + remote > limit:
-            raise PromptTooLongError(
-                f"{kind}: the context would hold {total + remote} tokens; this model's context window is "
-                f"{self.max_model_len} tokens"
-                + (" and generating needs room for one more" if generate else "")
-            )
-        if blocks_for(total + 1, self.block_size) > self._allocator.num_blocks:
-            raise PromptTooLongError(
-                f"{kind}: {total} tokens exceed the KV cache ({self._allocator.num_blocks} blocks of "
-                f"{self.block_size} tokens); raise num_kv_blocks or shorten the prompt"
-            )
+        """``total`` tokens held here, after ``remote`` tokens held by another engine (`check_length`)."""
+        limits = (self.max_model_len, self.block_size, self._allocator.num_blocks)
+        check_length(kind, total, generate, remote, *limits)
 
     def _start(self, ctx: Context, cmd: Submit) -> None:
         if cmd.token_ids:
@@ -751,7 +665,7 @@ class LLMEngine(KVExchange, Engine):
 
     def _sample(self, batch: list[ScheduledChunk], hidden: torch.Tensor, rows: list[int]) -> None:
         reqs = [batch[i].request for i in rows]
-        tokens = self._next_tokens(reqs, hidden[rows])
+        tokens = next_tokens(self._runner.logits(hidden[rows]).float(), reqs)
         for req, token in zip(reqs, tokens, strict=True):
             ctx = req.context
             if req.guide is not None:
@@ -766,48 +680,9 @@ class LLMEngine(KVExchange, Engine):
             ctx.last_hidden = None
             if req.on_token is not None:
                 req.on_token(token)
-            reason, text = self._finish_reason(req, token)
+            reason, text = finish_reason(req, token, self.eos_token_ids, self.max_model_len, self._detokenize)
             if reason is not None:
                 self._finish(req, result=req.result(text, reason))
-
-    def _next_tokens(self, reqs: list[Request], hidden: torch.Tensor) -> list[int]:
-        """The token each generate samples next, from its last hidden state (under its grammar's mask,
-        if guided); the requests that asked get each token's log-probabilities."""
-        logits = self._runner.logits(hidden).float()
-        wanting = [i for i, r in enumerate(reqs) if r.logprobs is not None]
-        raw = logits[wanting] if wanting else None  # a copy: the mask below writes into `logits`
-        tokens = sample(
-            mask_logits(logits, [r.guide for r in reqs]),
-            [r.sampling for r in reqs],  # type: ignore[misc]
-            [r.generator for r in reqs],
-        )
-        if raw is not None:
-            tops = [reqs[i].sampling.logprobs or 0 for i in wanting]  # type: ignore[union-attr]
-            for i, lp in zip(wanting, token_logprobs(raw, [tokens[i] for i in wanting], tops), strict=True):
-                reqs[i].logprobs.append(lp)  # type: ignore[union-attr]
-        return tokens
-
-    def _finish_reason(self, req: Request, token: int) -> tuple[FinishReason | None, str]:
-        sp = req.sampling
-        assert sp is not None
-        reason: FinishReason | None = None
-        text: str | None = None
-        ended = token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids)
-        if ended or (req.guide is not None and req.guide.finished):
-            reason = "stop"
-        elif sp.stop:
-            text = self._detokenize(req.output_ids)
-            cut = min((i for i in (text.find(s) for s in sp.stop) if i >= 0), default=-1)
-            if cut >= 0:
-                return "stop", text[:cut]
-        if reason is None and (
-            len(req.output_ids) >= sp.max_tokens
-            or req.context.position_offset + len(req.context.token_ids) >= self.max_model_len
-        ):
-            reason = "length"
-        if reason is None:
-            return None, ""
-        return reason, text if text is not None else self._detokenize(req.output_ids)
 
     def _detokenize(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -846,7 +721,3 @@ class LLMEngine(KVExchange, Engine):
             owner = getattr(queued, "sink", None)
             if owner is not None:
                 owner.finish(None, error)
-
-
-def _finite_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -11,6 +12,7 @@ import torch
 import kernels
 from kernels import cpu_kernels
 from kernels.device_tensors import device_tensor
+from server.engine import cuda_graphs
 from server.engine.attention import (
     AttentionBackend,
     AttentionMetadata,
@@ -20,6 +22,7 @@ from server.engine.attention import (
     SharedPrefixGroups,
     pad_tables,
 )
+from server.engine.config import EngineConfig, ModelConfig, step_activation_bytes
 from server.engine.context import Context, blocks_for, slot_indices
 from server.engine.cuda_graphs import DecodeGraphs, GraphBackend, try_capture
 from server.engine.model import LlamaForCausalLM
@@ -344,3 +347,47 @@ def _last_rows(chunks: list[ScheduledChunk], first_row: int) -> dict[int, int]:
 
 def _int32(values: list[int], device: torch.device) -> torch.Tensor:
     return device_tensor(values, torch.int32, device)
+
+
+def build_runner(
+    model: LlamaForCausalLM, model_config: ModelConfig, config: EngineConfig
+) -> tuple[ModelRunner, int, Callable[[int, int], None]]:
+    """``model``'s runner over a KV cache sized by ``config`` (its ``num_kv_blocks``, else what the memory
+    budget leaves after the weights and a step's activations), with CUDA graphs where they apply; returns it,
+    the cache's allocatable blocks and the cache's block copy (for copy-on-write forks)."""
+    device, dtype = config.torch_device(), config.torch_dtype()
+    num_blocks = config.num_kv_blocks or max(
+        1,
+        config.kv_cache_bytes(model.num_bytes(), step_activation_bytes(model_config, config, dtype))
+        // KVCache.bytes_per_block(
+            model_config.num_hidden_layers,
+            config.block_size,
+            model_config.num_key_value_heads,
+            model_config.head_dim,
+            dtype,
+        ),
+    )
+    graph_backend = cuda_graphs.graph_backend(config)
+    kv = KVCache(
+        model_config.num_hidden_layers,
+        num_blocks + (graph_backend is not None),  # the last: graphs' scratch block, never allocated
+        config.block_size,
+        model_config.num_key_value_heads,
+        model_config.head_dim,
+        device,
+        dtype,
+    )
+    graphs = None
+    if graph_backend is not None:
+        max_len = config.model_len(model_config)
+        graphs = GraphSettings(graph_backend, config.max_num_seqs, max_len, scratch_block=num_blocks)
+    runner = ModelRunner(
+        model,
+        kv,
+        config.block_size,
+        device,
+        config.shared_prefix_decode,
+        graphs=graphs,
+        batch_invariant=config.batch_invariant,
+    )
+    return runner, num_blocks, kv.copy_block

@@ -1,0 +1,64 @@
+"""After a step: the next token of each generate (sampled under its grammar's mask, with log-probabilities
+where asked) and whether it ends there (`finish_reason`). Pure functions of the requests and the logits."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+
+from server.engine.guided import mask_logits
+from server.engine.request import FinishReason, Request
+from server.engine.sampling import sample, token_logprobs
+
+__all__ = ["finish_reason", "next_tokens"]
+
+
+def next_tokens(logits: torch.Tensor, reqs: list[Request]) -> list[int]:
+    """The token each generate samples next from its ``logits`` row (float32; under its grammar's mask, if
+    guided); the requests that asked get each token's log-probabilities appended."""
+    wanting = [i for i, r in enumerate(reqs) if r.logprobs is not None]
+    raw = logits[wanting] if wanting else None  # a copy: the mask below writes into `logits`
+    tokens = sample(
+        mask_logits(logits, [r.guide for r in reqs]),
+        [r.sampling for r in reqs],  # type: ignore[misc]
+        [r.generator for r in reqs],
+    )
+    if raw is not None:
+        tops = [reqs[i].sampling.logprobs or 0 for i in wanting]  # type: ignore[union-attr]
+        for i, lp in zip(wanting, token_logprobs(raw, [tokens[i] for i in wanting], tops), strict=True):
+            reqs[i].logprobs.append(lp)  # type: ignore[union-attr]
+    return tokens
+
+
+def finish_reason(
+    req: Request,
+    token: int,
+    eos_token_ids: frozenset[int],
+    max_model_len: int,
+    detokenize: Callable[[list[int]], str],
+) -> tuple[FinishReason | None, str]:
+    """Whether the generate ends with ``token`` (just appended to its output): "stop" (a stop token, EOS
+    unless ignored, its grammar complete, or a stop string: the text is cut before it), "length"
+    (``max_tokens``, or the model's window full), or None; with the output's text when it ends."""
+    sp = req.sampling
+    assert sp is not None
+    reason: Literal["stop", "length"] | None = None
+    text: str | None = None
+    ended = token in sp.stop_token_ids or (not sp.ignore_eos and token in eos_token_ids)
+    if ended or (req.guide is not None and req.guide.finished):
+        reason = "stop"
+    elif sp.stop:
+        text = detokenize(req.output_ids)
+        cut = min((i for i in (text.find(s) for s in sp.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            return "stop", text[:cut]
+    if reason is None and (
+        len(req.output_ids) >= sp.max_tokens
+        or req.context.position_offset + len(req.context.token_ids) >= max_model_len
+    ):
+        reason = "length"
+    if reason is None:
+        return None, ""
+    return reason, text if text is not None else detokenize(req.output_ids)
