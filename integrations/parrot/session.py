@@ -1,4 +1,4 @@
-"""`Session`: one server session, its HTTP client, and the queue of work not yet sent.
+"""`Session`: one server session and the queue of work not yet sent (its HTTP side: `parrot.session_http`).
 
 Creating variables, setting them and calling semantic functions never block: each becomes an operation in
 the session's queue. Variable ids are chosen here, so the whole queue — inputs, calls consuming each other's
@@ -30,12 +30,9 @@ from parrot.errors import (
     GetTimeoutError,
     NotFoundError,
     ParrotError,
-    error_from_response,
-    error_from_transport,
 )
 from parrot.protocol import (
     API_KEY_ENV,
-    API_KEY_HEADER,
     CRITERIA,
     BatchApplied,
     BatchCreateVariable,
@@ -48,6 +45,7 @@ from parrot.protocol import (
     GetVariableResponse,
     SubmitCallRequest,
 )
+from parrot.session_http import SessionHTTP
 from parrot.text_stream import TextFollower, stream_events
 from parrot.urls import server_root
 from parrot.variable import Variable
@@ -56,8 +54,6 @@ __all__ = ["Session", "current_session"]
 
 _CURRENT: ContextVar[Session | None] = ContextVar("parrot_current_session", default=None)
 
-# The first wait before trying again to connect (`Session.connect_retries`); it doubles each time.
-_CONNECT_BACKOFF_S = 0.25
 # When a 200 "pending" answer comes back early (a server wait shorter than asked), poll again after this.
 _REPOLL_S = 0.05
 # One batch request carries at most this many operations / JSON bytes (the server takes 10k ops, 8 MiB).
@@ -167,6 +163,7 @@ class Session:
         self._api_key = api_key if api_key is not None else (os.environ.get(API_KEY_ENV, "").strip() or None)
         self._given_client = client
         self._client: httpx.Client | httpx.AsyncClient | None = None
+        self._http: SessionHTTP | None = None
         self._mode: Literal["sync", "async"] | None = None
         self._state: Literal["new", "open", "closed"] = "new"
         self._session_id: str | None = None
@@ -197,6 +194,12 @@ class Session:
 
     def __repr__(self) -> str:
         return f"<parrot.Session {self.url} id={self._session_id} {self._state}>"
+
+    @property
+    def _transport(self) -> SessionHTTP:
+        if self._http is None:
+            raise RuntimeError(f"the session is not open ({self!r}): use it inside its `with` block")
+        return self._http
 
     # ------------------------------------------------------------------------------------ public API
     def variable(self, value: str | None = None, name: str | None = None) -> Variable:
@@ -244,7 +247,7 @@ class Session:
         self._leave()
         try:
             if self._sent:  # (a session no batch reached does not exist on the server)
-                self._request("DELETE", f"/v1/sessions/{self._session_id}", None)
+                self._transport.request("DELETE", f"/v1/sessions/{self._session_id}", None)
         except NotFoundError:
             pass  # expired, already gone, or never created: nothing left to free
         except ParrotError:
@@ -266,7 +269,7 @@ class Session:
         self._leave()
         try:
             if self._sent:
-                await self._arequest("DELETE", f"/v1/sessions/{self._session_id}", None)
+                await self._transport.arequest("DELETE", f"/v1/sessions/{self._session_id}", None)
         except NotFoundError:
             pass
         except ParrotError:
@@ -286,10 +289,12 @@ class Session:
             raise TypeError(f"{how} needs an {need} client, got {type(given).__name__}")
         self._mode = mode
         self._client = given if given is not None else wanted(timeout=self.timeout)
+        self._http = SessionHTTP(self.url, self._client, self.timeout, self.connect_retries, self._api_key)
 
     def _started(self) -> None:
         # Chosen here (`BatchRequest.create`): a uuid4 id and a 256-bit token, sent only to this server.
         self._session_id, self._token = uuid.uuid4().hex, secrets.token_urlsafe(32)
+        self._transport.token = self._token
         self._state = "open"
         self._context_token = _CURRENT.set(self)
 
@@ -391,7 +396,7 @@ class Session:
                     return
                 count, body = self._next_batch(get[1] if get is not None else None)
                 try:
-                    lines = stack.enter_context(self._stream(self._batch_path(), body))
+                    lines = stack.enter_context(self._transport.stream(self._batch_path(), body))
                     _batch_applied(next(lines, None))
                 except ParrotError as e:
                     self._batch_failed(count, e)
@@ -409,7 +414,7 @@ class Session:
                     return
                 count, body = self._next_batch(get[1] if get is not None else None)
                 try:
-                    lines = await stack.enter_async_context(self._astream(self._batch_path(), body))
+                    lines = await stack.enter_async_context(self._transport.astream(self._batch_path(), body))
                     _batch_applied(await anext(lines, None))
                 except ParrotError as e:
                     self._batch_failed(count, e)
@@ -513,7 +518,7 @@ class Session:
         while var._settled is None:
             path, params, wait = self._poll_request(var, criteria, deadline)
             try:
-                data = self._request("GET", path, None, params=params, wait=wait)
+                data = self._transport.request("GET", path, None, params=params, wait=wait)
             except GetTimeoutError as e:
                 # The server's 504 names the wait of this last poll (often ~0 s, what was left of the
                 # timeout); the caller wants to hear about the timeout it gave.
@@ -539,7 +544,7 @@ class Session:
         while var._settled is None:
             path, params, wait = self._poll_request(var, criteria, deadline)
             try:
-                data = await self._arequest("GET", path, None, params=params, wait=wait)
+                data = await self._transport.arequest("GET", path, None, params=params, wait=wait)
             except GetTimeoutError as e:
                 # The server's 504 names the wait of this last poll (often ~0 s, what was left of the
                 # timeout); the caller wants to hear about the timeout it gave.
@@ -565,7 +570,7 @@ class Session:
         while follower.final is None or var._settled is None:  # once at least: a late reader reads it all
             path, params, wait = self._poll_request(var, criteria, deadline)
             follower.reconnect()
-            with self._stream(path + "/stream", None, params, wait) as lines:
+            with self._transport.stream(path + "/stream", None, params, wait) as lines:
                 for event in stream_events(lines):
                     if text := follower.feed(event):
                         yield text
@@ -583,120 +588,13 @@ class Session:
         while follower.final is None or var._settled is None:
             path, params, wait = self._poll_request(var, criteria, deadline)
             follower.reconnect()
-            async with self._astream(path + "/stream", None, params, wait) as lines:
+            async with self._transport.astream(path + "/stream", None, params, wait) as lines:
                 async for line in lines:
                     for event in stream_events([line]):
                         if text := follower.feed(event):
                             yield text
             _after_text(var, follower.final, deadline)
         var._result()
-
-    # ------------------------------------------------------------------------------------------ HTTP
-    def _request_args(
-        self, body: dict[str, Any] | None, params: dict[str, Any] | None, wait: float, auth: bool
-    ) -> dict[str, Any]:
-        headers = {"Authorization": f"Bearer {self._token}"} if auth else {}
-        if self._api_key is not None:
-            headers[API_KEY_HEADER] = self._api_key
-        # A long poll may legitimately take `wait` seconds before the answer starts.
-        return {"json": body, "params": params, "headers": headers, "timeout": self.timeout + wait}
-
-    def _request(
-        self,
-        method: str,
-        path: str,
-        body: dict[str, Any] | None,
-        *,
-        params: dict[str, Any] | None = None,
-        wait: float = 0.0,
-        auth: bool = True,
-    ) -> Any:
-        assert isinstance(self._client, httpx.Client)
-        url = self.url + path
-        try:
-            response = self._client.request(method, url, **self._request_args(body, params, wait, auth))
-        except httpx.TransportError as e:
-            raise error_from_transport(e, url) from e
-        return _answer(response)
-
-    @contextlib.contextmanager
-    def _stream(
-        self, path: str, body: dict[str, Any] | None, params: dict[str, Any] | None = None, wait: float = 0.0
-    ) -> Iterator[Iterator[str]]:
-        """POST ``body`` (GET without one) and yield the answer's lines as they arrive (a typed error for a
-        non-2xx); a batch's own get bounds the wait."""
-        assert isinstance(self._client, httpx.Client)
-        url = self.url + path
-        method = "GET" if body is None else "POST"
-        wait = max(wait, (body or {}).get("get", {}).get("timeout", 0.0))
-        args = self._request_args(body, params, wait, True)
-        try:
-            for attempt in range(self.connect_retries + 1):
-                opened = self._client.stream(method, url, **args)
-                try:
-                    response = opened.__enter__()
-                    break
-                except (httpx.ConnectError, httpx.ConnectTimeout) as e:
-                    if attempt == self.connect_retries:
-                        raise _gave_up(e, url, attempt + 1) from e
-                    time.sleep(_CONNECT_BACKOFF_S * 2**attempt)
-            try:
-                if not response.is_success:
-                    response.read()
-                    raise error_from_response(response)
-                yield (line for line in response.iter_lines() if line)
-            finally:
-                opened.__exit__(None, None, None)
-        except httpx.TransportError as e:
-            raise error_from_transport(e, url) from e
-
-    @contextlib.asynccontextmanager
-    async def _astream(
-        self, path: str, body: dict[str, Any] | None, params: dict[str, Any] | None = None, wait: float = 0.0
-    ) -> AsyncIterator[AsyncIterator[str]]:
-        """``async`` form of `_stream`."""
-        assert isinstance(self._client, httpx.AsyncClient)
-        url = self.url + path
-        method = "GET" if body is None else "POST"
-        wait = max(wait, (body or {}).get("get", {}).get("timeout", 0.0))
-        args = self._request_args(body, params, wait, True)
-        try:
-            for attempt in range(self.connect_retries + 1):
-                opened = self._client.stream(method, url, **args)
-                try:
-                    response = await opened.__aenter__()
-                    break
-                except (httpx.ConnectError, httpx.ConnectTimeout) as e:
-                    if attempt == self.connect_retries:
-                        raise _gave_up(e, url, attempt + 1) from e
-                    await asyncio.sleep(_CONNECT_BACKOFF_S * 2**attempt)
-            try:
-                if not response.is_success:
-                    await response.aread()
-                    raise error_from_response(response)
-                yield (line async for line in response.aiter_lines() if line)
-            finally:
-                await opened.__aexit__(None, None, None)
-        except httpx.TransportError as e:
-            raise error_from_transport(e, url) from e
-
-    async def _arequest(
-        self,
-        method: str,
-        path: str,
-        body: dict[str, Any] | None,
-        *,
-        params: dict[str, Any] | None = None,
-        wait: float = 0.0,
-        auth: bool = True,
-    ) -> Any:
-        assert isinstance(self._client, httpx.AsyncClient)
-        url = self.url + path
-        try:
-            response = await self._client.request(method, url, **self._request_args(body, params, wait, auth))
-        except httpx.TransportError as e:
-            raise error_from_transport(e, url) from e
-        return _answer(response)
 
 
 def _after_text(var: Variable, final: GetVariableResponse | None, deadline: _Deadline) -> None:
@@ -708,26 +606,7 @@ def _after_text(var: Variable, final: GetVariableResponse | None, deadline: _Dea
         raise deadline.error(var)
 
 
-def _gave_up(error: httpx.TransportError, url: str, attempts: int) -> ParrotConnectionError:
-    """The connection error of the last of ``attempts`` tries to reach ``url``."""
-    failed = error_from_transport(error, url)
-    if attempts == 1:
-        return failed
-    return ParrotConnectionError(f"{failed.message}; gave up after {attempts} attempts")
-
-
 def _batch_applied(line: str | None) -> BatchApplied:
     if line is None:
         raise ParrotError("the server's answer to a batch ended before saying its operations were applied")
     return BatchApplied.model_validate_json(line)
-
-
-def _answer(response: httpx.Response) -> Any:
-    if not response.is_success:
-        raise error_from_response(response)
-    if not response.content:
-        return None
-    try:
-        return response.json()
-    except ValueError as e:
-        raise ParrotError(f"the server answered {response.request.url} with non-JSON text: {e}") from None
