@@ -18,7 +18,8 @@ tokens per conversation (``usage.prompt_tokens`` of turn *t* minus prompt + comp
 seed), so no repeat forks from an earlier one's cache; ``answers_identical`` is the fraction of answers
 equal between the systems. Headline over turns >= 2: ``prefill_ratio`` = cached prefill / new tokens
 (goal <= 1.10), ``prefill_saving`` = recompute / cached prefill, ``ttft_speedup`` = recompute / cached
-median TTFT. No network delay.
+median TTFT. No network delay. With ``--engines`` > 1 each system has that many engines and the manager
+places every request: a turn that lands away from its conversation's kept context prefills it again.
 
 Last line: ``RESULT multi_turn prefill_ratio=... prefill_saving=... ttft_speedup=... turns=...
 conversations=... answers_identical=... total_s=...``.
@@ -58,6 +59,7 @@ class BenchConfig:
     max_tokens: int = 32
     repeats: int = 5
     seed: int = 0
+    engines: int = 1  # engines per system: a conversation's turns must find their kept context's engine
 
 
 FULL = BenchConfig()
@@ -190,13 +192,14 @@ def main(argv: list[str] | None = None) -> None:
         repeats=f"repeats, each a new app {size}",
         system_tokens=f"system prompt tokens after the preamble {size}",
         max_tokens=f"answer tokens per turn {size}",
+        engines=f"engines per system (the manager places each turn) {size}",
     ).parse_args(argv)
     cfg = record.configured(args, FULL, QUICK, TINY)
     if cfg.turns < 2:
         raise SystemExit("--turns must be at least 2 (the headline is over turns >= 2)")
     rec = record.Recorder(NAME, args)
     quiet_transformers()  # the long-text warning of building the workload
-    setup = [systems.parrot(s, prefix_sharing=s == CACHED) for s in SYSTEMS]
+    setup = [systems.parrot(s, engines=cfg.engines, prefix_sharing=s == CACHED) for s in SYSTEMS]
     with systems.serve(args.model, setup, delay=None) as servers:
         window = servers[CACHED].engines[0].max_model_len
         longest = cfg.system_tokens + 160 + cfg.turns * (cfg.max_user_tokens + cfg.max_tokens + 24)
