@@ -21,8 +21,9 @@ class ManagerConfig:
     min_shared_prefix_tokens: int = 16
     max_cached_prefixes: int = 256  # per engine, every cache salt included; least recently used go first
     # Whether the OpenAI endpoints reuse cached prefixes and keep finished requests' KV (as vLLM's automatic
-    # prefix caching does). Off: each request fills its whole prompt and frees its context — the
-    # request-centric baseline of the benchmarks (the paper's vLLM without sharing).
+    # prefix caching does), their requests placed by the scheduler as steps are. Off: each request goes to
+    # the least loaded engine, fills its whole prompt and frees its context — the request-centric baseline
+    # of the benchmarks (the paper's vLLM without sharing, behind a load balancer).
     openai_prefix_cache: bool = True
     # Scheduling (server.serve.scheduler): tokens an engine runs at once (None: its KV cache in tokens),
     # and at most while it runs latency-critical work; rounds before a waiting step goes first.

@@ -15,6 +15,7 @@ same engines, caches, placement and predictor as the Semantic Function steps.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -46,13 +47,26 @@ class Routed:
     prefill_tokens_saved: int = 0
 
 
+@dataclass
+class _Ticket:
+    """`OpenAIServing`'s handle on a routed request: its engine, and its place in the placement (None: routed
+    by load alone, as the request-centric baseline is)."""
+
+    engine_id: int
+    request: QueuedRequest | None = None
+    record: StepRecord | None = None
+
+
 class OpenAIServing:
     """Engines, contexts, priorities, quotas and retries for OpenAI requests.
 
     A request waits for its engine in the same `Placement` as the Semantic Function steps (one request, no
     objective given): tenants take turns there, the engines' caps hold, and it goes where a kept context
     holds the most of its prompt (a chat's next turn finds its last one). It counts in the step records'
-    histograms and per-engine prefix hits (``/metrics``, the live view)."""
+    histograms and per-engine prefix hits (``/metrics``, the live view).
+
+    With ``openai_prefix_cache`` off — the request-centric baseline of the benchmarks, vLLM instances behind
+    a load balancer — a request goes at once to the least loaded engine and keeps nothing."""
 
     def __init__(
         self,
@@ -75,6 +89,9 @@ class OpenAIServing:
         self.tokens = tokens
         self.gate = gate
         self._clock = clock
+        # Engine id -> requests routed there by load and not finished: an engine's stats lag behind a burst
+        # (a request counts there only once its fill reaches the engine).
+        self._by_load: Counter[int] = Counter()
 
     def models(self) -> list[str]:
         return self.registry.models()
@@ -96,8 +113,10 @@ class OpenAIServing:
         `unroute`. It counts its prompts and ``n`` generations of ``max_tokens`` (at most what the largest
         such engine runs at once: the engine itself bounds what one request may hold)."""
         serving = self.registry.serving(engine.model_name)
+        if not self.config.openai_prefix_cache:
+            return self._least_loaded(serving)
         cached: dict[int, int] = {}
-        if self.config.openai_prefix_cache and self.config.prefix_affinity:
+        if self.config.prefix_affinity:
             ns = namespace(cache_salt)
             for i in serving:
                 match = self.kept.match(i, ns, prompts[0])
@@ -121,15 +140,30 @@ class OpenAIServing:
             raise NoEngineError(str(e)) from None
         self.steps.started(record, index, self.registry.engine_name(index), self._clock())
         record.prompt_tokens = sum(len(p) for p in prompts)
-        return Routed(self.registry.engines[index], (index, request, record))
+        return Routed(self.registry.engines[index], _Ticket(index, request, record))
+
+    def _least_loaded(self, serving: list[int]) -> Routed:
+        """The engine with the fewest requests (lowest id on ties): those it reports, or those routed here
+        and not finished where more."""
+
+        def load(i: int) -> int:
+            stats = self.registry.engines[i].stats()
+            return max(stats.running + stats.waiting, self._by_load[i])
+
+        index = min(serving, key=lambda i: (load(i), i))
+        self._by_load[index] += 1
+        return Routed(self.registry.engines[index], _Ticket(index))
 
     def unroute(self, routed: Routed, error: str | None) -> None:
         """The request `route` placed is over (``error``: why it did not complete): its engine's room is
         free for others."""
-        index, request, record = routed.ticket
-        record.prefill_tokens_saved = routed.prefill_tokens_saved
-        self.steps.ended(record, self._clock(), error)
-        self.placement.release(index, request)
+        ticket: _Ticket = routed.ticket
+        if ticket.request is None or ticket.record is None:
+            self._by_load -= Counter([ticket.engine_id])  # drops the engine at zero
+            return
+        ticket.record.prefill_tokens_saved = routed.prefill_tokens_saved
+        self.steps.ended(ticket.record, self._clock(), error)
+        self.placement.release(ticket.engine_id, ticket.request)
 
     def open_context(self, engine: Engine) -> int:
         """A new context id for a request routed to ``engine``."""
