@@ -37,7 +37,6 @@ from server.cli import (
     program_name,
     serve,
 )
-from server.common.settings import epilog
 
 try:  # without the server extra (a client-only install) this is one line naming the pip command to run
     from starlette.types import ASGIApp
@@ -48,6 +47,7 @@ try:  # without the server extra (a client-only install) this is one line naming
     from server.cluster.ray_engines import RayEngines
     from server.common.netdelay import NetworkDelayMiddleware
     from server.common.security import SecurityConfig, api_keys_from, load_cluster_token
+    from server.common.settings import epilog
     from server.engine import EngineConfig, EngineError
     from server.engine.model_names import DEFAULT_MODEL, MODEL_HELP
     from server.engine.ordering import add_scheduling_args

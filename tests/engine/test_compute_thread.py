@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 import server.engine.engine as engine_module
+import server.engine.model_runner as runner_module
 from server.engine import EngineConfig, LLMEngine, SamplingParams
 from server.engine.compute_thread import on_own_thread
 
@@ -36,7 +37,7 @@ def test_on_own_thread_raises_what_the_function_raised() -> None:
 
 def test_engine_loads_elsewhere_and_builds_on_its_own_thread(monkeypatch: pytest.MonkeyPatch) -> None:
     threads: dict[str, threading.Thread] = {}
-    load, runner = engine_module.load_checkpoint, engine_module.ModelRunner
+    load, runner = engine_module.load_checkpoint, runner_module.ModelRunner
 
     def recording_load(*args: Any, **kwargs: Any) -> Any:
         threads["load"] = threading.current_thread()
@@ -47,7 +48,7 @@ def test_engine_loads_elsewhere_and_builds_on_its_own_thread(monkeypatch: pytest
         return runner(*args, **kwargs)
 
     monkeypatch.setattr(engine_module, "load_checkpoint", recording_load)
-    monkeypatch.setattr(engine_module, "ModelRunner", recording_runner)
+    monkeypatch.setattr(runner_module, "ModelRunner", recording_runner)
     with LLMEngine.from_pretrained("tiny", EngineConfig(num_kv_blocks=64)) as engine:
         assert threads["load"] is not threading.current_thread()
         assert not threads["load"].is_alive()
@@ -64,6 +65,6 @@ def test_a_failure_while_building_is_raised_by_the_constructor(monkeypatch: pyte
     def broken_runner(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("cannot pack the weights")
 
-    monkeypatch.setattr(engine_module, "ModelRunner", broken_runner)
+    monkeypatch.setattr(runner_module, "ModelRunner", broken_runner)
     with pytest.raises(RuntimeError, match="cannot pack the weights"):
         LLMEngine.from_pretrained("tiny", EngineConfig(num_kv_blocks=64))
