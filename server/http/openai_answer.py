@@ -120,21 +120,20 @@ async def _serve_on(
     refusal = backend.hold_tokens(tenant, tokens)
     if refusal is not None:
         raise QuotaError(refusal)
+    lengths = [backend.estimate_length(engine, p, sampling) for p in prompts]
+    first = min((e.priority for e in lengths if e is not None), default=None)  # its shortest prompt's
+    priority = req.priority if req.priority is not None else first
     try:
-        routed = await backend.route(engine, prompts, sampling.max_tokens, n, tenant, req.cache_salt)
+        routed = await backend.route(
+            engine, prompts, sampling.max_tokens, n, tenant, req.cache_salt, priority
+        )
     except BaseException:
         backend.release_tokens(tenant, tokens)
         raise
     engine = routed.engine
     jobs = [
-        _Job(
-            backend.open_context(engine),
-            p,
-            backend.estimate_length(engine, p, sampling),
-            _nth(sampling, k),
-            k,
-        )
-        for p in prompts
+        _Job(backend.open_context(engine), p, length, _nth(sampling, k), k)
+        for p, length in zip(prompts, lengths, strict=True)
         for k in range(n)
     ]
     release = _Release(backend, routed, jobs, req.cache_salt, lambda: backend.release_tokens(tenant, tokens))

@@ -37,9 +37,11 @@ class OpenAIBackend(Protocol):
         n: int,
         tenant: str,
         cache_salt: str | None,
+        priority: float | None = None,
     ) -> Routed:
         """Where the request runs: an engine serving ``engine``'s model, once it has room for ``n``
-        generations of at most ``max_tokens`` from each prompt. The router always calls `unroute` after."""
+        generations of at most ``max_tokens`` from each prompt (``priority``, lower first: its place among
+        requests otherwise equal). The router always calls `unroute` after."""
         ...
 
     def unroute(self, routed: Routed, error: str | None) -> None:
@@ -132,6 +134,7 @@ class StaticBackend:
         n: int,
         tenant: str,
         cache_salt: str | None,
+        priority: float | None = None,
     ) -> Routed:
         return Routed(engine)  # one engine per model: it queues what it cannot run yet
 

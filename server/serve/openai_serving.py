@@ -108,10 +108,12 @@ class OpenAIServing:
         n: int,
         tenant: str,
         cache_salt: str | None,
+        priority: float | None = None,
     ) -> Routed:
         """Wait until the placement gives the request an engine serving ``engine``'s model; pair with
         `unroute`. It counts its prompts and ``n`` generations of ``max_tokens`` (at most what the largest
-        such engine runs at once: the engine itself bounds what one request may hold)."""
+        such engine runs at once: the engine itself bounds what one request may hold). ``priority``: its
+        place among requests otherwise equal (lower first: its predicted length, SSJF)."""
         serving = self.registry.serving(engine.model_name)
         if not self.config.openai_prefix_cache:
             return self._least_loaded(serving)
@@ -132,6 +134,7 @@ class OpenAIServing:
             cached=cached,
             model=engine.model_name,
             tenant=tenant,
+            priority=priority,
         )
         record = StepRecord("", key, 0, "", "openai", None, None, self._clock())
         try:

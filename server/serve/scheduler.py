@@ -7,8 +7,8 @@ very same decisions.
 Order: tenants take turns, and within a tenant its apps (`fair_ranks`: one tenant's flood of queued steps
 never holds back another's next step); within an app, and between equal turns, requests that have waited
 ``aging_rounds`` scheduling rounds first (no starvation), then by topological depth (an app's earlier
-stages first), then by arrival (FIFO). For each request, the first
-branch that applies places it:
+stages first), then by priority (an OpenAI request's predicted output length: SSJF), then by arrival
+(FIFO). For each request, the first branch that applies places it:
 
 1. **pinned** — a later step of a multi-step call continues its call's context: its engine only.
 2. **task_group** — the parallel steps feeding one consumer (`server.serve.deduction`) go to one engine
@@ -69,7 +69,8 @@ class QueuedRequest:
     keys: same prefix), or None. ``cached``: engine id -> how many of its prompt tokens a context on that
     engine already holds. ``pinned``: the only engine it may run on. ``model``: None for any. ``waited``:
     scheduling rounds it has already waited. ``tenant``: who sent it (an API key's tenant, else a client
-    address), the unit of fair share.
+    address), the unit of fair share. ``priority``: its predicted output length (SSJF) or the client's own
+    priority, lower first among requests otherwise equal (None: 0).
     """
 
     key: str
@@ -85,6 +86,7 @@ class QueuedRequest:
     model: str | None = None
     waited: int = 0
     tenant: str = ""
+    priority: float | None = None
 
     @property
     def latency_bound(self) -> bool:
@@ -155,9 +157,9 @@ def schedule(
     decision = Decision()
     placed: set[str] = set()
 
-    urgencies = {r.key: (r.waited < config.aging_rounds, r.depth, r.seq) for r in queue}
+    urgencies = {r.key: (r.waited < config.aging_rounds, r.depth, r.priority or 0.0, r.seq) for r in queue}
 
-    def urgency(r: QueuedRequest) -> tuple[bool, int, int]:
+    def urgency(r: QueuedRequest) -> tuple[bool, int, float, int]:
         return urgencies[r.key]
 
     rank = fair_ranks(queue, urgency)

@@ -240,3 +240,18 @@ def test_a_prefix_batch_takes_what_an_engine_has_room_for_in_one_pass() -> None:
     d = schedule(queue, [EngineState(0, 100_000, 4096, steps=0, max_steps=128)])
     assert sorted(d.assignments, key=lambda k: int(k[1:])) == [f"r{i}" for i in range(128)]
     assert set(d.reasons.values()) == {"queue_prefix"}
+
+
+def test_shorter_predicted_requests_go_first_among_equals() -> None:
+    """SSJF in the manager's queue: one engine with room for one request; of three otherwise equal requests
+    (one tenant, each its own app, as OpenAI requests are) the lowest priority goes first, then arrival."""
+    one = [EngineState(0, capacity=60, latency_cap=60)]
+    queue = [
+        req("long", 0, app="a", priority=200.0),
+        req("short", 1, app="b", priority=10.0),
+        req("unknown", 2, app="c"),  # no prediction: priority 0
+    ]
+    assert schedule(queue, one).assignments == {"unknown": 0}
+    assert schedule(queue[:2], one).assignments == {"short": 0}
+    aged = [replace(r, waited=8) for r in queue[:2]]  # aged requests keep the same order among themselves
+    assert schedule(aged, one).assignments == {"short": 0}
