@@ -536,14 +536,12 @@ class LLMEngine(KVExchange, Engine):
                 if parent.busy:  # fork once the parent's own request is done: its state is in flux
                     self._deferred.append(cmd)
                     return
-            inherited = 0 if parent is None else self._inherited(kind, parent, cmd.parent_len)
+            inherited_tokens = 0 if parent is None else inherited(kind, parent, cmd.parent_len)
             offset = 0 if cmd.remote is None else cmd.remote.num_tokens
-            self._check_length(kind, inherited + len(cmd.token_ids), cmd.sampling is not None, offset)
+            self._check_length(kind, inherited_tokens + len(cmd.token_ids), cmd.sampling is not None, offset)
             ctx = self._contexts.create(cmd.context_id, parent, cmd.parent_len)
             ctx.remote = cmd.remote
         self._start(ctx, cmd)
-
-    _inherited = staticmethod(inherited)
 
     def _check_length(self, kind: str, total: int, generate: bool, remote: int = 0) -> None:
         """``total`` tokens held here, after ``remote`` tokens held by another engine (`check_length`)."""

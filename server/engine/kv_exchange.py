@@ -29,6 +29,7 @@ from server.engine.kv_transfer import KVBlob, read_kv, write_kv
 from server.engine.model_runner import KVCache
 from server.engine.remote_kv import KVLease, LocalKVSource
 from server.engine.scheduler import Scheduler
+from server.engine.submit_checks import inherited
 
 T = TypeVar("T")
 
@@ -53,9 +54,6 @@ class KVExchange:
         raise NotImplementedError
 
     def _check_length(self, kind: str, total: int, generate: bool, remote: int = 0) -> None:
-        raise NotImplementedError
-
-    def _inherited(self, kind: str, parent: Context, parent_len: int | None) -> int:
         raise NotImplementedError
 
     def _kv(self) -> KVCache:
@@ -150,8 +148,8 @@ class KVExchange:
                 parent = None
                 if parent_context_id is not None:
                     parent = _idle(self, parent_context_id, "import_kv")
-                inherited = 0 if parent is None else self._inherited("import_kv", parent, parent_len)
-                self._check_length("import_kv", inherited + len(blob.token_ids) + len(pending or []), False)
+                forked = 0 if parent is None else inherited("import_kv", parent, parent_len)
+                self._check_length("import_kv", forked + len(blob.token_ids) + len(pending or []), False)
                 ctx = self._contexts.create(context_id, parent, parent_len)
             else:
                 ctx = _idle(self, context_id, "import_kv")
