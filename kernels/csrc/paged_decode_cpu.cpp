@@ -1,5 +1,5 @@
-// Paged decode attention on CPU, read straight from the block cache: one task per (sequence, KV head), its
-// query heads attended together with an online softmax over the sequence's blocks, accumulated in float32.
+// Paged decode attention on CPU, read straight from the block cache: one task per (sequence, KV head) (per
+// sequence, all its KV heads, on AVX2 at batch >= 2 x threads), its query heads attended together with an online softmax over the sequence's blocks, accumulated in float32.
 // Returns the normalised output and its log-sum-exp (the partial state the shared-prefix path merges).
 //
 // Why a kernel of our own: torch's fused CPU attention pays microseconds of fixed cost per (sequence, head)
@@ -50,6 +50,7 @@ struct Task {
   int64_t kv_head;        // which KV head (k_cache/v_cache are offset to it)
   int64_t group, head_dim, token_stride, block_size;
   float scale;
+  int64_t heads;          // KV heads from kv_head on (q, out and lse hold heads * group rows): AVX2 only
   float* out;             // [G, D] float32
   float* lse;             // [G]
 };
@@ -229,16 +230,19 @@ inline __m256 live_lanes(int64_t n) {
 }
 
 // The AVX-512 kernel's algorithm on AVX2's 8 lanes: head_dim = 8 * C, block_size <= 16 (two vectors of
-// scores per query head).
+// scores per query head). A task may cover ``t.heads`` consecutive KV heads (``heads * group <= 16``): each
+// block's token rows are then read once for all of them, where one task per KV head reads the sequence's
+// blocks once per head (from DRAM again once they outgrow L2: 3x the traffic for SmolLM2's 3 KV heads).
+// Each query head's arithmetic is the same either way.
 template <typename T, int C>
 void attend_avx2(const Task<T>& t) {
-  const int64_t G = t.group, stride = t.token_stride, BS = t.block_size;
+  const int64_t G = t.group, H = t.heads, rows = H * G, stride = t.token_stride, BS = t.block_size;
   constexpr int64_t D = 8 * C;
-  __m256 qv[8][C];  // G <= 8 (checked by the caller)
-  __m256 acc[8][C];
-  float m[8], l[8];
+  __m256 qv[16][C];  // heads * group <= 16 (checked by the caller)
+  __m256 acc[16][C];
+  float m[16], l[16];
   const __m256 scale = _mm256_set1_ps(t.scale), neg_inf = _mm256_set1_ps(kNegInf);
-  for (int64_t g = 0; g < G; ++g) {
+  for (int64_t g = 0; g < rows; ++g) {
     for (int c = 0; c < C; ++c) {
       qv[g][c] = _mm256_mul_ps(load8(t.q + g * D + 8 * c), scale);
       acc[g][c] = _mm256_setzero_ps();
@@ -246,23 +250,24 @@ void attend_avx2(const Task<T>& t) {
     m[g] = kNegInf;
     l[g] = 0.0f;
   }
-  alignas(32) float probs[8][16];
+  alignas(32) float probs[16][16];
   for (int64_t start = 0; start < t.len; start += BS) {
     const int64_t n = std::min(BS, t.len - start);
     const __m256 live_lo = live_lanes(n), live_hi = live_lanes(n - 8);
     const T* kb = t.k_cache + static_cast<int64_t>(t.table[start / BS]) * BS * stride;
     const T* vb = t.v_cache + static_cast<int64_t>(t.table[start / BS]) * BS * stride;
     prefetch_ahead(t, start);
-    for (int64_t j = 0; j < n; ++j) {
-      __m256 kv[C];
-      for (int c = 0; c < C; ++c) kv[c] = load8(kb + j * stride + 8 * c);
-      for (int64_t g = 0; g < G; ++g) {
-        __m256 dot = _mm256_mul_ps(qv[g][0], kv[0]);
-        for (int c = 1; c < C; ++c) dot = _mm256_fmadd_ps(qv[g][c], kv[c], dot);
-        probs[g][j] = hsum8(dot);
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t h = 0; h < H; ++h) {
+        __m256 kv[C];
+        for (int c = 0; c < C; ++c) kv[c] = load8(kb + j * stride + h * D + 8 * c);
+        for (int64_t g = h * G; g < (h + 1) * G; ++g) {
+          __m256 dot = _mm256_mul_ps(qv[g][0], kv[0]);
+          for (int c = 1; c < C; ++c) dot = _mm256_fmadd_ps(qv[g][c], kv[c], dot);
+          probs[g][j] = hsum8(dot);
+        }
       }
-    }
-    for (int64_t g = 0; g < G; ++g) {
+    for (int64_t g = 0; g < rows; ++g) {
       // Lanes past the block's n tokens read as -inf (whatever probs holds there): their exp is 0.
       const __m256 s_lo = _mm256_blendv_ps(neg_inf, _mm256_load_ps(probs[g]), live_lo);
       const __m256 s_hi = _mm256_blendv_ps(neg_inf, _mm256_load_ps(probs[g] + 8), live_hi);
@@ -278,18 +283,19 @@ void attend_avx2(const Task<T>& t) {
       const __m256 cv = _mm256_set1_ps(correction);
       for (int c = 0; c < C; ++c) acc[g][c] = _mm256_mul_ps(acc[g][c], cv);
     }
-    for (int64_t j = 0; j < n; ++j) {
-      __m256 vv[C];
-      for (int c = 0; c < C; ++c) vv[c] = load8(vb + j * stride + 8 * c);
-      for (int64_t g = 0; g < G; ++g) {
-        const __m256 p = _mm256_set1_ps(probs[g][j]);
-        for (int c = 0; c < C; ++c) acc[g][c] = _mm256_fmadd_ps(p, vv[c], acc[g][c]);
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t h = 0; h < H; ++h) {
+        __m256 vv[C];
+        for (int c = 0; c < C; ++c) vv[c] = load8(vb + j * stride + h * D + 8 * c);
+        for (int64_t g = h * G; g < (h + 1) * G; ++g) {
+          const __m256 p = _mm256_set1_ps(probs[g][j]);
+          for (int c = 0; c < C; ++c) acc[g][c] = _mm256_fmadd_ps(p, vv[c], acc[g][c]);
+        }
       }
-    }
   }
-  for (int64_t g = 0; g < G; ++g)
+  for (int64_t g = 0; g < rows; ++g)
     for (int c = 0; c < C; ++c) _mm256_storeu_ps(t.out + g * D + 8 * c, acc[g][c]);
-  finish(t.out, t.lse, G, D, m, l);
+  finish(t.out, t.lse, rows, D, m, l);
 }
 #endif
 
@@ -305,7 +311,7 @@ void attend(const Task<T>& t, float* scratch) {
     }
   }
 #elif PARROT_DECODE_VECTOR == 256
-  if (t.group <= 8 && t.block_size <= 16) {
+  if (t.heads * t.group <= 16 && t.block_size <= 16) {
     switch (t.head_dim) {
       case 32: return attend_avx2<T, 4>(t);
       case 64: return attend_avx2<T, 8>(t);
@@ -329,12 +335,17 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_partial(const at::Tensor& q, con
               "q, k_cache and v_cache must share one dtype");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
               "block_tables and context_lens must be int32");
-  const int64_t batch = q.size(0), heads = q.size(1), head_dim = q.size(2);
+  const int64_t batch = q.size(0), q_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == head_dim && heads % kv_heads == 0, "head shapes disagree");
+  TORCH_CHECK(k_cache.size(3) == head_dim && q_heads % kv_heads == 0, "head shapes disagree");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == batch && context_lens.size(0) == batch,
               "one block table and one length per sequence");
-  const int64_t group = heads / kv_heads;
+  const int64_t group = q_heads / kv_heads;
+  bool fused = false;
+#if PARROT_DECODE_VECTOR == 256
+  fused = kv_heads * group <= 16 && block_size <= 16 && (head_dim == 32 || head_dim == 64 || head_dim == 128) &&
+          batch >= 2 * static_cast<int64_t>(at::get_num_threads());
+#endif
   const auto qc = q.contiguous(), kc = k_cache.contiguous(), vc = v_cache.contiguous();
   const auto tables = block_tables.contiguous(), lens = context_lens.contiguous();
   const int64_t max_blocks = tables.size(1), num_blocks = kc.size(0);
@@ -348,8 +359,8 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_partial(const at::Tensor& q, con
       TORCH_CHECK(blk >= 0 && blk < num_blocks, "block ", blk, " outside the cache");
     }
   }
-  auto out = at::empty({batch, heads, head_dim}, q.options().dtype(at::kFloat));
-  auto lse = at::empty({batch, heads}, q.options().dtype(at::kFloat));
+  auto out = at::empty({batch, q_heads, head_dim}, q.options().dtype(at::kFloat));
+  auto lse = at::empty({batch, q_heads}, q.options().dtype(at::kFloat));
   float* out_ptr = out.data_ptr<float>();
   float* lse_ptr = lse.data_ptr<float>();
   auto run = [&](auto* type_tag) {
@@ -357,13 +368,18 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_partial(const at::Tensor& q, con
     const T* q_ptr = reinterpret_cast<const T*>(qc.data_ptr());
     const T* k_ptr = reinterpret_cast<const T*>(kc.data_ptr());
     const T* v_ptr = reinterpret_cast<const T*>(vc.data_ptr());
-    at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    // A task per sequence, covering all its KV heads, where there are sequences enough to keep every
+    // thread busy and the AVX2 kernel takes them; else a task per (sequence, KV head).
+    const int64_t task_heads = fused ? kv_heads : 1, tasks_per_seq = kv_heads / task_heads;
+    at::parallel_for(0, batch * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scratch(group * head_dim + group * block_size);
       for (int64_t i = begin; i < end; ++i) {
-        const int64_t b = i / kv_heads, h = i % kv_heads, row = b * heads + h * group;
+        const int64_t b = i / tasks_per_seq, h = i % tasks_per_seq * task_heads;
+        const int64_t row = b * q_heads + h * group;
         const Task<T> task{q_ptr + row * head_dim, k_ptr + h * head_dim, v_ptr + h * head_dim,
                            table_ptr + b * max_blocks, len_ptr[b], h, group, head_dim, kv_heads * head_dim,
-                           block_size, static_cast<float>(scale), out_ptr + row * head_dim, lse_ptr + row};
+                           block_size, static_cast<float>(scale), task_heads, out_ptr + row * head_dim,
+                           lse_ptr + row};
         attend<T>(task, scratch.data());
       }
     });

@@ -13,7 +13,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #include <sleef.h>  // torch links SLEEF: its vectorised exp, as torch's own silu uses
 #endif
@@ -45,6 +45,21 @@ void silu_mul_row_bf16(const c10::BFloat16* gate, const c10::BFloat16* up, c10::
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+
+// float32 eight lanes at a time (n % 8 == 0) with SLEEF's exp, as torch's own AVX2 silu: the scalar loop
+// (libm's exp, one lane) took 6% of a SmolLM2 prefill on an AVX2 CPU.
+void silu_mul_row_f32(const float* gate, const float* up, float* out, int64_t n) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  for (int64_t j = 0; j < n; j += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + j);
+    const __m256 e = Sleef_expf8_u10avx2(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    const __m256 s = _mm256_div_ps(g, _mm256_add_ps(one, e));
+    _mm256_storeu_ps(out + j, _mm256_mul_ps(s, _mm256_loadu_ps(up + j)));
+  }
+}
+#endif
+
 at::Tensor silu_mul(const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up must be [T, 2n]");
   const auto x = gate_up.contiguous();
@@ -60,6 +75,14 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
         if constexpr (std::is_same_v<T, c10::BFloat16>) {
           if (n % 16 == 0) {
             silu_mul_row_bf16(in + t * 2 * n, in + t * 2 * n + n, o + t * n, n);
+            continue;
+          }
+        }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+        if constexpr (std::is_same_v<T, float>) {
+          if (n % 8 == 0) {
+            silu_mul_row_f32(in + t * 2 * n, in + t * 2 * n + n, o + t * n, n);
             continue;
           }
         }

@@ -2,7 +2,8 @@
 
 Decode attention equals the float64 reference: outputs and log-sum-exps, every path of it (AVX-512 or
 AVX2 for head dims 32/64/128 with blocks of up to 16 and up to 8 query heads per KV head, plain loops
-otherwise), every cache dtype, empty and ragged sequences over shuffled blocks; bad tables are refused.
+otherwise), every cache dtype, empty and ragged sequences over shuffled blocks, the same bits for a
+sequence in a batch as alone; bad tables are refused.
 The fused add + RMSNorm equals the torch ops it replaces (the Hugging Face reference's arithmetic; fp32 to
 a few ulps).
 """
@@ -63,6 +64,29 @@ def test_matches_the_reference(dtype: torch.dtype, head_dim: int, block_size: in
     assert out.dtype == lse.dtype == torch.float32 and out.shape == q.shape
     torch.testing.assert_close(out, want_out, **TOL[dtype])
     torch.testing.assert_close(lse, want_lse, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("kv_heads", "group"), [(3, 3), (4, 4), (2, 8), (4, 5)])  # the last: past 16 rows
+def test_a_sequence_gets_the_same_bits_in_a_batch_as_alone(
+    dtype: torch.dtype, kv_heads: int, group: int
+) -> None:
+    """A batch may take another task shape (on AVX2, a task per sequence over all its KV heads, where one
+    runs alone per KV head): each sequence's output must not change with its company."""
+    gen = torch.Generator().manual_seed(kv_heads * group)
+    k = torch.randn(90, 16, kv_heads, 64, generator=gen).to(dtype)
+    v = torch.randn(90, 16, kv_heads, 64, generator=gen).to(dtype)
+    batch = 12  # past twice the threads
+    q = torch.randn(batch, kv_heads * group, 64, generator=gen).to(dtype)
+    tables = torch.randperm(90, generator=gen)[: batch * 7].view(batch, 7).int()
+    lens = torch.randint(1, 7 * 16 + 1, (batch,), generator=gen, dtype=torch.int32)
+    out, lse = kernel(q, k, v, tables, lens, 0.125)
+    want_out, want_lse = _expected(q, k, v, tables, lens, 0.125)
+    torch.testing.assert_close(out, want_out, **TOL[dtype])
+    torch.testing.assert_close(lse, want_lse, **TOL[dtype])
+    for b in range(batch):
+        alone_out, alone_lse = kernel(q[b : b + 1], k, v, tables[b : b + 1], lens[b : b + 1], 0.125)
+        assert torch.equal(alone_out[0], out[b]) and torch.equal(alone_lse[0], lse[b])
 
 
 def test_many_query_heads_per_kv_head_and_an_empty_sequence() -> None:

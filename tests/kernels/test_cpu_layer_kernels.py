@@ -2,7 +2,7 @@
 
 RoPE + KV write against `server.engine.rope.rotate` and two `index_copy_`; SwiGLU's activation against
 ``F.silu(gate) * up`` — in bf16 and fp16, on the vectorised path (head dim 64, width a multiple of 16) and the
-plain loops; fp32 to a few ulps (the compiler may contract a product and a sum into one FMA, and the exp is
+plain loops; fp32 to a few ulps (bit for bit on AVX2, where both take SLEEF's exp) (the compiler may contract a product and a sum into one FMA, and the exp is
 another's); bad slots are refused before anything is written; and the model takes the kernels for bf16 and
 gives the same tokens as with them off.
 """
@@ -100,6 +100,15 @@ def test_silu_mul_equals_the_torch_ops(dtype: torch.dtype, width: int, tokens: i
     got = silu_mul(gate_up)
     want = F.silu(gate_up[:, :width]).mul_(gate_up[:, width:])
     assert got.shape == (tokens, width) and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("width", [1536, 44])  # eight float32 lanes (AVX2's SLEEF exp); the plain loop
+@pytest.mark.parametrize("tokens", [1, 64])
+def test_fp32_silu_mul_equals_the_torch_ops_to_a_few_ulps(width: int, tokens: int) -> None:
+    gate_up = torch.randn(tokens, 2 * width, generator=torch.Generator().manual_seed(width)) * 4
+    assert silu_mul is not None
+    want = F.silu(gate_up[:, :width]).mul_(gate_up[:, width:])
+    torch.testing.assert_close(silu_mul(gate_up), want, rtol=1e-6, atol=1e-6)
 
 
 def test_the_model_takes_the_kernels_for_bf16_with_the_same_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
