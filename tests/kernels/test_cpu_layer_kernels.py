@@ -2,9 +2,9 @@
 
 RoPE + KV write against `server.engine.rope.rotate` and two `index_copy_`; SwiGLU's activation against
 ``F.silu(gate) * up`` — in bf16 and fp16, on the vectorised path (head dim 64, width a multiple of 16) and the
-plain loops; fp32 to a few ulps (bit for bit on AVX2, where both take SLEEF's exp) (the compiler may contract a product and a sum into one FMA, and the exp is
-another's); bad slots are refused before anything is written; and the model takes the kernels for bf16 and
-gives the same tokens as with them off.
+plain loops; fp32 to a few ulps (the compiler may contract a product and a sum into one FMA, and the exp
+may be another's; SwiGLU's is bit for bit on AVX2, where both take SLEEF's); bad slots are refused before
+anything is written; and the model takes the kernels for bf16 and gives the same tokens as with them off.
 """
 
 from __future__ import annotations
