@@ -8,7 +8,8 @@ head_dim]``. Token ``t`` of a sequence is in block ``block_table[t // block_size
 
 Every function takes ``backend=``:
 
-* ``"auto"`` (default): the Triton kernels for CUDA tensors when triton is installed, else the torch path;
+* ``"auto"`` (default): the Triton kernels for CUDA tensors when triton is installed, else the torch path
+  (the reference for `paged_prefill_attention`, which has none); `resolve_backend` says which;
 * ``"triton"``: the Triton kernels (on CPU tensors this needs ``TRITON_INTERPRET=1`` set before triton is
   first imported — the tests do this);
 * ``"torch"``: the torch form of the same two-phase algorithm (what the engine runs on CPU);
@@ -20,13 +21,13 @@ Importing this package never imports triton; it is loaded on the first Triton ca
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
-from types import ModuleType
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import torch
 
-from kernels import reference, torch_path
 from kernels.gate import should_share_prefix
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "merge_attention_states",
     "paged_decode_attention",
     "paged_prefill_attention",
+    "resolve_backend",
     "shared_prefix_decode_attention",
     "should_share_prefix",
     "triton_available",
@@ -48,18 +50,53 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def _module(backend: Backend, device: torch.device) -> ModuleType:
+# Where each entry point's backends live. One table, read by `_resolve` and nowhere else, so no entry point
+# can send a backend to a module that lacks its function: a test resolves every op for every device.
+_PATHS: dict[str, dict[str, str]] = {
+    "paged_decode_attention": {
+        "triton": "kernels.triton_kernels",
+        "torch": "kernels.torch_path",
+        "reference": "kernels.reference",
+    },
+    "shared_prefix_decode_attention": {
+        "triton": "kernels.triton_kernels",
+        "torch": "kernels.torch_path",
+        "reference": "kernels.reference",
+    },
+    "merge_attention_states": {
+        "triton": "kernels.triton_kernels",
+        "torch": "kernels.torch_path",
+        "reference": "kernels.reference",
+    },
+    # No torch path: off CUDA the engine gathers the context (`server.engine.attention.gathered_prefill`).
+    "paged_prefill_attention": {"triton": "kernels.triton_prefill", "reference": "kernels.reference"},
+}
+
+
+def resolve_backend(op: str, backend: Backend, device: torch.device) -> tuple[Backend, str]:
+    """The concrete backend ``op`` runs with for tensors on ``device``, and the module that holds it.
+
+    ``"auto"``: Triton for CUDA tensors where triton is installed, else the torch path, else (an op with
+    none) the reference. Raises `ValueError` for an unknown op or backend, or one the op does not have.
+    """
+    paths = _PATHS.get(op)
+    if paths is None:
+        raise ValueError(f"unknown attention op {op!r}")
     if backend == "auto":
         backend = "triton" if device.type == "cuda" and triton_available() else "torch"
-    if backend == "torch":
-        return torch_path
-    if backend == "reference":
-        return reference
-    if backend == "triton":
-        from kernels import triton_kernels  # deferred: importing triton is slow and optional
+        if backend not in paths:
+            backend = "reference"
+    if backend not in ("triton", "torch", "reference"):
+        raise ValueError(f"unknown attention backend {backend!r}")
+    if backend not in paths:
+        raise ValueError(f"{op} has no {backend} path: use one of {', '.join(['auto', *paths])}")
+    return backend, paths[backend]
 
-        return triton_kernels
-    raise ValueError(f"unknown attention backend {backend!r}")
+
+def _op(op: str, backend: Backend, device: torch.device) -> Callable[..., Any]:
+    """The function ``op`` of its resolved backend (triton's modules are imported on first use: slow)."""
+    _, module = resolve_backend(op, backend, device)
+    return getattr(importlib.import_module(module), op)
 
 
 def paged_decode_attention(
@@ -84,7 +121,7 @@ def paged_decode_attention(
     Returns:
         ``[B, H, D]`` in ``q.dtype``.
     """
-    return _module(backend, q.device).paged_decode_attention(
+    return _op("paged_decode_attention", backend, q.device)(
         q, k_cache, v_cache, block_tables, context_lens, scale
     )
 
@@ -121,7 +158,7 @@ def shared_prefix_decode_attention(
     Returns:
         ``[B, H, D]`` in ``q.dtype``.
     """
-    return _module(backend, q.device).shared_prefix_decode_attention(
+    return _op("shared_prefix_decode_attention", backend, q.device)(
         q,
         k_cache,
         v_cache,
@@ -162,15 +199,7 @@ def paged_prefill_attention(
     Returns:
         ``[n, H, D]`` in ``q.dtype``.
     """
-    if backend == "torch":
-        raise ValueError("paged_prefill_attention has no torch path: use 'triton', 'reference' or 'auto'")
-    if backend == "auto" and not (q.device.type == "cuda" and triton_available()):
-        backend = "reference"
-    if backend == "triton":
-        from kernels import triton_prefill  # deferred: importing triton is slow and optional
-
-        return triton_prefill.paged_prefill_attention(q, k_cache, v_cache, block_table, num_cached, scale)
-    return _module(backend, q.device).paged_prefill_attention(
+    return _op("paged_prefill_attention", backend, q.device)(
         q, k_cache, v_cache, block_table, num_cached, scale
     )
 
@@ -193,4 +222,4 @@ def merge_attention_states(
     Returns:
         ``(out, lse)``: ``out`` in ``out_a.dtype`` (0 where both are empty), ``lse`` float32.
     """
-    return _module(backend, out_a.device).merge_attention_states(out_a, lse_a, out_b, lse_b)
+    return _op("merge_attention_states", backend, out_a.device)(out_a, lse_a, out_b, lse_b)
