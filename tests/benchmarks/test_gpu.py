@@ -149,6 +149,10 @@ def test_page_has_the_gpu_section_from_the_committed_record() -> None:
     assert f"{record['metrics']['decode_ratio_vs_hf_b64']:.2f}" in section
     assert "## gpu" not in render_page({}, {})
     assert gpu_report.load(ROOT / "tests") is None
+    # Runs on other cards sit beside it, each goal's metric in its own column.
+    (h200,) = [c for c in record["other_cards"] if c["gpu"] == "NVIDIA H200"]
+    row = next(line for line in section.splitlines() if line.startswith("| `floor_ratio_b1_llama-2-7b`"))
+    assert row.split("|")[3].strip() == f"{h200['metrics']['floor_ratio_b1_llama-2-7b']:.3g}" == "1.63"
 
 
 def test_the_tests_step_runs_the_gpu_suites_without_the_moot_checks(tmp_path: Path) -> None:
