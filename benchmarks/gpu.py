@@ -16,7 +16,9 @@ process with a time limit, so one failure or hang costs only that step, and the 
    (`benchmarks.gpu_engine`);
 6. ``steps``: where a decode step's time goes (wall vs device time, the engine thread's Python) and the
    graphed shared-prefix gate's end-to-end crossover on the 7B shape (`benchmarks.gpu_steps`);
-7. ``random_model`` + ``shared_prompt``: the quick shared-system-prompt experiment
+7. ``layer_diff``: each layer of the 7B shape against HF in float32 on the same weights, beside HF's own
+   bf16 error: where CUDA's tokens part from HF's (`benchmarks.layer_diff`);
+8. ``random_model`` + ``shared_prompt``: the quick shared-system-prompt experiment
    (`benchmarks.shared_prompt`) on CUDA, over a random SmolLM2-shaped model written as a folder.
 
 Every step writes ``DIR/<step>.json`` (and its log ``DIR/<step>.log``); ``DIR/gpu.json`` gathers the
@@ -132,6 +134,17 @@ def steps(out: Path, tiny: bool, tests_k: str | None = None, shapes: list[str] |
             "random_model",
             [*py, "-m", "benchmarks.harness.random_models", "smollm2-135m", str(out / "smollm2-135m-random")],
             60,
+        ),
+        # Where the 7B's CUDA tokens part from HF's: each layer against HF in float32, eager, bf16.
+        Step(
+            "layer_diff",
+            [*py, "-m", "benchmarks.layer_diff", "--json", str(out / "layer_diff.json")]
+            + (
+                ["--device", "cpu", "--dtype", "float32", "--prompt-len", "16", "--new", "3"]
+                if tiny
+                else ["--shape", "llama-2-7b"]
+            ),
+            90,
         ),
         Step(
             "shared_prompt",

@@ -115,6 +115,7 @@ def gather(out: Path, statuses: dict[str, dict[str, Any]]) -> dict[str, Any]:
     metrics |= {f"shared_prompt_{k}": v for k, v in result_metrics(out / "shared_prompt.log").items()}
     metrics |= {f"tuning_{k}": v for k, v in result_metrics(out / "kernel_tuning.log").items()}
     metrics |= {f"steps_{k}": v for k, v in result_metrics(out / "steps.log").items()}
+    metrics |= {f"layer_diff_{k}": v for k, v in result_metrics(out / "layer_diff.log").items()}
     tests = _junit_counts(out / "tests.xml") or _log_counts(out / "tests.log")
     return {
         "benchmark": "gpu",
@@ -125,7 +126,15 @@ def gather(out: Path, statuses: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "metrics": metrics,
         "payloads": {
             name: _load(out / f"{name}.json")
-            for name in ("kernels_bf16", "kernels_fp16", "kernel_tuning", "engine", "steps", "shared_prompt")
+            for name in (
+                "kernels_bf16",
+                "kernels_fp16",
+                "kernel_tuning",
+                "engine",
+                "steps",
+                "layer_diff",
+                "shared_prompt",
+            )
         },
     }
 
