@@ -19,7 +19,6 @@ import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
 from contextvars import ContextVar, Token
-from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Literal
 
@@ -46,6 +45,7 @@ from parrot.protocol import (
     SubmitCallRequest,
 )
 from parrot.session_http import SessionHTTP
+from parrot.session_queue import CreateVariable, Deadline, QueuedOp, SetVariable, SubmitCall
 from parrot.text_stream import TextFollower, stream_events
 from parrot.urls import server_root
 from parrot.variable import Variable
@@ -70,55 +70,6 @@ def current_session() -> Session:
             "(or `async with`)"
         )
     return session
-
-
-@dataclass
-class _CreateVariable:
-    var: Variable
-    value: str | None
-
-
-@dataclass
-class _SetVariable:
-    var: Variable
-    value: str
-
-
-@dataclass
-class _SubmitCall:
-    func_name: str
-    request: SubmitCallRequest  # inputs bound to variables have var_id None here: filled in when sent
-    inputs: dict[str, Variable]
-    outputs: dict[str, Variable]
-
-
-_Op = _CreateVariable | _SetVariable | _SubmitCall
-
-
-@dataclass(frozen=True)
-class _Deadline:
-    """The time limit of one ``get``: ``timeout`` seconds (None: none) from ``started`` (monotonic)."""
-
-    timeout: float | None
-    started: float = field(default_factory=time.monotonic)
-
-    def left(self, default: float) -> float:
-        """How long the next long poll may ask the server to wait (``default`` when there is no timeout)."""
-        if self.timeout is None:
-            return default
-        return max(0.0, self.started + self.timeout - time.monotonic())
-
-    def passed(self) -> bool:
-        return self.timeout is not None and time.monotonic() >= self.started + self.timeout
-
-    def error(self, var: Variable) -> GetTimeoutError:
-        waited = time.monotonic() - self.started
-        return GetTimeoutError(
-            f"{var._describe()} is still pending after {waited:.2f}s (get's timeout: {self.timeout:g}s): "
-            "its producer has not finished, or an input it needs was never set; get it again (with a "
-            "longer timeout) or set the missing input",
-            status=504,
-        )
 
 
 class Session:
@@ -173,7 +124,7 @@ class Session:
         self._created = False
         self._sent = False
         self._context_token: Token[Session | None] | None = None
-        self._pending: deque[_Op] = deque()
+        self._pending: deque[QueuedOp] = deque()
         self._lock = threading.Lock()
         self._alock: asyncio.Lock | None = None
 
@@ -212,7 +163,7 @@ class Session:
             raise TypeError(f"a variable's value is text: got {type(value).__name__}; pass str(value)")
         var = Variable(self, name=name)
         var._has_value = value is not None
-        self._pending.append(_CreateVariable(var, value))
+        self._pending.append(CreateVariable(var, value))
         return var
 
     def flush(self) -> None:
@@ -324,7 +275,7 @@ class Session:
     # -------------------------------------------------------------------------------------- queue
     def _enqueue_set(self, var: Variable, value: str) -> None:
         self._check_open()
-        self._pending.append(_SetVariable(var, value))
+        self._pending.append(SetVariable(var, value))
 
     def _enqueue_call(
         self, func_name: str, request: SubmitCallRequest, inputs: dict[str, Variable], outputs: list[str]
@@ -347,7 +298,7 @@ class Session:
             bound = inputs.get(spec.name) if spec.role == "input" else made.get(spec.name)
             placeholders.append(spec if bound is None else spec.model_copy(update={"var_id": bound.var_id}))
         request = request.model_copy(update={"placeholders": placeholders})
-        self._pending.append(_SubmitCall(func_name, request, dict(inputs), made))
+        self._pending.append(SubmitCall(func_name, request, dict(inputs), made))
         return made
 
     def _batch_path(self) -> str:
@@ -375,11 +326,11 @@ class Session:
         return len(ops), request
 
     @staticmethod
-    def _op_body(op: _Op) -> dict[str, Any]:
-        if isinstance(op, _CreateVariable):
+    def _op_body(op: QueuedOp) -> dict[str, Any]:
+        if isinstance(op, CreateVariable):
             created = BatchCreateVariable(var_id=op.var.var_id, name=op.var.name, value=op.value)
             return created.model_dump(exclude_none=True)
-        if isinstance(op, _SetVariable):
+        if isinstance(op, SetVariable):
             return BatchSetVariable(var_id=op.var.var_id, value=op.value).model_dump()
         call = BatchSubmitCall(**op.request.model_dump())
         return call.model_dump(mode="json", exclude_none=True)
@@ -428,9 +379,9 @@ class Session:
         self._created = True
         for _ in range(count):
             op = self._pending.popleft()
-            if isinstance(op, _CreateVariable):
+            if isinstance(op, CreateVariable):
                 op.var._sent = True
-            elif isinstance(op, _SubmitCall):
+            elif isinstance(op, SubmitCall):
                 for var in op.outputs.values():
                     var._sent = True
 
@@ -452,39 +403,39 @@ class Session:
         failed = self._pending.popleft()
         self._mark_failed(failed, error)
 
-    def _mark_failed(self, op: _Op, error: ParrotError) -> None:
+    def _mark_failed(self, op: QueuedOp, error: ParrotError) -> None:
         """Record ``error`` on what ``op`` makes, and drop the queued calls that consume it (transitively):
         the server would only reject them for naming a variable that does not exist."""
         lost: set[int] = set()
-        if isinstance(op, _CreateVariable):
+        if isinstance(op, CreateVariable):
             op.var._error = error
             lost.add(id(op.var))
-        elif isinstance(op, _SubmitCall):
+        elif isinstance(op, SubmitCall):
             for var in op.outputs.values():
                 var._error = error
                 lost.add(id(var))
-        kept: deque[_Op] = deque()
+        kept: deque[QueuedOp] = deque()
         for queued in self._pending:
-            consumes = isinstance(queued, _SubmitCall) and any(id(v) in lost for v in queued.inputs.values())
-            touches = isinstance(queued, _SetVariable) and id(queued.var) in lost
+            consumes = isinstance(queued, SubmitCall) and any(id(v) in lost for v in queued.inputs.values())
+            touches = isinstance(queued, SetVariable) and id(queued.var) in lost
             if not (consumes or touches):
                 kept.append(queued)
-            elif isinstance(queued, _SubmitCall):
+            elif isinstance(queued, SubmitCall):
                 for var in queued.outputs.values():
                     var._error = error
                     lost.add(id(var))
         self._pending = kept
 
     # --------------------------------------------------------------------------------------- get
-    def _poll_plan(self, criteria: Criteria | None, timeout: float | None) -> _Deadline:
+    def _poll_plan(self, criteria: Criteria | None, timeout: float | None) -> Deadline:
         if criteria is not None and criteria not in CRITERIA:
             raise ValueError(f"criteria must be P.LATENCY or P.THROUGHPUT ({CRITERIA}), got {criteria!r}")
         if timeout is not None and timeout < 0:
             raise ValueError(f"timeout must be >= 0 seconds, got {timeout}")
-        return _Deadline(timeout)
+        return Deadline(timeout)
 
     def _poll_request(
-        self, var: Variable, criteria: Criteria | None, deadline: _Deadline
+        self, var: Variable, criteria: Criteria | None, deadline: Deadline
     ) -> tuple[str, dict[str, Any], float]:
         """The path, query and wait (seconds) of one long-poll request."""
         if var._error is not None:
@@ -494,7 +445,7 @@ class Session:
         path = f"/v1/sessions/{self._session_id}/variables/{var.var_id}"
         return path, query.model_dump(exclude_none=True), wait
 
-    def _batch_get(self, var: Variable, criteria: Criteria | None, deadline: _Deadline) -> BatchGet:
+    def _batch_get(self, var: Variable, criteria: Criteria | None, deadline: Deadline) -> BatchGet:
         """The ``get`` a batch carries for ``var`` (after checking the variable can be got at all)."""
         if var._error is not None:
             raise var._error
@@ -597,7 +548,7 @@ class Session:
         var._result()
 
 
-def _after_text(var: Variable, final: GetVariableResponse | None, deadline: _Deadline) -> None:
+def _after_text(var: Variable, final: GetVariableResponse | None, deadline: Deadline) -> None:
     """After one connection of a text stream: settle the variable from the server's answer, or raise at the
     deadline (else the caller reconnects)."""
     if final is not None and final.status != "pending":
