@@ -31,8 +31,11 @@ the small elementwise parts of a layer (RoPE with the KV write, SwiGLU's activat
 
 They are built with torch's extension builder (ninja and a C++ compiler) into torch's extension cache the
 first time a process asks, for this machine's CPU (``-march=native``; the build's name carries the CPU's
-flags, so a shared cache never hands one CPU another's binary). Where they cannot be built the torch ops run
-instead and the reason is logged once; ``PARROT_CPU_KERNELS=0`` turns them off.
+flags, so a shared cache never hands one CPU another's binary, and the interpreter's and torch's paths, so
+two virtualenvs never rebuild each other's). A build says so when it starts and what it cost when it ends
+(minutes on 2 cores); a lock file left by a build that was killed is removed once it is older than any
+build (torch's builder would wait on it forever). Where they cannot be built the torch ops run instead and
+the reason is logged once; ``PARROT_CPU_KERNELS=0`` turns them off.
 """
 
 from __future__ import annotations
@@ -40,8 +43,11 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
 import platform
+import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -94,6 +100,8 @@ SiluMul = Callable[[torch.Tensor], torch.Tensor]
 Gemv = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 _build_lock = threading.Lock()  # two engines of one process may start together: one build, one load
+# A build takes 2-4 minutes on 2 cores; a lock older than this was left by a build that was killed.
+STALE_LOCK_S = 20 * 60
 
 
 @functools.cache
@@ -121,6 +129,8 @@ def _build_tag() -> str:
         [
             platform.machine(),
             str(_CSRC.resolve()),
+            sys.executable,
+            str(Path(torch.__file__).resolve().parent),
             flags,
             torch.__version__,
             *_compile_flags(),
@@ -128,6 +138,30 @@ def _build_tag() -> str:
         ]
     )
     return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def _build_dir(name: str) -> Path:
+    """Where the build named ``name`` goes: a folder of its own in torch's extension cache."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    folder = Path(get_default_build_root()) / f"py{sys.version_info.major}{sys.version_info.minor}_cpu" / name
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def clear_stale_lock(folder: Path, stale_s: float = STALE_LOCK_S) -> bool:
+    """Remove ``folder``'s build lock if it is older than any build (a killed build's); whether it did."""
+    lock = folder / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < stale_s:
+        log.warning("CPU kernels: waiting for another process's build (its lock: %s)", lock)
+        return False
+    log.warning("CPU kernels: removing %s, %.0f min old: left by a build that was killed", lock, age / 60)
+    lock.unlink(missing_ok=True)
+    return True
 
 
 @functools.cache
@@ -139,14 +173,26 @@ def _ops() -> Any | None:
         try:
             from torch.utils.cpp_extension import load
 
+            name = f"parrot_cpu_kernels_{_build_tag()}"
+            folder = _build_dir(name)
+            clear_stale_lock(folder)
+            built = (folder / f"{name}.so").is_file()
+            if not built:
+                log.warning(
+                    "CPU kernels: building them for this CPU, once (2-4 minutes on 2 cores) in %s", folder
+                )
+            started = time.monotonic()
             load(
-                name=f"parrot_cpu_kernels_{_build_tag()}",
+                name=name,
                 sources=[str(p) for p in SOURCES],
                 extra_cflags=list(_compile_flags()),
                 extra_ldflags=[f for f in _compile_flags() if f == "-fopenmp"],
+                build_directory=os.fspath(folder),
                 is_python_module=False,
                 verbose=False,
             )
+            if not built:
+                log.warning("CPU kernels: built in %.0f s", time.monotonic() - started)
         except Exception as exc:  # no compiler, no ninja, an unknown -march: the torch ops are correct too
             log.warning("CPU kernels unavailable, using torch ops: %s", exc)
             return None

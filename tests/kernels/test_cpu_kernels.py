@@ -11,7 +11,10 @@ a few ulps).
 from __future__ import annotations
 
 import math
+import os
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -151,6 +154,32 @@ def test_turned_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(CPU_KERNELS.name)
         cpu_kernels.clear_cache()
     assert cpu_kernels.paged_decode_kernel() is not None
+
+
+def test_a_killed_build_s_lock_is_removed_and_a_live_build_s_kept(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """torch's builder waits on a lock file while it exists: one left by a killed build hung every later
+    start. A lock older than any build goes (and says so); a fresh one is another build's, waited on."""
+    lock = tmp_path / "lock"
+    assert not cpu_kernels.clear_stale_lock(tmp_path)
+    lock.touch()
+    with caplog.at_level("WARNING", logger="kernels.cpu_kernels"):
+        assert not cpu_kernels.clear_stale_lock(tmp_path) and lock.exists()
+        assert "waiting for another process's build" in caplog.text
+        old = time.time() - cpu_kernels.STALE_LOCK_S - 60
+        os.utime(lock, (old, old))
+        assert cpu_kernels.clear_stale_lock(tmp_path) and not lock.exists()
+        assert "left by a build that was killed" in caplog.text
+
+
+def test_two_interpreters_build_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's builder records the sources' and interpreter's paths: two virtualenvs sharing the cache under
+    one build name rebuilt it at every start in turn."""
+    tag = cpu_kernels._build_tag()
+    assert cpu_kernels._build_tag() == tag
+    monkeypatch.setattr(sys, "executable", "/elsewhere/venv/bin/python")
+    assert cpu_kernels._build_tag() != tag
 
 
 def test_a_failed_build_falls_back_to_torch_and_says_why(
