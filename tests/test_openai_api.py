@@ -268,6 +268,13 @@ def test_errors(client: openai.OpenAI, engine: LLMEngine) -> None:
         client.completions.create(model="tiny", prompt="hi", max_tokens=2, temperature=-1)
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=0, stream=True)  # type: ignore[arg-type]
+    window = engine.max_model_len
+    with pytest.raises(
+        openai.BadRequestError, match=r"in max_completion_tokens\): lower max_completion_tokens"
+    ):
+        client.chat.completions.create(model="tiny", messages=MESSAGES, max_completion_tokens=window)
+    with pytest.raises(openai.BadRequestError, match=r"in max_tokens\): lower max_tokens"):
+        client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=window)
     too_long = [5] * (engine.max_model_len + 10)
     for stream in (False, True):
         with pytest.raises(openai.APIStatusError) as tl:

@@ -119,6 +119,22 @@ _TYPED: tuple[type[Exception], ...] = (
 )
 
 
+# The OpenAI API's routes, as a client whose base URL lacks ``/v1`` asks for them.
+_OPENAI_ROUTES = ("/chat/completions", "/completions", "/models", "/embeddings", "/responses")
+
+
+def openai_path_hint(path: str) -> str | None:
+    """For a path that is an OpenAI route without its ``/v1`` prefix (a client's base URL that lacks it),
+    the 404's message: where the route is and what base URL to give; None for any other path."""
+    route = path.rstrip("/")
+    if not any(route == r or route.startswith(r + "/") for r in _OPENAI_ROUTES):
+        return None
+    return (
+        f"no route {path}: the OpenAI-compatible API is under /v1 ({'/v1' + route}); give clients the "
+        "base URL http://HOST:PORT/v1"
+    )
+
+
 def _with_retry_after(response: JSONResponse, exc: BaseException) -> JSONResponse:
     """A refusal that passes with time (a quota: ``retry_after`` seconds) says when to retry."""
     retry_after = getattr(exc, "retry_after", None)
@@ -325,8 +341,9 @@ def create_app(
         return error_response(422, "invalid_schema", details)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, "http_error", str(exc.detail))
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        hint = openai_path_hint(request.url.path) if exc.status_code == 404 else None
+        return error_response(exc.status_code, "http_error", hint or str(exc.detail))
 
     for cls in _TYPED:
 

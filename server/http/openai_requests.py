@@ -198,6 +198,10 @@ def sampling_for(
     cache where that is smaller. A request whose prompt and ``max_tokens`` cannot fit the KV cache even
     alone is refused: generating would stop short where the cache ends, an answer cut with HTTP 200."""
     longest = max(len(p) for p in prompts)
+    # Errors name the field the client sent (a chat request may use the newer name).
+    field = (
+        "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
+    )
     stats = engine.stats()
     cache_tokens = stats.blocks_total * stats.block_size
     if max_tokens is None:
@@ -205,16 +209,16 @@ def sampling_for(
     elif longest < engine.max_model_len and longest + max_tokens > engine.max_model_len:
         raise OpenAIAPIError(
             f"this model's context window is {engine.max_model_len} tokens, but {longest + max_tokens} were "
-            f"asked for ({longest} in the prompt, {max_tokens} in max_tokens): lower max_tokens to at most "
+            f"asked for ({longest} in the prompt, {max_tokens} in {field}): lower {field} to at most "
             f"{engine.max_model_len - longest}",
-            "max_tokens",
+            field,
         )
     # (a prompt over the context window is the engine's 413 prompt_too_long, the more precise answer)
     if longest < engine.max_model_len and longest + max_tokens > cache_tokens:
         raise OpenAIAPIError(
-            f"the prompt ({longest} tokens) and max_tokens ({max_tokens}) need {longest + max_tokens} tokens "
+            f"the prompt ({longest} tokens) and {field} ({max_tokens}) need {longest + max_tokens} tokens "
             f"of KV cache, which holds {cache_tokens} ({stats.blocks_total} blocks of {stats.block_size}): "
-            "lower max_tokens or shorten the prompt"
+            f"lower {field} or shorten the prompt"
         )
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     return SamplingParams(

@@ -11,6 +11,7 @@ import parrot as P
 import pytest
 
 from server.engine import EngineConfig, LLMEngine, SamplingParams
+from server.http.app import openai_path_hint
 from server.launcher import LaunchedServer, launch
 
 _ids = itertools.count(10**9)  # engine context ids far from the manager's own
@@ -327,3 +328,16 @@ async def test_a_failing_or_deleted_session_never_disturbs_another(served: Launc
         text = await asyncio.to_thread(reference, engine, f"Continue the story: {text} Next: ", 6)
         expected.append(text)
     assert values[0] == expected[-1] and values[1:] == expected[:-1]
+
+
+def test_an_openai_route_without_v1_says_where_it_is(served: LaunchedServer) -> None:
+    """A client whose base URL lacks ``/v1`` gets a 404 that says where the route is, not a bare one."""
+    with httpx.Client(base_url=served.url) as c:
+        r = c.post("/chat/completions", json={"model": "tiny", "messages": []})
+        message = r.json()["error"]["message"]
+        assert r.status_code == 404 and "(/v1/chat/completions)" in message
+        assert "base URL http://HOST:PORT/v1" in message
+        r = c.get("/somewhere-else")
+        assert r.status_code == 404 and "/v1" not in r.json()["error"]["message"]
+    assert openai_path_hint("/models/tiny") is not None and openai_path_hint("/completions/") is not None
+    assert openai_path_hint("/completionsx") is None and openai_path_hint("/v1/chat/completions") is None
