@@ -27,6 +27,13 @@ if not __package__:  # run as a file: the repository root, not recipes/, comes f
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import parrot as P
+from parrot.extras import require_extra
+
+try:  # README line 1 installs the server extra only: say which pip command this recipe needs
+    require_extra("llama_index.core", "recipes/llamaindex_query.py", "llamaindex")
+except ModuleNotFoundError as missing:
+    sys.exit(str(missing))
+
 from llama_index.core import Document, SummaryIndex
 from llama_index.core.node_parser import SentenceSplitter
 from llamaindex_parrot import ParrotLLM, get_response_synthesizer, load_tokenizer

@@ -7,7 +7,7 @@ from llamaindex_parrot import ParrotLLM, ParrotTreeSummarize
 
 llm = ParrotLLM("http://127.0.0.1:9000", max_tokens=128)
 index = SummaryIndex.from_documents([Document(text=...)])
-engine = index.as_query_engine(response_synthesizer=ParrotTreeSummarize(llm=llm))
+engine = index.as_query_engine(llm=llm, response_synthesizer=ParrotTreeSummarize(llm=llm))
 print(engine.query("What is it about?"))
 ```
 
