@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 import kernels  # noqa: F401  (imported before transformers so TRITON_INTERPRET from conftest applies)
-from server.engine import EngineConfig, LLMEngine
+from server.engine import EngineConfig, LLMEngine, SamplingParams
 from server.engine.tiny.model import copy_tokenizer
 
 BASE_CONFIG: dict[str, Any] = {
@@ -106,3 +107,16 @@ def prompts(n: int, seed: int = 0, low: int = 3, high: int = 40) -> list[list[in
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(low, high, (n,), generator=gen).tolist()
     return [torch.randint(7, 4096, (n_,), generator=gen).tolist() for n_ in lengths]
+
+
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+context_ids = itertools.count(1)  # every engine test module's contexts (one engine may serve several)
+
+
+async def run_prompt(engine: LLMEngine, prompt: list[int], sampling: SamplingParams = GREEDY) -> list[int]:
+    """Fill a fresh context with ``prompt``, generate from it, free it: the generated token ids."""
+    cid = next(context_ids)
+    await engine.fill(cid, prompt)
+    result = await engine.generate(cid, sampling)
+    await engine.free_context(cid)
+    return result.token_ids

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from pathlib import Path
 from typing import Any
 
@@ -10,10 +9,6 @@ import pytest
 import torch
 
 from server.common.settings import CACHE_DIR
-from server.engine import LLMEngine, SamplingParams
-
-GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
-ids = itertools.count(1)  # context ids of every GGUF test module (one engine may serve two)
 
 _HF_GGUF: dict[Path, Any] = {}
 
@@ -50,12 +45,3 @@ def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int, eos: int | Non
             **limits,
         )
     return out[0, len(prompt) :].tolist()
-
-
-async def run_prompt(engine: LLMEngine, prompt: list[int], sampling: SamplingParams = GREEDY) -> list[int]:
-    """Fill a fresh context with ``prompt``, generate from it, free it: the generated token ids."""
-    cid = next(ids)
-    await engine.fill(cid, prompt)
-    result = await engine.generate(cid, sampling)
-    await engine.free_context(cid)
-    return result.token_ids

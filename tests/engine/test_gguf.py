@@ -22,13 +22,11 @@ from server.engine import EngineConfig, LLMEngine, gguf_loader, model_names
 from server.engine.gguf_loader import GGUFFormatError, UnsupportedGGUFError, read_gguf
 from server.engine.model_names import ModelNotFoundError, ModelPackageMissingError, resolve_model
 from server.engine.tiny import TOKENIZER_DIR
-from tests.engine.conftest import BASE_CONFIG, prompts
+from tests.engine.conftest import BASE_CONFIG, GREEDY, prompts, run_prompt
 from tests.engine.gguf_reference import (
-    GREEDY,
     hf_gguf_model,
     hf_greedy,
     private_cache,  # noqa: F401  (autouse: applies here)
-    run_prompt,
 )
 
 gguf = pytest.importorskip("gguf")

@@ -18,12 +18,11 @@ from server.engine.config import cpu_has_native_bf16
 from server.engine.gguf_loader import read_gguf
 from server.engine.loader import load_model_config
 from server.engine.model_names import ModelNotFoundError
+from tests.engine.conftest import context_ids, run_prompt
 from tests.engine.gguf_reference import (
     hf_gguf_model,
     hf_greedy,
-    ids,
     private_cache,  # noqa: F401  (autouse: applies here)
-    run_prompt,
 )
 
 
@@ -110,9 +109,9 @@ async def test_smollm2_forked_equals_transformers(
     # the system prompt and the user turn's opening
     shared = next(i for i, col in enumerate(zip(*full, strict=False)) if len(set(col)) > 1)
     assert shared > 20
-    root = next(ids)
+    root = next(context_ids)
     await smollm2.fill(root, full[0][:shared])
-    children = [next(ids) for _ in CHATS]
+    children = [next(context_ids) for _ in CHATS]
     await asyncio.gather(
         *(
             smollm2.fill(c, ids[shared:], parent_context_id=root)
@@ -121,7 +120,7 @@ async def test_smollm2_forked_equals_transformers(
     )
     forked = await asyncio.gather(*(smollm2.generate(c, sampling) for c in children))
     # and generating straight from a parent holding a whole prompt
-    whole, child = next(ids), next(ids)
+    whole, child = next(context_ids), next(context_ids)
     await smollm2.fill(whole, full[1])
     direct = await smollm2.generate(child, sampling, parent_context_id=whole)
     for c in [root, *children, whole, child]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
 from collections.abc import Callable
 from pathlib import Path
 
@@ -11,18 +10,7 @@ import pytest
 
 from kernels import cpu_kernels
 from server.engine import EngineConfig, LLMEngine, SamplingParams
-from tests.engine.conftest import hf_greedy, prompts
-
-GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
-_ids = itertools.count(1)
-
-
-async def run_prompt(engine: LLMEngine, prompt: list[int], sampling: SamplingParams = GREEDY) -> list[int]:
-    cid = next(_ids)
-    await engine.fill(cid, prompt)
-    result = await engine.generate(cid, sampling)
-    await engine.free_context(cid)
-    return result.token_ids
+from tests.engine.conftest import GREEDY, context_ids, hf_greedy, prompts, run_prompt
 
 
 async def test_single_request_matches_hf(engine: LLMEngine, gqa_model: Path) -> None:
@@ -94,9 +82,9 @@ async def test_sharded_checkpoint_loads(tmp_path: Path, gqa_model: Path) -> None
 async def test_fork_of_shared_prefix_equals_full_prompt(engine: LLMEngine, gqa_model: Path) -> None:
     prefix = prompts(1, seed=5, low=37, high=38)[0]  # not a multiple of the block size
     suffixes = prompts(4, seed=6, low=1, high=20)
-    root = next(_ids)
+    root = next(context_ids)
     await engine.fill(root, prefix)
-    children = [next(_ids) for _ in suffixes]
+    children = [next(context_ids) for _ in suffixes]
     await asyncio.gather(
         *(engine.fill(c, s, parent_context_id=root) for c, s in zip(children, suffixes, strict=True))
     )
@@ -110,9 +98,9 @@ async def test_fork_of_shared_prefix_equals_full_prompt(engine: LLMEngine, gqa_m
 
 async def test_generate_directly_from_parent_context(engine: LLMEngine, gqa_model: Path) -> None:
     prompt = prompts(1, seed=7, low=32, high=33)[0]  # exactly two full blocks
-    root = next(_ids)
+    root = next(context_ids)
     await engine.fill(root, prompt)
-    kids = [next(_ids) for _ in range(3)]
+    kids = [next(context_ids) for _ in range(3)]
     results = await asyncio.gather(*(engine.generate(k, GREEDY, parent_context_id=root) for k in kids))
     for c in [root, *kids]:
         await engine.free_context(c)
@@ -123,7 +111,7 @@ async def test_generate_directly_from_parent_context(engine: LLMEngine, gqa_mode
 async def test_chunked_fill_equals_one_fill(engine: LLMEngine) -> None:
     prompt = prompts(1, seed=8, low=45, high=46)[0]
     whole = await run_prompt(engine, prompt)
-    cid = next(_ids)
+    cid = next(context_ids)
     for start in range(0, len(prompt), 7):
         await engine.fill(cid, prompt[start : start + 7])
     pieces = (await engine.generate(cid, GREEDY)).token_ids
@@ -133,7 +121,7 @@ async def test_chunked_fill_equals_one_fill(engine: LLMEngine) -> None:
 
 async def test_continuing_after_generate_equals_full_prompt(engine: LLMEngine, gqa_model: Path) -> None:
     prompt = prompts(1, seed=9)[0]
-    cid = next(_ids)
+    cid = next(context_ids)
     await engine.fill(cid, prompt)
     first = await engine.generate(cid, SamplingParams(max_tokens=5, ignore_eos=True))
     more = prompts(1, seed=10, low=3, high=6)[0]
