@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from server.engine import EngineConfig, LLMEngine, SamplingParams
-from tests.engine.conftest import hf_greedy, prompts
-from tests.engine.test_hf_parity import GREEDY, run_prompt
+from tests.engine.conftest import GREEDY, hf_greedy, prompts, run_prompt
 
 pytestmark = pytest.mark.gpu
 

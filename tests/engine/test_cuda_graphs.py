@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 
 from server.engine import EngineConfig, LLMEngine, cuda_graphs
-from tests.engine.conftest import prompts
-from tests.engine.test_hf_parity import run_prompt
+from tests.engine.conftest import prompts, run_prompt
 
 
 class ReplayingBackend:
@@ -144,7 +143,7 @@ def test_failed_grouped_capture_keeps_the_plain_graphs(
 
 
 async def run_generate(engine: LLMEngine, cid: int) -> list[int]:
-    from tests.engine.test_hf_parity import GREEDY
+    from tests.engine.conftest import GREEDY
 
     return (await engine.generate(cid, GREEDY)).token_ids
 
