@@ -50,7 +50,7 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-# Where each entry point's backends live. One table, read by `_resolve` and nowhere else, so no entry point
+# Where each entry point's backends live. One table, read by `resolve_backend` alone, so no entry point
 # can send a backend to a module that lacks its function: a test resolves every op for every device.
 _PATHS: dict[str, dict[str, str]] = {
     "paged_decode_attention": {

@@ -100,7 +100,7 @@ SiluMul = Callable[[torch.Tensor], torch.Tensor]
 Gemv = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 _build_lock = threading.Lock()  # two engines of one process may start together: one build, one load
-# A build takes 2-4 minutes on 2 cores; a lock older than this was left by a build that was killed.
+# A build takes 1-4 minutes on 2 cores; a lock older than this was left by a build that was killed.
 STALE_LOCK_S = 20 * 60
 
 
@@ -179,7 +179,7 @@ def _ops() -> Any | None:
             built = (folder / f"{name}.so").is_file()
             if not built:
                 log.warning(
-                    "CPU kernels: building them for this CPU, once (2-4 minutes on 2 cores) in %s", folder
+                    "CPU kernels: building them for this CPU, once (1-4 minutes on 2 cores) in %s", folder
                 )
             started = time.monotonic()
             load(

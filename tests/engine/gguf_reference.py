@@ -1,4 +1,4 @@
-"""References for the GGUF tests: transformers' own loading of a GGUF file and its greedy tokens, and ours."""
+"""References for the GGUF tests: transformers' own loading of a GGUF file and its greedy tokens."""
 
 from __future__ import annotations
 
