@@ -32,6 +32,7 @@ from server.engine.engine_front import GenerationStream
 from server.engine.interface import Engine
 from server.engine.remote_kv import KVLease, RemotePrefix
 from server.engine.request import GenerateResult
+from server.engine.sampling import TokenLogprob
 from server.engine.wire import EngineStats
 
 _SUMMED = (
@@ -92,6 +93,18 @@ class DisaggregatedEngine(Engine):
         return await self.prefill.fill(
             context_id, token_ids, parent_context_id, parent_len=parent_len, priority=priority, tenant=tenant
         )
+
+    async def score(
+        self,
+        context_id: int,
+        token_ids: list[int],
+        top: int = 0,
+        *,
+        priority: float | None = None,
+        tenant: str | None = None,
+    ) -> list[TokenLogprob]:
+        """As `LLMEngine.score`, on the prefill engine (where the prompt's KV is computed)."""
+        return await self.prefill.score(context_id, token_ids, top, priority=priority, tenant=tenant)
 
     def submit_generate(
         self,

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
-from parrot.protocol import ErrorResponse, SamplingConfig
+from parrot.protocol import ErrorResponse, SamplingConfig, TokenLogprobConfig
 from pydantic import BaseModel, ValidationError
 from transformers import AutoTokenizer  # at import: its lazy import in threads can race
 
@@ -156,6 +156,30 @@ class RemoteEngine(Engine):
         data = await _call(self._client, self.url, "POST", "/fill", body.model_dump(exclude_none=True))
         return EngineFillResponse.model_validate(data).num_tokens
 
+    async def score(
+        self,
+        context_id: int,
+        token_ids: list[int],
+        top: int = 0,
+        *,
+        priority: float | None = None,
+        tenant: str | None = None,
+    ) -> list[TokenLogprob]:
+        """As `LLMEngine.score`, by the engine API's scoring fill."""
+        body = EngineFillRequest(
+            context_id=context_id, token_ids=token_ids, priority=priority, tenant=tenant, prompt_logprobs=top
+        )
+        data = await _call(self._client, self.url, "POST", "/fill", body.model_dump(exclude_none=True))
+        scored = EngineFillResponse.model_validate(data).prompt_logprobs
+        if scored is None:
+            raise RemoteEngineError(
+                f"engine {self.url} answered a scoring fill without prompt_logprobs: it predates scoring; "
+                "upgrade it",
+                502,
+                "bad_gateway",
+            )
+        return logprobs_of(scored)
+
     def submit_generate(
         self,
         context_id: int,
@@ -253,12 +277,15 @@ def _sampling_fields(sampling: SamplingParams) -> dict[str, Any]:
 
 def result_of(response: EngineGenerateResponse) -> GenerateResult:
     """An engine API's generate answer as the engine's own result."""
-    logprobs = None
-    if response.logprobs is not None:
-        logprobs = [TokenLogprob(lp.token_id, lp.logprob, tuple(lp.top)) for lp in response.logprobs]
+    logprobs = None if response.logprobs is None else logprobs_of(response.logprobs)
     return GenerateResult(
         response.token_ids, response.text, response.finish_reason, response.prompt_tokens, logprobs
     )
+
+
+def logprobs_of(configs: list[TokenLogprobConfig]) -> list[TokenLogprob]:
+    """The engine API's per-token log-probabilities as the engine's own."""
+    return [TokenLogprob(lp.token_id, lp.logprob, tuple(lp.top)) for lp in configs]
 
 
 async def _call(

@@ -28,10 +28,10 @@ from server.common.security import AuthError, auth_error_response, cluster_token
 from server.engine.detokenize import IncrementalDetokenizer
 from server.engine.engine import LLMEngine
 from server.engine.engine_front import GenerationStream
-from server.engine.errors import EngineError
+from server.engine.errors import EngineError, InvalidRequestError
 from server.engine.manager_link import ManagerLink
 from server.engine.request import GenerateResult
-from server.engine.sampling import SamplingParams
+from server.engine.sampling import SamplingParams, TokenLogprob
 from server.engine.wire import (
     EngineFillRequest,
     EngineFillResponse,
@@ -148,11 +148,23 @@ def create_engine_app(
     async def stats() -> EngineStats:
         return engine.stats()
 
-    @api.post("/fill")
+    @api.post("/fill", response_model_exclude_none=True)  # prompt_logprobs only when asked
     async def fill(req: EngineFillRequest) -> EngineFillResponse:
         ids = req.token_ids
         if ids is None:
             ids = engine.tokenizer.encode(req.text, add_special_tokens=False)
+        if req.prompt_logprobs is not None:
+            if req.parent_context_id is not None:
+                raise InvalidRequestError(
+                    "fill: prompt_logprobs scores a whole prompt, so it starts a new context without a "
+                    "parent; leave out parent_context_id"
+                )
+            scored = await engine.score(
+                req.context_id, ids, req.prompt_logprobs, priority=req.priority, tenant=req.tenant
+            )
+            return EngineFillResponse(
+                context_id=req.context_id, num_tokens=len(ids), prompt_logprobs=logprob_configs(scored)
+            )
         n = await engine.fill(
             req.context_id,
             ids,
@@ -213,10 +225,13 @@ def _response(context_id: int, result: GenerateResult) -> EngineGenerateResponse
         finish_reason=result.finish_reason,
         prompt_tokens=result.prompt_tokens,
         completion_tokens=len(result.token_ids),
-        logprobs=None
-        if result.logprobs is None
-        else [TokenLogprobConfig.model_validate(asdict(lp)) for lp in result.logprobs],
+        logprobs=None if result.logprobs is None else logprob_configs(result.logprobs),
     )
+
+
+def logprob_configs(logprobs: list[TokenLogprob]) -> list[TokenLogprobConfig]:
+    """The engine's per-token log-probabilities in the engine API's shape."""
+    return [TokenLogprobConfig.model_validate(asdict(lp)) for lp in logprobs]
 
 
 async def _first_event(handle: GenerationStream) -> int | None:

@@ -52,10 +52,10 @@ from server.engine.loader import Checkpoint, build_model, load_checkpoint
 from server.engine.model import LlamaForCausalLM
 from server.engine.model_names import DEFAULT_MODEL, TINY_MODEL
 from server.engine.model_runner import build_runner
-from server.engine.postprocess import finish_reason, next_tokens
+from server.engine.postprocess import finish_reason, next_tokens, prompt_logprobs
 from server.engine.remote_kv import KVLease, KVSourceLostError, RemotePrefix, RemoteRows
 from server.engine.request import Request
-from server.engine.sampling import SamplingParams, make_generator
+from server.engine.sampling import SamplingParams, TokenLogprob, make_generator
 from server.engine.scheduler import ScheduledChunk, Scheduler
 from server.engine.step_features import StepRecord, step_features
 from server.engine.step_timing import StepTiming
@@ -71,9 +71,12 @@ class StepRunner(Protocol):
 
     grouped_decode_steps: int
     remote_rows: RemoteRows | None  # the last step's rows over remote KV, if any
+    # The last step's scoring fills' chunks: every token's final hidden state, by batch index.
+    scored_rows: dict[int, torch.Tensor]
 
     def run(self, batch: list[ScheduledChunk]) -> torch.Tensor:
-        """The final hidden state of each chunk's last token."""
+        """The final hidden state of each chunk's last token; a scoring fill's chunk has every token's in
+        `scored_rows`."""
         ...
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -252,6 +255,30 @@ class LLMEngine(KVExchange, Engine):
             )
         )
         return await self._wait(sink)
+
+    async def score(
+        self,
+        context_id: int,
+        token_ids: list[int],
+        top: int = 0,
+        *,
+        priority: float | None = None,
+        tenant: str | None = None,
+    ) -> list[TokenLogprob]:
+        """`Engine.score`: a fill whose prefill projects every token's hidden state, not only the last."""
+        sink = self._post_submit(
+            Submit(
+                self._new_sink(False),
+                context_id,
+                None,
+                list(token_ids),
+                priority=priority,
+                tenant=tenant,
+                prompt_logprobs=top,
+            )
+        )
+        result: list[TokenLogprob] = await self._wait(sink)
+        return result
 
     def submit_generate(
         self,
@@ -493,6 +520,11 @@ class LLMEngine(KVExchange, Engine):
         check_submit(cmd, kind, self.vocab_size, parent_tokens)
         if cmd.context_id in self._contexts:
             ctx = self._contexts.get(cmd.context_id)
+            if cmd.prompt_logprobs is not None:
+                raise ContextExistsError(
+                    f"score: context {cmd.context_id} already exists; a scored prompt is computed whole, in "
+                    "a new context id"
+                )
             if cmd.parent_id is not None and cmd.parent_id != ctx.parent_id:
                 raise ContextExistsError(
                     f"{kind}: context {cmd.context_id} already exists (forked from {ctx.parent_id}); "
@@ -574,6 +606,8 @@ class LLMEngine(KVExchange, Engine):
             req.prompt_tokens = len(ctx.token_ids)
             req.guide = None if cmd.grammar is None else Guide(cmd.grammar)
             req.logprobs = None if cmd.sampling.logprobs is None else []
+        elif cmd.prompt_logprobs is not None:
+            req.prompt_logprobs, req.prompt_top = [], cmd.prompt_logprobs
         ctx.busy = True
         self._requests[cmd.sink] = req
         self._scheduler.add(req)
@@ -628,6 +662,10 @@ class LLMEngine(KVExchange, Engine):
                 error = KVSourceLostError(f"context {ctx.context_id}: {lost[ctx.context_id]}")
                 self._finish(req, error=error)
                 continue
+            if req.prompt_logprobs is not None:
+                rows = self._runner.scored_rows.get(i, hidden[i : i + 1] if c.num_tokens == 1 else None)
+                if not self._score_chunk(c, rows):
+                    continue
             if req.decoding:
                 self._decode_tokens += c.num_tokens
             else:
@@ -639,7 +677,8 @@ class LLMEngine(KVExchange, Engine):
                     to_sample.append(i)
                 else:
                     ctx.last_hidden = hidden[i].clone()
-                    self._finish(req, result=len(ctx.token_ids))
+                    scored = req.prompt_logprobs
+                    self._finish(req, result=len(ctx.token_ids) if scored is None else list(scored))
         if to_sample:
             try:
                 self._sample(batch, hidden, to_sample)
@@ -652,6 +691,23 @@ class LLMEngine(KVExchange, Engine):
             self._runner.wait_for_device()
             self.step_trace.append(StepRecord(features, time.perf_counter() - started))
         self._queued_prefill = self._scheduler.pending_prefill_tokens()
+
+    def _score_chunk(self, chunk: ScheduledChunk, rows: torch.Tensor | None) -> bool:
+        """Score the tokens a scoring fill's chunk predicts from its ``rows`` (each token's final hidden
+        state scores the next token); False when that failed, which fails the fill."""
+        req, ctx = chunk.request, chunk.request.context
+        assert req.prompt_logprobs is not None
+        try:
+            if rows is None:
+                raise RuntimeError("the step runner returned no rows for a scoring fill")
+            scored = prompt_logprobs(self._runner.logits, rows, ctx.token_ids, ctx.num_cached, req.prompt_top)
+        except Exception as e:  # this fill fails, not the step's other requests
+            log.exception("scoring failed")
+            self._finish(req, error=EngineError(f"scoring the prompt failed: {e!r}"))
+            return False
+        del req.prompt_logprobs[ctx.num_cached :]  # a preempted fill recomputes its chunks
+        req.prompt_logprobs.extend(scored)
+        return True
 
     def _remote_exchange_done(self) -> dict[int, BaseException]:
         """Count the step's exchanges with remote KV holders; the contexts whose holder failed, by id."""

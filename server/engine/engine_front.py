@@ -66,6 +66,8 @@ class Submit:
     tenant: str | None = None  # who sent it: tenants take turns in the waiting queue
     remote: RemotePrefix | None = None  # a new context's leading KV, held by another engine
     grammar: CompiledGrammar | None = None  # a guided generate's grammar, once compiled
+    # A scoring fill's top alternatives per token (`LLMEngine.score`); None: a plain fill
+    prompt_logprobs: int | None = None
 
 
 @dataclass

@@ -21,6 +21,12 @@ class InvalidRequestError(EngineError):
     error_type = "invalid_request"
 
 
+class UnsupportedByEngineError(InvalidRequestError):
+    """An operation this kind of engine does not offer (the message names the kind and what does)."""
+
+    error_type = "unsupported_by_engine"
+
+
 class TokenOutOfVocabError(InvalidRequestError):
     error_type = "token_out_of_vocab"
 

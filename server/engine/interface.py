@@ -14,8 +14,9 @@ import abc
 from collections.abc import AsyncIterator
 from typing import Any
 
+from server.engine.errors import UnsupportedByEngineError
 from server.engine.request import GenerateResult
-from server.engine.sampling import SamplingParams
+from server.engine.sampling import SamplingParams, TokenLogprob
 from server.engine.wire import EngineStats
 
 __all__ = ["Engine"]
@@ -57,6 +58,26 @@ class Engine(abc.ABC):
     ) -> int:
         """Append ``token_ids`` to a context (created, or forked from the parent, if new); returns its
         length. ``parent_len``, ``priority``, ``tenant``: as `generate`'s."""
+
+    async def score(
+        self,
+        context_id: int,
+        token_ids: list[int],
+        top: int = 0,
+        *,
+        priority: float | None = None,
+        tenant: str | None = None,
+    ) -> list[TokenLogprob]:
+        """Fill a new context with ``token_ids`` (no parent) and return the log-probability of each token
+        after the first given those before it, with its ``top`` likeliest alternatives: a prompt's
+        logprobs (OpenAI's ``echo``, vLLM's ``prompt_logprobs``), computed by the fill's own prefill. The
+        context stays, as a fill's does: a generate may follow. ``priority``, ``tenant``: as `generate`'s.
+        Kinds that cannot raise `UnsupportedByEngineError`."""
+        del context_id, token_ids, top, priority, tenant
+        raise UnsupportedByEngineError(
+            f"{type(self).__name__} ({self.name or self.model_name}) cannot score prompts (echo, prompt "
+            "logprobs): serve this model on a Parrot engine for them"
+        )
 
     @abc.abstractmethod
     async def free_context(self, context_id: int) -> None:

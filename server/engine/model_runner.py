@@ -125,6 +125,7 @@ class ModelRunner:
         # The last step's rows attended over remote KV (None: none), read by the engine after `run` for
         # the bytes exchanged and the contexts whose KV holder was lost.
         self.remote_rows: RemoteRows | None = None
+        self.scored_rows: dict[int, torch.Tensor] = {}  # a scoring fill's chunk's rows, by batch index
         # Pure decode steps replayed as CUDA graphs (`cuda_graphs`); None: every step runs eagerly.
         self.graphs = self._capture_graphs(graphs) if graphs is not None else None
 
@@ -167,6 +168,7 @@ class ModelRunner:
         last_row: dict[int, int] = {}
         hidden = None
         self.remote_rows = None
+        self.scored_rows = {}
         if ids:
             meta = AttentionMetadata(
                 slot_mapping=device_tensor(slots, torch.int64, self.device),
@@ -191,8 +193,9 @@ class ModelRunner:
                 meta.prefills.append(PrefillChunk(row, c.num_tokens, ctx.num_cached, table))
                 row += c.num_tokens
                 last_row[id(c)] = row - 1
-            # Only the rows read out go through the final norm: one per chunk, in batch order.
-            rows = [last_row[id(c)] for c in batch if c.num_tokens > 0]
+            # Only the rows read out go through the final norm: one per chunk, in batch order, or each of a
+            # scoring fill's chunk's tokens.
+            rows, lasts, spans = _readout(batch, last_row)
             hidden = self.model(
                 device_tensor(ids, torch.int64, self.device),
                 device_tensor(positions, torch.int64, self.device),
@@ -202,6 +205,9 @@ class ModelRunner:
                 self.backend,
                 None if rows == list(range(len(ids))) else device_tensor(rows, torch.int64, self.device),
             )
+            if spans:
+                self.scored_rows = {i: hidden[a:b] for i, (a, b) in spans.items()}
+                hidden = hidden[device_tensor(lasts, torch.int64, self.device)]
         if all(c.num_tokens > 0 for c in batch):
             return hidden if hidden is not None else torch.empty(0)
         out, read = [], 0
@@ -391,3 +397,25 @@ def build_runner(
         batch_invariant=config.batch_invariant,
     )
     return runner, num_blocks, kv.copy_block
+
+
+def _readout(
+    batch: list[ScheduledChunk], last_row: dict[int, int]
+) -> tuple[list[int], list[int], dict[int, tuple[int, int]]]:
+    """The rows a step reads out, in batch order: each chunk's last, or every row of a scoring fill's chunk;
+    where each chunk's last row is among them; and each scoring chunk's span of them, by batch index."""
+    rows: list[int] = []
+    lasts: list[int] = []
+    spans: dict[int, tuple[int, int]] = {}
+    for i, c in enumerate(batch):
+        if c.num_tokens == 0:
+            continue
+        last = last_row[id(c)]
+        if c.request.prompt_logprobs is not None and c.num_tokens > 1:
+            first = len(rows)
+            rows.extend(range(last - c.num_tokens + 1, last + 1))
+            spans[i] = (first, len(rows))
+        else:
+            rows.append(last)
+        lasts.append(len(rows) - 1)
+    return rows, lasts, spans

@@ -10,9 +10,12 @@ import torch
 
 from server.engine.guided import mask_logits
 from server.engine.request import FinishReason, Request
-from server.engine.sampling import sample, token_logprobs
+from server.engine.sampling import TokenLogprob, sample, token_logprobs
 
-__all__ = ["finish_reason", "next_tokens"]
+__all__ = ["finish_reason", "next_tokens", "prompt_logprobs"]
+
+# Rows projected to logits at once when scoring a prompt (each a vocabulary of float32: ~200 KB for 49k)
+SCORE_ROWS = 256
 
 
 def next_tokens(logits: torch.Tensor, reqs: list[Request]) -> list[int]:
@@ -30,6 +33,24 @@ def next_tokens(logits: torch.Tensor, reqs: list[Request]) -> list[int]:
         for i, lp in zip(wanting, token_logprobs(raw, [tokens[i] for i in wanting], tops), strict=True):
             reqs[i].logprobs.append(lp)  # type: ignore[union-attr]
     return tokens
+
+
+def prompt_logprobs(
+    logits: Callable[[torch.Tensor], torch.Tensor],
+    rows: torch.Tensor,
+    token_ids: list[int],
+    start: int,
+    top: int,
+) -> list[TokenLogprob]:
+    """The log-probabilities of the tokens a prompt chunk predicts: ``rows`` are the final hidden states of
+    ``token_ids[start:start + len(rows)]``, and row ``i`` scores ``token_ids[start + i + 1]`` where that
+    exists (the prompt's last token predicts nothing yet), with its ``top`` likeliest alternatives."""
+    targets = token_ids[start + 1 : start + 1 + rows.shape[0]]
+    out: list[TokenLogprob] = []
+    for at in range(0, len(targets), SCORE_ROWS):
+        part = targets[at : at + SCORE_ROWS]
+        out.extend(token_logprobs(logits(rows[at : at + len(part)]).float(), part, [top] * len(part)))
+    return out
 
 
 def finish_reason(

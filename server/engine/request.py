@@ -55,6 +55,10 @@ class Request:
     tenant: str | None = None
     guide: Guide | None = None  # a guided generate's grammar state
     logprobs: list[TokenLogprob] | None = None  # each token's, when the sampling asked for them
+    # A scoring fill's: the log-probability of each filled token after the first, given those before it
+    # (entry i scores token i + 1), with ``prompt_top`` alternatives each; None: not a scoring fill.
+    prompt_logprobs: list[TokenLogprob] | None = None
+    prompt_top: int = 0
 
     @property
     def is_generate(self) -> bool:

@@ -8,12 +8,14 @@ import math
 from server.engine.context import Context, blocks_for
 from server.engine.engine_front import Submit
 from server.engine.errors import InvalidRequestError, PromptTooLongError, TokenOutOfVocabError
+from server.engine.sampling import MAX_LOGPROBS
 from server.engine.wire import MAX_TENANT_CHARS
 
 
 def check_submit(cmd: Submit, kind: str, vocab_size: int, parent_tokens: int | None) -> None:
     """The checks that need no context state: token ids in the vocabulary, the sampling, the latency cap,
-    priority and tenant, and ``parent_len`` (``parent_tokens``: the parent's length, when it exists)."""
+    priority and tenant, ``parent_len`` (``parent_tokens``: the parent's length, when it exists) and a
+    scoring fill's options."""
     bad = [t for t in cmd.token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
     if bad:
         raise TokenOutOfVocabError(
@@ -33,6 +35,8 @@ def check_submit(cmd: Submit, kind: str, vocab_size: int, parent_tokens: int | N
         raise InvalidRequestError(
             f"{kind}: tenant is {len(cmd.tenant)} characters, over {MAX_TENANT_CHARS}: send a short id"
         )
+    if cmd.prompt_logprobs is not None:
+        _check_scoring(cmd)
     if cmd.parent_len is not None:
         if cmd.parent_id is None:
             raise InvalidRequestError(
@@ -44,6 +48,22 @@ def check_submit(cmd: Submit, kind: str, vocab_size: int, parent_tokens: int | N
             raise InvalidRequestError(
                 f"{kind}: parent_len must be a token count in [0, {top}], not {cmd.parent_len!r}"
             )
+
+
+def _check_scoring(cmd: Submit) -> None:
+    """A scoring fill computes every token it fills: a new context of its own, none inherited."""
+    top = cmd.prompt_logprobs
+    if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_LOGPROBS:
+        raise InvalidRequestError(
+            f"score: the top alternatives per token must be an integer in [0, {MAX_LOGPROBS}], not {top!r}"
+        )
+    if cmd.parent_id is not None or cmd.remote is not None:
+        raise InvalidRequestError(
+            "score: a scored prompt is computed whole, so it starts a new context without a parent or a "
+            "remote prefix"
+        )
+    if not cmd.token_ids:
+        raise InvalidRequestError("score: there are no tokens to score; send at least one")
 
 
 def inherited(kind: str, parent: Context, parent_len: int | None) -> int:

@@ -35,6 +35,9 @@ class EngineFillRequest(StrictModel):
     # Its place in the engine's waiting queue under scheduling "sjf", as `EngineGenerateRequest.priority`.
     priority: float | None = Field(default=None, allow_inf_nan=False)
     tenant: str | None = Field(default=None, max_length=MAX_TENANT_CHARS, description=_TENANT_DOC)
+    # Score the filled tokens (`Engine.score`) with this many top alternatives each; None: a plain fill.
+    # Scoring computes the whole prompt, so it starts a new context without a parent.
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
 
     @model_validator(mode="after")
     def _one_input(self) -> EngineFillRequest:
@@ -46,6 +49,8 @@ class EngineFillRequest(StrictModel):
 class EngineFillResponse(BaseModel):
     context_id: int
     num_tokens: int  # the context's length after the fill
+    # With ``prompt_logprobs``: each filled token's after the first, given those before it
+    prompt_logprobs: list[TokenLogprobConfig] | None = None
 
 
 class EngineGenerateRequest(StrictModel):

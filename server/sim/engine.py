@@ -53,6 +53,7 @@ class SimRunner:
         self.filler = filler
         self.grouped_decode_steps = 0
         self.remote_rows: RemoteRows | None = None  # the simulator models no remote KV
+        self.scored_rows: dict[int, torch.Tensor] = {}
         self.last_seconds = 0.0  # predicted time of the last `run`
 
     def run(self, batch: list[ScheduledChunk]) -> torch.Tensor:
@@ -61,8 +62,20 @@ class SimRunner:
         self.last_seconds = self.latency.seconds(features)
         if self.latency.shared_prefix_decode and features.decode_kv_shared:
             self.grouped_decode_steps += 1
-        nxt = [self.filler[(c.request.context.num_cached + c.num_tokens) % len(self.filler)] for c in batch]
+        nxt = [self._next(c.request.context.num_cached + c.num_tokens) for c in batch]
+        self.scored_rows = {
+            i: torch.tensor(
+                [self._next(c.request.context.num_cached + j + 1) for j in range(c.num_tokens)],
+                dtype=torch.float32,
+            ).unsqueeze(1)
+            for i, c in enumerate(batch)
+            if c.request.prompt_logprobs is not None
+        }
         return torch.tensor(nxt, dtype=torch.float32).unsqueeze(1)
+
+    def _next(self, position: int) -> int:
+        """The token the simulated model predicts at ``position``."""
+        return self.filler[position % len(self.filler)]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """A peaked distribution on the chosen token (`SimEngine` reads the token directly instead)."""

@@ -3,7 +3,8 @@ HTTP, a disaggregated prefill + decode pair, and an OpenAI-compatible server ups
 A new kind of engine passes this module or is not one.
 
 Fill and fork (lengths), greedy generate (a fork gives the tokens its parent gives), a stream (its tokens are
-its result's), cancel (the stream ends, the context stays usable), free (the context is gone), stats, and
+its result's), cancel (the stream ends, the context stays usable), free (the context is gone), stats, scoring
+a prompt (or the typed refusal of a kind that cannot), and
 failures answered with the same error types whatever the kind. And no module outside where engines are
 built branches on an engine's class: kinds differ only in the interface's traits.
 """
@@ -105,6 +106,17 @@ async def test_every_kind_answers_the_engine_calls_alike(kind: str) -> None:
 
         # Stats, whatever the kind.
         assert engine.stats().model_copy() is not None
+
+        # Scoring a prompt: each token after the first, from the fill's prefill; the greedy token is the
+        # likeliest alternative where it is scored. An upstream server keeps its logits: it says it cannot.
+        scoring = engine.score(8, [*prompt, first.token_ids[0]], top=2)
+        if kind == "openai-upstream":
+            assert await _error_type(scoring) == "unsupported_by_engine"
+        else:
+            scored = await scoring
+            assert [s.token_id for s in scored] == [*prompt[1:], first.token_ids[0]]
+            assert scored[-1].top[0] == (first.token_ids[0], scored[-1].logprob)
+            assert (await engine.generate(8, GREEDY)).finish_reason == "length"
 
         # Failures keep their types.
         assert await _error_type(engine.fill(7, [engine.vocab_size + 5])) == "token_out_of_vocab"
