@@ -145,8 +145,9 @@ class OpenAICompletionLogprobs(BaseModel):
     (text -> logprob) and its offset in the choice's text."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    # None for an echoed prompt's first token, which nothing before it predicts
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

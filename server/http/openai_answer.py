@@ -25,6 +25,7 @@ from parrot.openai_types import (
     OpenAIChatCompletionResponse,
     OpenAIChatDelta,
     OpenAICompletionChoice,
+    OpenAICompletionLogprobs,
     OpenAICompletionRequest,
     OpenAICompletionResponse,
     OpenAIUsage,
@@ -37,7 +38,7 @@ from server.engine.engine_front import GenerationStream
 from server.engine.errors import EngineError
 from server.engine.interface import Engine
 from server.engine.request import GenerateResult
-from server.engine.sampling import SamplingParams
+from server.engine.sampling import SamplingParams, TokenLogprob
 from server.http.openai_backends import OpenAIBackend
 from server.http.openai_logprobs import chat_logprobs, completion_logprobs
 from server.http.openai_requests import (
@@ -49,6 +50,36 @@ from server.serve.openai_serving import Routed
 from server.serve.output_lengths import LengthEstimate
 
 
+@dataclass(frozen=True)
+class PromptEcho:
+    """What a completion answers of its prompts (``echo``): each prompt's text leads its choices' text and,
+    with ``top`` (the request's ``logprobs``), its tokens' log-probabilities lead theirs (`Engine.score`).
+    ``generate`` False (``max_tokens=0``): the prompt is the whole answer."""
+
+    texts: list[str]
+    top: int | None
+    generate: bool
+
+
+class _NoGeneration:
+    """The generate of a ``max_tokens=0`` request: none, over at once with no tokens."""
+
+    def __init__(self, prompt_tokens: int, logprobs: bool) -> None:
+        self._result = GenerateResult([], "", "length", prompt_tokens, [] if logprobs else None)
+
+    def __aiter__(self) -> _NoGeneration:
+        return self
+
+    async def __anext__(self) -> int:
+        raise StopAsyncIteration
+
+    async def result(self) -> GenerateResult:
+        return self._result
+
+    def cancel(self) -> None:
+        """Nothing runs to cancel."""
+
+
 @dataclass
 class _Job:
     """One choice of one prompt in flight: its engine context and its generate."""
@@ -58,8 +89,10 @@ class _Job:
     length: LengthEstimate | None  # its predicted output length, if the backend predicts
     sampling: SamplingParams
     choice: int = 0  # which of its prompt's ``n`` choices (usage counts a prompt once, at choice 0)
-    stream: GenerationStream | None = None
+    prompt_no: int = 0  # which of the request's prompts
+    stream: GenerationStream | _NoGeneration | None = None
     output: list[int] | None = None  # its generated tokens, once it completed
+    scored: list[TokenLogprob] | None = None  # its prompt's tokens' log-probabilities, when echoed with them
 
     @property
     def prompt_tokens(self) -> int:
@@ -75,10 +108,11 @@ async def serve(
     tenant: str,
     chat: bool,
     tools: ChatTools | None = None,
+    echo: PromptEcho | None = None,
 ) -> JSONResponse | StreamingResponse:
     """Fill a fresh context per prompt and choice (``n`` per prompt), generate from each, answer (or
     stream); contexts are always freed. ``tenant`` (who sent it) takes turns with other tenants in the
-    engine's waiting queue.
+    engine's waiting queue. ``echo``: a completion's prompts in its answer.
 
     A streaming answer starts only once every generate has produced its first token, so that bad input
     still answers with a status code rather than an error event inside a 200 stream. Until then nothing
@@ -87,7 +121,7 @@ async def serve(
     """
     for attempt in itertools.count(1):
         try:
-            return await _serve_on(backend, engine, prompts, sampling, req, tenant, chat, tools)
+            return await _serve_on(backend, engine, prompts, sampling, req, tenant, chat, tools, echo)
         except _EngineFailed as e:
             if not await backend.retry_elsewhere(e.engine, e.cause, attempt):
                 raise e.cause from None
@@ -113,6 +147,7 @@ async def _serve_on(
     tenant: str,
     chat: bool,
     tools: ChatTools | None,
+    echo: PromptEcho | None,
 ) -> JSONResponse | StreamingResponse:
     """`serve` on one engine: the one the backend routes the request to."""
     n = req.n or 1
@@ -132,22 +167,33 @@ async def _serve_on(
         raise
     engine = routed.engine
     jobs = [
-        _Job(backend.open_context(engine), p, length, _nth(sampling, k), k)
-        for p, length in zip(prompts, lengths, strict=True)
+        _Job(backend.open_context(engine), p, length, _nth(sampling, k), k, i)
+        for i, (p, length) in enumerate(zip(prompts, lengths, strict=True))
         for k in range(n)
     ]
     release = _Release(backend, routed, jobs, req.cache_salt, lambda: backend.release_tokens(tenant, tokens))
     handed_off = False
     try:
-        await _gather_all(
+        score = None if echo is None else echo.top
+        scores = await _gather_all(
             [
                 backend.fill_prompt(
-                    routed, j.context_id, j.prompt, req.cache_salt, _priority(req, j), tenant=tenant
+                    routed,
+                    j.context_id,
+                    j.prompt,
+                    req.cache_salt,
+                    _priority(req, j),
+                    tenant=tenant,
+                    score=score,
                 )
                 for j in jobs
             ]
         )
-        for j in jobs:
+        for j, scored in zip(jobs, scores, strict=True):
+            j.scored = scored
+            if echo is not None and not echo.generate:
+                j.stream = _NoGeneration(j.prompt_tokens, sampling.logprobs is not None)
+                continue
             j.stream = engine.submit_generate(
                 j.context_id, j.sampling, stream=bool(req.stream), priority=_priority(req, j), tenant=tenant
             )
@@ -165,12 +211,14 @@ async def _serve_on(
             body: BaseModel = (
                 _chat_response(meta, results, usage, tokenizer, tools)
                 if chat
-                else _text_response(meta, results, usage, tokenizer, jobs if _with_ids(req) else None)
+                else _text_response(meta, results, usage, tokenizer, jobs, _with_ids(req), echo)
             )
             return JSONResponse(body.model_dump())
         firsts = [await _first_token(j.stream) for j in jobs if j.stream is not None]
         include_usage = req.stream_options is not None and req.stream_options.include_usage
-        events = _stream_events(release, firsts, sampling, meta, chat, include_usage, _with_ids(req), tools)
+        events = _stream_events(
+            release, firsts, sampling, meta, chat, include_usage, _with_ids(req), tools, echo
+        )
         handed_off = True
         # Started here, so that its `finally` (which frees the contexts) runs even if the client is gone
         # before the response begins: asyncio closes a started async generator when it is collected.
@@ -265,7 +313,7 @@ async def _gather_quietly(aws: Sequence[Any], then: Callable[[], None]) -> None:
         then()
 
 
-async def _first_token(stream: GenerationStream) -> int | None:
+async def _first_token(stream: GenerationStream | _NoGeneration) -> int | None:
     """The first token, or None when the generate ended without one; raises the request's error."""
     try:
         return await anext(stream)
@@ -289,23 +337,41 @@ def _usage(jobs: list[_Job], results: list[GenerateResult]) -> OpenAIUsage:
 
 
 def _text_response(
-    meta: _Meta, results: list[GenerateResult], usage: OpenAIUsage, tokenizer: Any, jobs: list[_Job] | None
+    meta: _Meta,
+    results: list[GenerateResult],
+    usage: OpenAIUsage,
+    tokenizer: Any,
+    jobs: list[_Job],
+    with_ids: bool,
+    echo: PromptEcho | None,
 ) -> OpenAICompletionResponse:
-    """The answer; with ``jobs`` (return_token_ids), each choice carries its prompt's and answer's ids."""
+    """The answer; ``with_ids`` (return_token_ids): each choice carries its prompt's and answer's ids;
+    ``echo``: each choice's prompt leads its text (and its log-probabilities, when scored)."""
     choices = [
         OpenAICompletionChoice(
             index=i,
-            text=r.text,
+            text=r.text if echo is None else echo.texts[j.prompt_no] + r.text,
             finish_reason=r.finish_reason,
-            logprobs=None if r.logprobs is None else completion_logprobs(tokenizer, r.logprobs),
-            token_ids=None if jobs is None else r.token_ids,
-            prompt_token_ids=None if jobs is None else jobs[i].prompt,
+            logprobs=_completion_logprobs(tokenizer, j, r),
+            token_ids=r.token_ids if with_ids else None,
+            prompt_token_ids=j.prompt if with_ids else None,
         )
-        for i, r in enumerate(results)
+        for i, (j, r) in enumerate(zip(jobs, results, strict=True))
     ]
     return OpenAICompletionResponse(
         id=meta.id, created=meta.created, model=meta.model, choices=choices, usage=usage
     )
+
+
+def _completion_logprobs(
+    tokenizer: Any, job: _Job, result: GenerateResult
+) -> OpenAICompletionLogprobs | None:
+    """A completion choice's log-probabilities, its echoed prompt's first where it was scored."""
+    if result.logprobs is None:
+        return None
+    if job.scored is None:
+        return completion_logprobs(tokenizer, result.logprobs)
+    return completion_logprobs(tokenizer, job.scored + result.logprobs, first=job.prompt[0])
 
 
 def _chat_response(
@@ -353,14 +419,15 @@ async def _stream_events(
     include_usage: bool,
     with_ids: bool = False,
     tools: ChatTools | None = None,
+    echo: PromptEcho | None = None,
 ) -> AsyncIterator[str]:
     """The SSE body: each choice's deltas in turn (all generates run concurrently in the engine).
     With tools, a choice is sent whole once complete: only then is it known to be calls or text.
 
     Deltas come from `IncrementalDetokenizer`, so a stop string is never sent; the last chunk of a choice
     carries its ``finish_reason``. With ``with_ids`` (completions' return_token_ids), each chunk carries
-    the token ids pushed since the last one, and a choice's first chunk its prompt's. The contexts are freed
-    however the stream ends.
+    the token ids pushed since the last one, and a choice's first chunk its prompt's. With ``echo``, a
+    choice's first chunk is its prompt's text. The contexts are freed however the stream ends.
     """
     pending: list[int] = []  # the current choice's ids not sent yet
     prompt_ids: list[int] | None = None
@@ -386,6 +453,8 @@ async def _stream_events(
             prompt_ids = job.prompt
             if chat:
                 yield _sse(_chat_role_chunk(meta, index))
+            if echo is not None:
+                yield chunk(index, echo.texts[job.prompt_no], None)
             if tools is not None:
                 result = await job.stream.result()
                 job.output = result.token_ids

@@ -37,7 +37,7 @@ from server.common.security import requester
 from server.engine.api import error_response
 from server.engine.errors import EngineError
 from server.engine.interface import Engine
-from server.http.openai_answer import serve
+from server.http.openai_answer import PromptEcho, serve
 from server.http.openai_backends import OpenAIBackend
 from server.http.openai_requests import (
     InvalidPromptError,
@@ -46,6 +46,7 @@ from server.http.openai_requests import (
     chat_tools,
     completion_prompts,
     guided_of,
+    prompt_texts,
     reject_unsupported,
     sampling_for,
 )
@@ -98,10 +99,11 @@ def create_openai_router(backend: OpenAIBackend) -> APIRouter:
             engine = backend.engine_for(req.model)
             prompts = await _off_loop_if_large(request, completion_prompts, engine, req.prompt)
             guided = guided_of(req.response_format, req.structured_outputs)
-            sampling = sampling_for(req, req.max_tokens, engine, prompts, guided, req.logprobs)
-            return await _unless_client_leaves(
-                request, serve(backend, engine, prompts, sampling, req, requester(request), chat=False)
-            )
+            echo = _echo(engine, req, prompts)
+            max_tokens = 1 if req.max_tokens == 0 else req.max_tokens  # (0: sized as the one it would be)
+            sampling = sampling_for(req, max_tokens, engine, prompts, guided, req.logprobs)
+            served = serve(backend, engine, prompts, sampling, req, requester(request), chat=False, echo=echo)
+            return await _unless_client_leaves(request, served)
         except (EngineError, OpenAIAPIError) as e:
             return _error(e)
 
@@ -164,6 +166,20 @@ def create_openai_router(backend: OpenAIBackend) -> APIRouter:
 
 
 # ------------------------------------------------------------------------------------------ requests
+def _echo(engine: Engine, req: OpenAICompletionRequest, prompts: list[list[int]]) -> PromptEcho | None:
+    """What the answer says of the prompts: with ``echo``, their text (and, with ``logprobs``, their tokens'
+    log-probabilities) before each choice's; ``max_tokens=0`` answers the prompt alone."""
+    if req.max_tokens == 0 and not req.echo:
+        raise OpenAIAPIError(
+            "max_tokens=0 generates nothing, which only echo=true makes an answer (the prompt, with its "
+            "tokens' logprobs when logprobs is set): send max_tokens >= 1, or echo=true",
+            "max_tokens",
+        )
+    if not req.echo:
+        return None
+    return PromptEcho(prompt_texts(engine, req.prompt, prompts), req.logprobs, req.max_tokens != 0)
+
+
 def _error(e: EngineError | OpenAIAPIError) -> JSONResponse:
     param = e.param if isinstance(e, OpenAIAPIError) else None
     return error_response(e.http_status, e.error_type, str(e), param=param, code=e.error_type)

@@ -12,7 +12,7 @@ from typing import Protocol
 
 from server.engine.errors import EngineError
 from server.engine.interface import Engine
-from server.engine.sampling import SamplingParams
+from server.engine.sampling import SamplingParams, TokenLogprob
 from server.serve.errors import ModelNotFoundError
 from server.serve.openai_serving import Routed
 from server.serve.output_lengths import LengthEstimate
@@ -62,10 +62,12 @@ class OpenAIBackend(Protocol):
         priority: float | None = None,
         *,
         tenant: str | None = None,
-    ) -> None:
+        score: int | None = None,
+    ) -> list[TokenLogprob] | None:
         """Create ``context_id`` holding ``token_ids`` on the routed engine (from a cached prefix where the
         backend has one, counted in ``routed.prefill_tokens_saved``); ``priority`` and ``tenant`` order it
-        in the engine's waiting queue."""
+        in the engine's waiting queue. With ``score`` (top alternatives per token), the prompt is computed
+        whole and its tokens' log-probabilities answered (`Engine.score`); else None."""
         ...
 
     def estimate_length(
@@ -153,8 +155,12 @@ class StaticBackend:
         priority: float | None = None,
         *,
         tenant: str | None = None,
-    ) -> None:
+        score: int | None = None,
+    ) -> list[TokenLogprob] | None:
+        if score is not None:
+            return await routed.engine.score(context_id, token_ids, score, priority=priority, tenant=tenant)
         await routed.engine.fill(context_id, token_ids, priority=priority, tenant=tenant)
+        return None
 
     def estimate_length(
         self, engine: Engine, token_ids: list[int], sampling: SamplingParams

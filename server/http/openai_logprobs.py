@@ -14,18 +14,25 @@ from parrot.openai_types import (
 from server.engine.sampling import TokenLogprob
 
 
-def completion_logprobs(tokenizer: Any, logprobs: list[TokenLogprob]) -> OpenAICompletionLogprobs:
-    """``/v1/completions``' legacy shape: parallel lists, the top alternatives as text -> logprob."""
-    tokens = [_text(tokenizer, lp.token_id) for lp in logprobs]
+def completion_logprobs(
+    tokenizer: Any, logprobs: list[TokenLogprob], first: int | None = None
+) -> OpenAICompletionLogprobs:
+    """``/v1/completions``' legacy shape: parallel lists, the top alternatives as text -> logprob. With
+    ``first`` (an echoed prompt's first token, which nothing predicts), it leads them with None values."""
+    token_logprobs: list[float | None] = [lp.logprob for lp in logprobs]
+    top_logprobs: list[dict[str, float] | None] = [
+        {_text(tokenizer, t): v for t, v in lp.top} for lp in logprobs
+    ]
+    ids = [lp.token_id for lp in logprobs]
+    if first is not None:
+        ids, token_logprobs, top_logprobs = [first, *ids], [None, *token_logprobs], [None, *top_logprobs]
+    tokens = [_text(tokenizer, t) for t in ids]
     offsets, at = [], 0
     for token in tokens:
         offsets.append(at)
         at += len(token)
     return OpenAICompletionLogprobs(
-        tokens=tokens,
-        token_logprobs=[lp.logprob for lp in logprobs],
-        top_logprobs=[{_text(tokenizer, t): v for t, v in lp.top} for lp in logprobs],
-        text_offset=offsets,
+        tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top_logprobs, text_offset=offsets
     )
 
 

@@ -58,6 +58,13 @@ class UnsupportedOptionError(OpenAIAPIError):
     error_type = "unsupported_option"
 
 
+class ContextLengthError(OpenAIAPIError):
+    """A prompt longer than the model's context window: OpenAI's ``context_length_exceeded``, which its
+    clients (and the tools built on them) recognise."""
+
+    error_type = "context_length_exceeded"
+
+
 class InvalidPromptError(OpenAIAPIError):
     """A prompt that cannot be served as given (empty, or no messages to render)."""
 
@@ -65,7 +72,6 @@ class InvalidPromptError(OpenAIAPIError):
 
 
 _UNUSED: dict[str, tuple[object, ...]] = {
-    "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
     "presence_penalty": (None, 0.0),
@@ -161,6 +167,17 @@ def completion_prompts(
     return out
 
 
+def prompt_texts(
+    engine: Engine, prompt: str | list[str] | list[int] | list[list[int]], ids: list[list[int]]
+) -> list[str]:
+    """Each prompt as ``echo`` answers it: its text as sent, or its token ids (``ids``) decoded."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and isinstance(prompt[0], str):
+        return [str(p) for p in prompt]
+    return [str(engine.tokenizer.decode(p)) for p in ids]
+
+
 def chat_prompt(engine: Engine, req: OpenAIChatCompletionRequest, tools: ChatTools | None) -> list[int]:
     """The messages rendered by the tokenizer's chat template, then encoded without adding BOS again; the
     tools offered through the template where it takes them, else in a system message. Messages are text:
@@ -202,19 +219,24 @@ def sampling_for(
     field = (
         "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
     )
+    if longest >= engine.max_model_len:
+        raise ContextLengthError(
+            f"this model's context window is {engine.max_model_len} tokens, but the prompt holds {longest} "
+            f"tokens: shorten it to at most {engine.max_model_len - 1} (room for one token to generate)",
+            "messages" if isinstance(req, OpenAIChatCompletionRequest) else "prompt",
+        )
     stats = engine.stats()
     cache_tokens = stats.blocks_total * stats.block_size
     if max_tokens is None:
         max_tokens = max(1, min(engine.max_model_len, cache_tokens) - longest)
-    elif longest < engine.max_model_len and longest + max_tokens > engine.max_model_len:
-        raise OpenAIAPIError(
+    elif longest + max_tokens > engine.max_model_len:
+        raise ContextLengthError(
             f"this model's context window is {engine.max_model_len} tokens, but {longest + max_tokens} were "
             f"asked for ({longest} in the prompt, {max_tokens} in {field}): lower {field} to at most "
             f"{engine.max_model_len - longest}",
             field,
         )
-    # (a prompt over the context window is the engine's 413 prompt_too_long, the more precise answer)
-    if longest < engine.max_model_len and longest + max_tokens > cache_tokens:
+    if longest + max_tokens > cache_tokens:
         raise OpenAIAPIError(
             f"the prompt ({longest} tokens) and {field} ({max_tokens}) need {longest + max_tokens} tokens "
             f"of KV cache, which holds {cache_tokens} ({stats.blocks_total} blocks of {stats.block_size}): "

@@ -24,6 +24,7 @@ from server.cluster.slo_admission import admission
 from server.engine import EngineError, SamplingParams
 from server.engine.errors import engine_unavailable
 from server.engine.interface import Engine
+from server.engine.sampling import TokenLogprob
 from server.serve.drain_gate import DrainGate
 from server.serve.engine_registry import EngineRegistry
 from server.serve.errors import NoEngineError, SloRejectedError
@@ -181,29 +182,35 @@ class OpenAIServing:
         priority: float | None = None,
         *,
         tenant: str | None = None,
-    ) -> None:
+        score: int | None = None,
+    ) -> list[TokenLogprob] | None:
         """A request's prompt: forked from the longest cached token prefix, the rest filled; refused first
         if the engine would miss the SLOs (`ManagerConfig.slo`), whose TPOT objective also resizes a
-        prefill + decode pair's prefill chunks (`Engine.tune_for_tpot`)."""
+        prefill + decode pair's prefill chunks (`Engine.tune_for_tpot`). With ``score``, computed whole and
+        its tokens' log-probabilities answered (`Engine.score`: a cached prefix's were never computed)."""
         engine = routed.engine
         if self.config.slo is not None:
-            self._admit(engine, token_ids, cache_salt)
+            self._admit(engine, token_ids, cache_salt, whole=score is not None)
             await engine.tune_for_tpot(self.config.slo.tpot_s)
+        if score is not None:
+            return await engine.score(context_id, token_ids, score, priority=priority, tenant=tenant)
         if not self.config.openai_prefix_cache:
             await engine.fill(context_id, token_ids, priority=priority, tenant=tenant)
-            return
+            return None
         index = self.registry.index_of(engine)
         ns = namespace(cache_salt)
         saved = await self.kept.fill(index, ns, context_id, token_ids, priority, tenant)
         routed.prefill_tokens_saved += saved
+        return None
 
-    def _admit(self, engine: Engine, token_ids: list[int], cache_salt: str | None) -> None:
+    def _admit(self, engine: Engine, token_ids: list[int], cache_salt: str | None, whole: bool) -> None:
         """Mutel's early rejection, from the engine's measured step times and queued prompt work (no
-        measurement yet: admitted). Only the tokens past a cached prefix count as prefill."""
+        measurement yet: admitted). Only the tokens past a cached prefix count as prefill, unless the
+        prompt is computed ``whole``."""
         assert self.config.slo is not None
         index = self.registry.index_of(engine)
         cached = 0
-        if self.config.openai_prefix_cache:
+        if self.config.openai_prefix_cache and not whole:
             match = self.kept.match(index, namespace(cache_salt), token_ids)
             cached = 0 if match is None else match.length
         rejection = admission(engine.stats(), index, len(token_ids) - cached, self.config.slo)

@@ -225,18 +225,18 @@ def test_contexts_fork_append_and_fail_as_an_engines_do(front: LaunchedServer) -
     assert _facade(front).stats().running == 0
 
 
-def test_a_prompt_over_the_context_window_is_413_before_anything_is_sent(front: LaunchedServer) -> None:
+def test_a_prompt_over_the_context_window_is_refused_before_anything_is_sent(front: LaunchedServer) -> None:
     engine = _facade(front)
     sent = engine.requests_sent
     body = {"prompt": [5] * (engine.max_model_len + 10), "max_tokens": 2}
     r = httpx.post(f"{front.url}/v1/completions", json=body, timeout=60)
-    assert r.status_code == 413 and r.json()["error"]["type"] == "prompt_too_long"
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     assert engine.requests_sent == sent
 
 
 def test_an_error_the_backend_answers_keeps_its_status(backend: LaunchedServer) -> None:
     """Configured with a larger context window than the backend's, a long prompt goes out and the backend's
-    own 413 comes back, typed."""
+    own refusal comes back, typed (OpenAI's context_length_exceeded)."""
     window = backend.engines[0].max_model_len
     engine = OpenAIBackendEngine.connect(OpenAIBackendConfig(backend.url, max_model_len=2 * window))
 
@@ -244,7 +244,7 @@ def test_an_error_the_backend_answers_keeps_its_status(backend: LaunchedServer) 
         await engine.fill(1, [5] * (window + 4))
         with pytest.raises(RemoteEngineError) as info:
             await engine.generate(1, SamplingParams(max_tokens=2))
-        assert (info.value.http_status, info.value.error_type) == (413, "prompt_too_long")
+        assert (info.value.http_status, info.value.error_type) == (400, "context_length_exceeded")
         await engine.aclose()
 
     asyncio.run(run())

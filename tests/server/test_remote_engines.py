@@ -108,9 +108,9 @@ def test_a_remote_engine_registers_serves_and_times_out(manager_only: LaunchedSe
             events = [line for line in r.iter_lines() if line.startswith("data: ")]
         assert r.status_code == 200 and events[-1] == "data: [DONE]" and len(events) >= 3
 
-        # An engine error keeps its type across the hop: a prompt over the window is a 413.
+        # A prompt over the remote engine's window: OpenAI's context_length_exceeded, from its info.
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "word " * 5000, "max_tokens": 1}, timeout=30)
-        assert r.status_code == 413 and r.json()["error"]["type"] == "prompt_too_long"
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
 
         # Heartbeats stop (a frozen or partitioned engine): taken out of service, then it registers again.
         old_id = link.engine_id
