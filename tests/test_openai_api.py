@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import socket
 import threading
 import time
@@ -342,3 +343,24 @@ async def test_a_request_the_kv_cache_cannot_hold_is_refused_not_cut() -> None:
             assert answered.json()["choices"][0]["finish_reason"] == "length"
     finally:
         small.shutdown()
+
+
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+def test_stream_chunks_say_usage_null_until_the_usage_chunk(base_url: str, route: str) -> None:
+    """OpenAI's spec: with include_usage, every chunk carries ``usage`` (null) and the last one before
+    ``[DONE]`` its value; without it, no chunk carries the field."""
+    body: dict[str, object] = {"model": "tiny", "max_tokens": 4, "stream": True, "temperature": 0}
+    body.update({"prompt": PROMPT} if route == "completions" else {"messages": MESSAGES})
+    for include in (True, False):
+        with httpx.stream(
+            "POST",
+            f"{base_url}/{route}",
+            json={**body, "stream_options": {"include_usage": include}},
+            timeout=30,
+        ) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        if include:
+            assert all("usage" in e and e["usage"] is None for e in events[:-1]) and len(events) > 2
+            assert events[-1]["usage"]["completion_tokens"] == 4 and events[-1]["choices"] == []
+        else:
+            assert not any("usage" in e for e in events)

@@ -197,10 +197,14 @@ async def _serve_on(
             j.stream = engine.submit_generate(
                 j.context_id, j.sampling, stream=bool(req.stream), priority=_priority(req, j), tenant=tenant
             )
+        include_usage = bool(
+            req.stream and req.stream_options is not None and req.stream_options.include_usage
+        )
         meta = _Meta(
             id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
             created=int(time.time()),
             model=engine.model_name,
+            include_usage=include_usage,
         )
         if not req.stream:
             results = await _gather_all([j.stream.result() for j in jobs if j.stream is not None])
@@ -215,7 +219,6 @@ async def _serve_on(
             )
             return JSONResponse(body.model_dump())
         firsts = [await _first_token(j.stream) for j in jobs if j.stream is not None]
-        include_usage = req.stream_options is not None and req.stream_options.include_usage
         events = _stream_events(
             release, firsts, sampling, meta, chat, include_usage, _with_ids(req), tools, echo
         )
@@ -327,6 +330,14 @@ class _Meta:
     id: str
     created: int
     model: str
+    # A stream whose client asked for usage: every chunk before the usage chunk says ``"usage": null``, as
+    # OpenAI's spec has it; else chunks carry no usage field.
+    include_usage: bool = False
+
+    @property
+    def chunk_exclude(self) -> set[str]:
+        """The fields a streamed chunk leaves out."""
+        return set() if self.include_usage else {"usage"}
 
 
 def _usage(jobs: list[_Job], results: list[GenerateResult]) -> OpenAIUsage:
@@ -509,7 +520,7 @@ def _text_chunk(
         model=meta.model,
         choices=[OpenAICompletionChoice.model_validate(choice)],
     )
-    return _sse(body.model_dump_json(exclude={"usage"}))
+    return _sse(body.model_dump_json(exclude=meta.chunk_exclude))
 
 
 def _chat_whole_chunk(meta: _Meta, index: int, message: OpenAIAssistantMessage, finish: str) -> str:
@@ -520,7 +531,7 @@ def _chat_whole_chunk(meta: _Meta, index: int, message: OpenAIAssistantMessage, 
     delta = OpenAIChatDelta(content=message.content, tool_calls=calls)
     choice = OpenAIChatChunkChoice.model_validate({"index": index, "delta": delta, "finish_reason": finish})
     body = OpenAIChatCompletionChunk(id=meta.id, created=meta.created, model=meta.model, choices=[choice])
-    data = body.model_dump(exclude={"usage"})
+    data = body.model_dump(exclude=meta.chunk_exclude)
     data["choices"][0]["delta"] = delta.model_dump(exclude_none=True)
     return json.dumps(data)
 
@@ -528,13 +539,13 @@ def _chat_whole_chunk(meta: _Meta, index: int, message: OpenAIAssistantMessage, 
 def _chat_role_chunk(meta: _Meta, index: int) -> str:
     choice = OpenAIChatChunkChoice(index=index, delta=OpenAIChatDelta(role="assistant", content=""))
     body = OpenAIChatCompletionChunk(id=meta.id, created=meta.created, model=meta.model, choices=[choice])
-    return body.model_dump_json(exclude={"usage"})
+    return body.model_dump_json(exclude=meta.chunk_exclude)
 
 
 def _chat_chunk(meta: _Meta, index: int, text: str | None, finish: str | None) -> str:
     delta = OpenAIChatDelta(content=text)
     choice = OpenAIChatChunkChoice.model_validate({"index": index, "delta": delta, "finish_reason": finish})
     body = OpenAIChatCompletionChunk(id=meta.id, created=meta.created, model=meta.model, choices=[choice])
-    data = body.model_dump(exclude={"usage"})
+    data = body.model_dump(exclude=meta.chunk_exclude)
     data["choices"][0]["delta"] = delta.model_dump(exclude_none=True)  # the last delta is {}
     return _sse(json.dumps(data))
