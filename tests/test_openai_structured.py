@@ -218,8 +218,21 @@ def test_auto_tool_choice_reads_hermes_calls_and_leaves_text_alone() -> None:
         "no call here",
         '<tool_call>{"name": "unknown", "arguments": {}}</tool_call>',
         "<tool_call>{",
+        '<tool_call>[{"name": "get_weather", "argu',
     ):
         assert parse_tool_calls(plain, functions, constrained=False) == (plain, [])
+
+
+@pytest.mark.parametrize("constrained", [True, False])
+def test_a_list_of_calls_cut_by_max_tokens_keeps_its_complete_calls(constrained: bool) -> None:
+    functions = {"get_weather": WEATHER["function"], "get_time": TIME["function"]}
+    calls = '[{"name": "get_time", "arguments": {}}, {"name": "get_weather", "arguments": {"city": "Li'
+    text = calls if constrained else f"Checking.<tool_call>{calls}"
+    content, got = parse_tool_calls(text, functions, constrained=constrained)
+    assert [c.function.name for c in got] == ["get_time"] and json.loads(got[0].function.arguments) == {}
+    assert content == (None if constrained else "Checking.")
+    two = '[ {"name": "get_time", "arguments": {}} , {"name": "get_time", "arguments": {}} ,'
+    assert len(parse_tool_calls(two, functions, constrained=True)[1]) == 2
 
 
 @pytest.mark.parametrize(

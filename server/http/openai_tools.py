@@ -165,12 +165,13 @@ def parse_tool_calls(
     text: str, functions: dict[str, dict[str, Any]], constrained: bool
 ) -> tuple[str | None, list[OpenAIToolCall]]:
     """The content and the calls of an answer: a constrained answer is the JSON list itself; a free one
-    holds calls inside ``<tool_call>`` tags (a call naming no offered function stays content)."""
+    holds calls inside ``<tool_call>`` tags (a call naming no offered function stays content). A list cut
+    short (``max_tokens``) keeps the calls it completed."""
     if constrained:
-        return None, [_call(c) for c in _as_calls(_loads(text), functions)]
+        return None, [_call(c) for c in _as_calls(_complete_json(text), functions)]
     calls: list[OpenAIToolCall] = []
     for block in _TOOL_CALL.findall(text):
-        calls.extend(_call(c) for c in _as_calls(_loads(block), functions))
+        calls.extend(_call(c) for c in _as_calls(_complete_json(block), functions))
     if not calls:
         return text, []
     content = _TOOL_CALL.sub("", text).strip()
@@ -182,6 +183,32 @@ def _loads(text: str) -> Any:
         return json.loads(text)
     except ValueError:
         return None
+
+
+def _complete_json(text: str) -> Any:
+    """The JSON value of ``text``; of a list cut short, its complete items (None if not JSON at all)."""
+    value = _loads(text)
+    if value is not None or not text.lstrip().startswith("["):
+        return value
+    decoder, items = json.JSONDecoder(), []
+    at = text.index("[") + 1
+    while True:
+        at = _after_space(text, at)
+        try:
+            item, at = decoder.raw_decode(text, at)
+        except ValueError:
+            return items
+        items.append(item)
+        at = _after_space(text, at)
+        if not text.startswith(",", at):
+            return items
+        at += 1
+
+
+def _after_space(text: str, at: int) -> int:
+    while at < len(text) and text[at].isspace():
+        at += 1
+    return at
 
 
 def _as_calls(value: Any, functions: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
