@@ -11,7 +11,8 @@ choice's loglikelihood is from transformers' (the largest absolute difference ov
     PARROT_LMEVAL_PYTHON=.../bin/python python -m benchmarks.lm_eval_parity [--model smollm2] [--json PATH]
 
 lm-eval runs from its own virtualenv (``$PARROT_LMEVAL_PYTHON``: ``pip install torch==2.13.0 lm-eval==0.4.9
-"transformers<5" "datasets<4" tenacity aiohttp``), offline. The last line is ``RESULT lm_eval_parity acc_parrot=...``.
+"transformers<5" "datasets<4" tenacity aiohttp``), offline. The last line is
+``RESULT lm_eval_parity acc_parrot=...``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -82,6 +84,22 @@ def run_lm_eval(python: str, model: str, model_args: str, workdir: Path, label: 
     return {"acc": metrics["acc,none"], "acc_norm": metrics["acc_norm,none"], "logliks": logliks}
 
 
+def tokenizer_copy(folder: Path, workdir: Path) -> Path:
+    """The folder's tokenizer files where lm-eval's transformers (< 5) reads them: a tokenizer saved by
+    transformers 5 names its class ``TokenizersBackend``, which 4.x calls ``PreTrainedTokenizerFast``."""
+    out = workdir / "tokenizer"
+    out.mkdir()
+    for path in folder.glob("*.json"):
+        if path.name.startswith(("tokenizer", "special_tokens", "config", "generation")):
+            shutil.copy(path, out / path.name)
+    config_path = out / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    if config.get("tokenizer_class") == "TokenizersBackend":
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_path.write_text(json.dumps(config))
+    return out
+
+
 def completions_args(backend: Backend, model_name: str, tokenizer: Path) -> str:
     return (
         f"model={model_name},base_url={backend.url}/v1/completions,tokenizer={tokenizer},"
@@ -129,18 +147,19 @@ def main(argv: list[str] | None = None) -> None:
             engine = ours.server.engines[0]
             folder = hf_folder(args.model, engine, workdir, config.seed)  # type: ignore[arg-type]
             model_config, model_name = engine.model_config, engine.model_name  # type: ignore[attr-defined]
+            tokenizer = tokenizer_copy(folder, workdir)
             runs["parrot"] = run_lm_eval(
                 args.lm_eval_python,
                 "local-completions",
-                completions_args(ours, model_name, folder),
+                completions_args(ours, model_name, tokenizer),
                 workdir,
                 "parrot",
             )
-        hf_args = f"pretrained={folder},dtype=float32"
+        hf_args = f"pretrained={folder},tokenizer={tokenizer},dtype=float32"
         runs["hf"] = run_lm_eval(args.lm_eval_python, "hf", hf_args, workdir, "hf")
         if args.vllm_python:
             with vllm_server(args.vllm_python, folder, model_config, workdir) as theirs:
-                vllm_args = completions_args(theirs, str(folder), folder)
+                vllm_args = completions_args(theirs, str(folder), tokenizer)
                 runs["vllm"] = run_lm_eval(
                     args.lm_eval_python, "local-completions", vllm_args, workdir, "vllm"
                 )

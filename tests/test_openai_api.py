@@ -364,3 +364,18 @@ def test_stream_chunks_say_usage_null_until_the_usage_chunk(base_url: str, route
             assert events[-1]["usage"]["completion_tokens"] == 4 and events[-1]["choices"] == []
         else:
             assert not any("usage" in e for e in events)
+
+
+def test_penalties_and_logit_bias(client: openai.OpenAI, engine: LLMEngine) -> None:
+    kwargs = {"model": "tiny", "prompt": PROMPT, "max_tokens": 6, "temperature": 0}
+    forced = client.completions.create(**kwargs, logit_bias={"77": 100}, presence_penalty=0.5)  # type: ignore[call-overload]
+    assert forced.choices[0].text == engine.tokenizer.decode([77] * 6)
+    plain = client.completions.create(**kwargs)  # type: ignore[call-overload]
+    repeated = client.completions.create(
+        **kwargs, frequency_penalty=2.0, extra_body={"repetition_penalty": 1.5}
+    )  # type: ignore[call-overload]
+    assert repeated.choices[0].text != plain.choices[0].text
+    with pytest.raises(openai.BadRequestError, match="logit_bias keys must be token ids"):
+        client.completions.create(**kwargs, logit_bias={"the": 5})  # type: ignore[call-overload]
+    with pytest.raises(openai.BadRequestError, match=r"presence_penalty must be a number in \[-2, 2\]"):
+        client.chat.completions.create(model="tiny", messages=MESSAGES, presence_penalty=3)  # type: ignore[arg-type]

@@ -39,6 +39,14 @@ def _sampling(sampling: SamplingConfig) -> dict[str, Any]:
         body["stop"] = list(sampling.stop)
     if sampling.ignore_eos:
         body["ignore_eos"] = True
+    if sampling.presence_penalty:
+        body["presence_penalty"] = sampling.presence_penalty
+    if sampling.frequency_penalty:
+        body["frequency_penalty"] = sampling.frequency_penalty
+    if sampling.repetition_penalty != 1.0:
+        body["repetition_penalty"] = sampling.repetition_penalty  # the server's extension (as in vLLM)
+    if sampling.logit_bias:
+        body["logit_bias"] = {str(t): v for t, v in sampling.logit_bias.items()}
     return body
 
 

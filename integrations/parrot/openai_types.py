@@ -43,9 +43,10 @@ class _OpenAISamplingRequest(_OpenAIRequest):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    # Extensions (as in vLLM): top-k sampling and ignoring the end-of-sequence token.
+    # Extensions (as in vLLM): top-k sampling, ignoring the end-of-sequence token, a repetition penalty.
     top_k: int | None = None
     ignore_eos: bool | None = None
+    repetition_penalty: float | None = None
     # Extension (as vLLM's): the prompt's KV is reused only by requests carrying the same salt, so another
     # tenant cannot learn from a faster answer that this prompt was seen before.
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)

@@ -109,6 +109,8 @@ SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
 """The seeds the engine takes (what ``torch.Generator.manual_seed`` accepts: a 64-bit integer)."""
 
 _SAMPLING_CHECKED = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+MAX_LOGIT_BIAS = 1024
+"""Tokens one request's ``logit_bias`` may name (OpenAI's own bound on each bias: [-100, 100])."""
 
 
 def sampling_problem(params: object) -> str | None:
@@ -131,7 +133,29 @@ def sampling_problem(params: object) -> str | None:
         return f"seed must be a 64-bit integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {seed!r}"
     if stop is not None and any(not s for s in stop):
         return f"stop strings must be non-empty, got {list(stop)!r}"
+    return _penalty_problem(params)
+
+
+def _penalty_problem(params: object) -> str | None:
+    """`sampling_problem` for the penalties and ``logit_bias``."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(params, name, None)
+        if value is not None and not (_finite(value) and -2.0 <= value <= 2.0):
+            return f"{name} must be a number in [-2, 2] (0 disables it), got {value!r}"
+    repetition = getattr(params, "repetition_penalty", None)
+    if repetition is not None and not (_finite(repetition) and 0 < repetition <= 100):
+        return f"repetition_penalty must be a number in (0, 100] (1 disables it), got {repetition!r}"
+    bias = getattr(params, "logit_bias", None) or {}
+    if len(bias) > MAX_LOGIT_BIAS:
+        return f"logit_bias names {len(bias)} tokens, over the {MAX_LOGIT_BIAS} one request may bias"
+    bad = [(t, v) for t, v in bias.items() if not (_finite(v) and -100 <= v <= 100)]
+    if bad:
+        return f"logit_bias values must be numbers in [-100, 100], got {dict(bad[:5])!r}"
     return None
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 class SamplingConfig(StrictModel):
@@ -148,6 +172,14 @@ class SamplingConfig(StrictModel):
     guided: GuidedConfig | None = None
     # Each generated token's log-probability, with its top this many alternatives (0: the token's only).
     logprobs: int | None = Field(default=None, ge=0, le=20)
+    # As OpenAI's and vLLM's: presence and frequency penalties (in [-2, 2]) lower the logits of the tokens
+    # generated so far, once and per occurrence; a repetition penalty (> 0; 1 is off) divides the positive
+    # logits (multiplies the negative ones) of every token of the prompt and the output; logit_bias adds
+    # to the named token ids' logits (in [-100, 100]).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = Field(default_factory=dict)
 
 
 # ----------------------------------------------------------------------------------------- transforms

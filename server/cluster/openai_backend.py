@@ -356,6 +356,13 @@ class OpenAIBackendEngine(Engine):
             body["stop_token_ids"] = list(sampling.stop_token_ids)
         if sampling.ignore_eos:
             body["ignore_eos"] = True
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(sampling, name):
+                body[name] = getattr(sampling, name)
+        if sampling.repetition_penalty != 1.0:
+            body["repetition_penalty"] = sampling.repetition_penalty  # vLLM's extension, as ours
+        if sampling.logit_bias:
+            body["logit_bias"] = {str(t): v for t, v in sampling.logit_bias.items()}
         if priority is not None and self.config.priority:
             body["priority"] = round(priority)  # vLLM's is an integer, lower first, as ours
         if sampling.guided is not None:

@@ -9,6 +9,7 @@ from typing import Literal
 import torch
 
 from server.engine.guided import mask_logits
+from server.engine.penalties import penalize
 from server.engine.request import FinishReason, Request
 from server.engine.sampling import TokenLogprob, sample, token_logprobs
 
@@ -19,10 +20,12 @@ SCORE_ROWS = 256
 
 
 def next_tokens(logits: torch.Tensor, reqs: list[Request]) -> list[int]:
-    """The token each generate samples next from its ``logits`` row (float32; under its grammar's mask, if
-    guided); the requests that asked get each token's log-probabilities appended."""
+    """The token each generate samples next from its ``logits`` row (float32; after its penalties and
+    biases, under its grammar's mask if guided); the requests that asked get each token's log-probabilities
+    appended (the model's own, before any of those, as vLLM reports them)."""
     wanting = [i for i, r in enumerate(reqs) if r.logprobs is not None]
-    raw = logits[wanting] if wanting else None  # a copy: the mask below writes into `logits`
+    raw = logits[wanting] if wanting else None  # a copy: the penalties and the mask write into `logits`
+    penalize(logits, reqs)
     tokens = sample(
         mask_logits(logits, [r.guide for r in reqs]),
         [r.sampling for r in reqs],  # type: ignore[misc]

@@ -104,6 +104,11 @@ class SamplingParams:
     ignore_eos: bool = False
     guided: GuidedDecoding | None = None  # constrained decoding (`server.engine.guided`); None: free
     logprobs: int | None = None  # report each token's log-probability and its top this many; None: not
+    # Penalties and biases (`server.engine.penalties`; `parrot.protocol.SamplingConfig` says what each does)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.guided, Mapping):  # from a wire model's dump
@@ -118,6 +123,15 @@ class SamplingParams:
         if bad:
             raise InvalidSamplingParamsError(
                 f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})"
+            )
+        bad = [
+            t
+            for t in self.logit_bias
+            if isinstance(t, bool) or not (isinstance(t, int) and 0 <= t < vocab_size)
+        ]
+        if bad:
+            raise InvalidSamplingParamsError(
+                f"logit_bias names token ids {bad[:5]} outside the vocabulary [0, {vocab_size})"
             )
         if self.logprobs is not None and not (
             isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS

@@ -74,9 +74,6 @@ class InvalidPromptError(OpenAIAPIError):
 _UNUSED: dict[str, tuple[object, ...]] = {
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "presence_penalty": (None, 0.0),
-    "frequency_penalty": (None, 0.0),
-    "logit_bias": (None, {}),
     "functions": (None, []),
 }
 
@@ -167,6 +164,17 @@ def completion_prompts(
     return out
 
 
+def _token_biases(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` (token ids as JSON keys) by token id."""
+    out: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise OpenAIAPIError(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+    return out
+
+
 def prompt_texts(
     engine: Engine, prompt: str | list[str] | list[int] | list[list[int]], ids: list[list[int]]
 ) -> list[str]:
@@ -244,6 +252,10 @@ def sampling_for(
         )
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     return SamplingParams(
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        logit_bias=_token_biases(req.logit_bias),
         max_tokens=max_tokens,
         temperature=DEFAULT_TEMPERATURE if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,

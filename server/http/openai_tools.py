@@ -190,7 +190,7 @@ def _complete_json(text: str) -> Any:
     value = _loads(text)
     if value is not None or not text.lstrip().startswith("["):
         return value
-    decoder, items = json.JSONDecoder(), []
+    decoder, items = json.JSONDecoder(), list[Any]()
     at = text.index("[") + 1
     while True:
         at = _after_space(text, at)
