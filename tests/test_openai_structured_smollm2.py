@@ -67,6 +67,33 @@ def test_a_json_schema_answer_is_valid_and_right(client: openai.OpenAI) -> None:
     assert "Paris" in value["capital"]
 
 
+JOKE = {  # LangChain's standard structured-output test's schema (langchain-tests), as ChatOpenAI sends it
+    "title": "Joke",
+    "description": "Joke to tell user.",
+    "type": "object",
+    "properties": {
+        "setup": {"description": "question to set up a joke", "type": "string"},
+        "punchline": {"description": "answer to resolve the joke", "type": "string"},
+    },
+    "required": ["setup", "punchline"],
+}
+
+
+@pytest.mark.parametrize("topic", ["cats", "dogs"])
+def test_an_unbounded_schema_is_answered_whole(client: openai.OpenAI, topic: str) -> None:
+    """Strings without maxLength: laid out compactly, this model drifted into a loop until max_tokens cut
+    the JSON; with the layout it writes itself it closes the object (as vLLM does on the same request)."""
+    answer = client.chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "user", "content": f"Tell me a joke about {topic}."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "Joke", "schema": JOKE}},
+        temperature=0,
+        max_tokens=120,
+    )
+    assert answer.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(answer.choices[0].message.content or ""), JOKE)
+
+
 def test_a_forced_tool_call_names_the_city_asked_about(client: openai.OpenAI) -> None:
     answer = client.chat.completions.create(
         model="smollm2",

@@ -95,6 +95,9 @@ class GuidedConfig(StrictModel):
 
     kind: Literal["json_schema", "json_object", "regex", "choice", "grammar"]
     value: str | list[str] | None = None
+    # JSON only: no whitespace between its tokens beyond ", " and ": " (vLLM's disable_any_whitespace); else
+    # up to 16 characters of it in a row, where a model writes its own layout.
+    compact: bool = False
 
 
 class TokenLogprobConfig(BaseModel):

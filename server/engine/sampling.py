@@ -30,11 +30,14 @@ class GuidedDecoding:
 
     ``value`` by ``kind``: ``json_schema`` a JSON Schema (as JSON text), ``json_object`` None (any JSON
     object), ``regex`` a pattern, ``choice`` the strings allowed (one of them, exactly), ``grammar`` an EBNF
-    grammar whose start rule is ``root`` (xgrammar's, as vLLM and SGLang take it).
+    grammar whose start rule is ``root`` (xgrammar's, as vLLM and SGLang take it). JSON may hold whitespace
+    between its tokens, up to `server.engine.guided.MAX_JSON_WHITESPACE` characters in a row; ``compact``:
+    none beyond ``", "`` and ``": "`` (vLLM's ``disable_any_whitespace``).
     """
 
     kind: GuidedKind
     value: str | tuple[str, ...] | None = None
+    compact: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.value, list):

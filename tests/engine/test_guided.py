@@ -26,6 +26,7 @@ from server.engine.api import create_engine_app
 from server.engine.errors import GuidedDecodingTooCostlyError, InvalidSamplingParamsError, RequestAbortedError
 from server.engine.guide_cost import repetition_product
 from server.engine.guided import (
+    MAX_JSON_WHITESPACE,
     GrammarCompiler,
     Guide,
     choice_grammar,
@@ -202,6 +203,9 @@ def test_structured_outputs_round_trip_and_refusals() -> None:
         assert (json.loads(back.value) if guided.kind == "json_schema" else back.value) == (  # type: ignore[arg-type]
             PERSON if guided.kind == "json_schema" else guided.value
         )
+    compact = guided_from_structured_outputs({"json": PERSON, "disable_any_whitespace": True})
+    assert compact.compact and structured_outputs(compact)["disable_any_whitespace"] is True
+    assert "disable_any_whitespace" not in structured_outputs(GuidedDecoding("json_object"))
     with pytest.raises(InvalidSamplingParamsError, match="exactly one of"):
         guided_from_structured_outputs({"regex": "a", "choice": ["a"]})
     with pytest.raises(InvalidSamplingParamsError, match="not supported"):
@@ -366,3 +370,31 @@ def test_a_compile_over_its_time_limit_fails_its_request(tiny: LLMEngine) -> Non
         assert error is None and grammar is not None
     finally:
         compiler.shutdown()
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["bounded-whitespace", "compact"])
+def test_json_whitespace_is_bounded_or_off(tiny: LLMEngine, compact: bool) -> None:
+    """Between JSON tokens a model may lay out up to MAX_JSON_WHITESPACE characters in a row (as it learned
+    to), never more (it cannot loop on whitespace); compact JSON takes none beyond ", " and ": "."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    vocab = tiny.tokenizer.get_vocab()
+    byte_token = {b: vocab[ch] for b, ch in bytes_to_unicode().items()}
+    schema = json.dumps({"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]})
+    grammar = tiny._grammars.compile(GuidedDecoding("json_schema", schema, compact))
+
+    def accepts(text: bytes) -> bool:
+        guide = Guide(grammar)
+        try:
+            for b in text:
+                guide.accept(byte_token[b])
+            guide.accept(min(tiny.eos_token_ids))  # complete only if the grammar may stop here
+        except InvalidSamplingParamsError:
+            return False
+        return guide.finished
+
+    assert accepts(b'{"s": "a"}')
+    assert accepts(b'{\n  "s": "a"\n}') is not compact
+    run = b" " * MAX_JSON_WHITESPACE
+    assert accepts(b"{" + run + b'"s": "a"}') is not compact
+    assert not accepts(b"{" + run + b' "s": "a"}')
