@@ -20,20 +20,18 @@ SCORE_ROWS = 256
 
 
 def next_tokens(logits: torch.Tensor, reqs: list[Request]) -> list[int]:
-    """The token each generate samples next from its ``logits`` row (float32; after its penalties and
-    biases, under its grammar's mask if guided); the requests that asked get each token's log-probabilities
-    appended (the model's own, before any of those, as vLLM reports them)."""
+    """The token each generate samples next from its ``logits`` row (float32; under its grammar's mask if
+    guided, after its penalties and biases); the requests that asked get each token's log-probabilities
+    appended, as vLLM reports them: over what the grammar allows, before penalties, biases, temperature
+    and top-p/k."""
+    mask_logits(logits, [r.guide for r in reqs])
     wanting = [i for i, r in enumerate(reqs) if r.logprobs is not None]
-    raw = logits[wanting] if wanting else None  # a copy: the penalties and the mask write into `logits`
+    reported = logits[wanting] if wanting else None  # a copy: the penalties write into `logits`
     penalize(logits, reqs)
-    tokens = sample(
-        mask_logits(logits, [r.guide for r in reqs]),
-        [r.sampling for r in reqs],  # type: ignore[misc]
-        [r.generator for r in reqs],
-    )
-    if raw is not None:
+    tokens = sample(logits, [r.sampling for r in reqs], [r.generator for r in reqs])  # type: ignore[misc]
+    if reported is not None:
         tops = [reqs[i].sampling.logprobs or 0 for i in wanting]  # type: ignore[union-attr]
-        for i, lp in zip(wanting, token_logprobs(raw, [tokens[i] for i in wanting], tops), strict=True):
+        for i, lp in zip(wanting, token_logprobs(reported, [tokens[i] for i in wanting], tops), strict=True):
             reqs[i].logprobs.append(lp)  # type: ignore[union-attr]
     return tokens
 

@@ -20,6 +20,9 @@ _TINY = torch.finfo(torch.float32).tiny
 MAX_GUIDE_CHARS = 32_768
 MAX_CHOICES = 256
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs allows
+# The log-probability reported for a token that cannot be sampled (masked to -inf), as vLLM reports it:
+# JSON has no -inf.
+MIN_LOGPROB = -9999.0
 
 GuidedKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
 
@@ -235,7 +238,7 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], uniforms: t
 def token_logprobs(logits: torch.Tensor, tokens: list[int], tops: list[int]) -> list[TokenLogprob]:
     """Each row's sampled token's log-probability and its ``tops[i]`` most likely alternatives, from the
     model's own distribution (before temperature, top-p/k or a grammar's mask, as vLLM reports them)."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    logprobs = torch.log_softmax(logits.float(), dim=-1).clamp(min=MIN_LOGPROB)
     chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device).unsqueeze(1)).squeeze(1).tolist()
     k = max(tops, default=0)
     top_values, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)

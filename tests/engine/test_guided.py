@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import math
 import queue
 import re
 import time
@@ -33,7 +34,7 @@ from server.engine.guided import (
     guided_from_structured_outputs,
     structured_outputs,
 )
-from server.engine.sampling import MAX_GUIDE_CHARS, GuidedDecoding
+from server.engine.sampling import MAX_GUIDE_CHARS, MIN_LOGPROB, GuidedDecoding
 from server.engine.wire import EngineGenerateResponse
 from tests.engine.conftest import _hf_model, prompts
 
@@ -231,14 +232,22 @@ async def test_logprobs_equal_hugging_face_log_softmax(engine: LLMEngine, gqa_mo
         assert [v for _, v in lp.top] == pytest.approx(values.tolist(), abs=1e-4)
 
 
-async def test_logprobs_report_the_model_not_the_mask(tiny: LLMEngine) -> None:
+async def test_logprobs_under_a_constraint_are_over_what_it_allows(tiny: LLMEngine) -> None:
+    """As vLLM reports them: the grammar's mask applies before the log-probabilities, so a token the
+    constraint forces is certain (0), and no alternative the constraint refuses is listed."""
     cid = next(_ids)
     await tiny.fill(cid, tiny.tokenizer.encode("Pick:"))
     guided = GuidedDecoding("choice", ("zebra",))
-    r = await tiny.generate(cid, SamplingParams(max_tokens=10, guided=guided, logprobs=0))
+    r = await tiny.generate(cid, SamplingParams(max_tokens=10, guided=guided, logprobs=20))
     await tiny.free_context(cid)
     assert r.text == "zebra" and r.logprobs is not None and len(r.logprobs) == len(r.token_ids)
-    assert all(lp.top == () and lp.logprob < 0 for lp in r.logprobs)  # forced tokens keep the model's odds
+    rest = "zebra"
+    for lp in r.logprobs[:-1]:  # the last is the end of sequence
+        allowed = [(t, v) for t, v in lp.top if v > MIN_LOGPROB]
+        assert all(rest.startswith(tiny.tokenizer.decode([t])) for t, _ in allowed)  # only what it allows
+        assert sum(math.exp(v) for _, v in allowed) == pytest.approx(1.0, abs=1e-5)  # all of the mass
+        assert all(v == MIN_LOGPROB for _, v in lp.top[len(allowed) :])  # refused: vLLM's floor, not -inf
+        rest = rest[len(tiny.tokenizer.decode([lp.token_id])) :]
 
 
 async def test_guided_decoding_and_logprobs_over_the_engine_api(tiny: LLMEngine) -> None:
