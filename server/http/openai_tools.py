@@ -102,7 +102,8 @@ def chosen_functions(functions: dict[str, dict[str, Any]], tool_choice: Any) -> 
 
 def calls_schema(functions: dict[str, dict[str, Any]], names: list[str], parallel: bool) -> GuidedDecoding:
     """A JSON list of calls ``[{"name": ..., "arguments": {...}}]`` to the named functions, each call's
-    arguments valid under its function's parameter schema."""
+    arguments valid under its function's parameter schema; laid out compactly (a machine format: every
+    token goes to the calls, so more of them fit in ``max_tokens``)."""
     calls = [
         {
             "type": "object",
@@ -119,7 +120,7 @@ def calls_schema(functions: dict[str, dict[str, Any]], names: list[str], paralle
     schema: dict[str, Any] = {"type": "array", "items": items, "minItems": 1}
     if not parallel:
         schema["maxItems"] = 1
-    return GuidedDecoding("json_schema", json.dumps(schema))
+    return GuidedDecoding("json_schema", json.dumps(schema), compact=True)
 
 
 def tool_system_prompt(functions: dict[str, dict[str, Any]]) -> str:
