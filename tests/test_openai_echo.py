@@ -152,3 +152,50 @@ def test_echo_refusals_say_what_to_send(client: openai.OpenAI, engine: LLMEngine
     with pytest.raises(openai.BadRequestError, match="logprobs must be in"):
         client.completions.create(model="tiny", prompt="hi", max_tokens=0, echo=True, logprobs=21)
     assert client.models.list().data  # still serving
+
+
+def test_vllm_prompt_logprobs_rank_each_token(base_url: str, engine: LLMEngine) -> None:  # noqa: F811
+    prompt = engine.tokenizer.encode("one two three four", add_special_tokens=False)
+    answer = completions(base_url, prompt=prompt, prompt_logprobs=2, max_tokens=1, temperature=0)
+    entries = answer["choices"][0]["prompt_logprobs"]
+    scored = engine_scores(engine, prompt, 2)
+    assert entries[0] is None and len(entries) == len(prompt)
+    for entry, s in zip(entries[1:], scored, strict=True):
+        own = entry[str(s.token_id)]
+        assert own["logprob"] == s.logprob and own["decoded_token"] == engine.tokenizer.decode([s.token_id])
+        top_ids = [t for t, _ in s.top]
+        # Its rank: its place among the two likeliest, or past them.
+        assert own["rank"] == top_ids.index(s.token_id) + 1 if s.token_id in top_ids else own["rank"] > 2
+        for rank, (t, v) in enumerate(s.top, 1):
+            assert entry[str(t)]["logprob"] == v and entry[str(t)]["rank"] == rank
+        assert len(entry) == len(set(top_ids) | {s.token_id})
+    # With echo and logprobs=1 beside prompt_logprobs=3, each answers with its own count.
+    both = completions(base_url, prompt=prompt, prompt_logprobs=3, echo=True, logprobs=1, max_tokens=0)
+    choice = both["choices"][0]
+    assert all(len(top) == 1 for top in choice["logprobs"]["top_logprobs"][1:])
+    assert all(3 <= len(e) <= 4 for e in choice["prompt_logprobs"][1:])
+
+
+def test_chat_prompt_logprobs_cover_the_rendered_prompt(client: openai.OpenAI, engine: LLMEngine) -> None:  # noqa: F811
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Hello there"}],
+        max_tokens=2,
+        temperature=0,
+        extra_body={"prompt_logprobs": 1},
+    )
+    text = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hello there"}], add_generation_prompt=True, tokenize=False
+    )
+    prompt = engine.tokenizer.encode(text, add_special_tokens=False)
+    entries = r.model_extra["prompt_logprobs"]  # type: ignore[index]
+    assert entries[0] is None and len(entries) == len(prompt)
+    assert [s.logprob for s in engine_scores(engine, prompt, 1)] == [
+        e[str(t)]["logprob"] for e, t in zip(entries[1:], prompt[1:], strict=True)
+    ]
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs are returned only without streaming"):
+        client.completions.create(
+            model="tiny", prompt="hi", max_tokens=1, stream=True, extra_body={"prompt_logprobs": 1}
+        )
+    with pytest.raises(openai.BadRequestError, match=r"prompt_logprobs must be in \[0, 20\]"):
+        client.completions.create(model="tiny", prompt="hi", max_tokens=1, extra_body={"prompt_logprobs": 21})

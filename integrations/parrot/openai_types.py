@@ -47,6 +47,8 @@ class _OpenAISamplingRequest(_OpenAIRequest):
     top_k: int | None = None
     ignore_eos: bool | None = None
     repetition_penalty: float | None = None
+    # Extension (as vLLM's): each prompt token's log-probability, with its rank and this many alternatives.
+    prompt_logprobs: int | None = None
     # Extension (as vLLM's): the prompt's KV is reused only by requests carrying the same salt, so another
     # tenant cannot learn from a faster answer that this prompt was seen before.
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
@@ -152,6 +154,19 @@ class OpenAICompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+class OpenAIPromptLogprob(BaseModel):
+    """vLLM's ``prompt_logprobs`` entry of one token: its log-probability, rank (1: the likeliest; None for
+    an alternative whose rank was not computed) and text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str
+
+
+# Per prompt token (the first: None, nothing predicts it), the token and its alternatives by token id.
+PromptLogprobs = list[dict[str, OpenAIPromptLogprob] | None]
+
+
 class OpenAICompletionChoice(BaseModel):
     index: int
     text: str
@@ -159,6 +174,7 @@ class OpenAICompletionChoice(BaseModel):
     logprobs: OpenAICompletionLogprobs | None = None
     token_ids: list[int] | None = None  # with return_token_ids
     prompt_token_ids: list[int] | None = None  # with return_token_ids (streamed: in the first chunk)
+    prompt_logprobs: PromptLogprobs | None = None  # with prompt_logprobs (vLLM's extension)
 
 
 class OpenAICompletionResponse(BaseModel):
@@ -209,6 +225,7 @@ class OpenAIChatCompletionResponse(BaseModel):
     model: str
     choices: list[OpenAIChatChoice]
     usage: OpenAIUsage
+    prompt_logprobs: PromptLogprobs | None = None  # with prompt_logprobs (vLLM's extension)
 
 
 class OpenAIChatDelta(BaseModel):

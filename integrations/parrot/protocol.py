@@ -106,6 +106,7 @@ class TokenLogprobConfig(BaseModel):
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = Field(default_factory=list)
+    rank: int | None = None  # a scored prompt token's rank (1: the likeliest)
 
 
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)

@@ -285,7 +285,7 @@ def result_of(response: EngineGenerateResponse) -> GenerateResult:
 
 def logprobs_of(configs: list[TokenLogprobConfig]) -> list[TokenLogprob]:
     """The engine API's per-token log-probabilities as the engine's own."""
-    return [TokenLogprob(lp.token_id, lp.logprob, tuple(lp.top)) for lp in configs]
+    return [TokenLogprob(lp.token_id, lp.logprob, tuple(lp.top), lp.rank) for lp in configs]
 
 
 async def _call(

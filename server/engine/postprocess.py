@@ -45,12 +45,13 @@ def prompt_logprobs(
 ) -> list[TokenLogprob]:
     """The log-probabilities of the tokens a prompt chunk predicts: ``rows`` are the final hidden states of
     ``token_ids[start:start + len(rows)]``, and row ``i`` scores ``token_ids[start + i + 1]`` where that
-    exists (the prompt's last token predicts nothing yet), with its ``top`` likeliest alternatives."""
+    exists (the prompt's last token predicts nothing yet), with its rank and ``top`` likeliest
+    alternatives."""
     targets = token_ids[start + 1 : start + 1 + rows.shape[0]]
     out: list[TokenLogprob] = []
     for at in range(0, len(targets), SCORE_ROWS):
         part = targets[at : at + SCORE_ROWS]
-        out.extend(token_logprobs(logits(rows[at : at + len(part)]).float(), part, [top] * len(part)))
+        out.extend(token_logprobs(logits(rows[at : at + len(part)]).float(), part, [top] * len(part), True))
     return out
 
 

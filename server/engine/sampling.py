@@ -89,11 +89,13 @@ class GuidedDecoding:
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """A sampled token's log-probability under the model, and the ``top`` likeliest tokens' (id, logprob)."""
+    """A sampled token's log-probability under the model, and the ``top`` likeliest tokens' (id, logprob);
+    a scored prompt's tokens carry their ``rank`` too (1: the likeliest)."""
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None
 
 
 @dataclass(frozen=True)
@@ -235,11 +237,16 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], uniforms: t
     return index if order is None else order.gather(1, index.unsqueeze(1)).squeeze(1)
 
 
-def token_logprobs(logits: torch.Tensor, tokens: list[int], tops: list[int]) -> list[TokenLogprob]:
-    """Each row's sampled token's log-probability and its ``tops[i]`` most likely alternatives, from the
-    model's own distribution (before temperature, top-p/k or a grammar's mask, as vLLM reports them)."""
+def token_logprobs(
+    logits: torch.Tensor, tokens: list[int], tops: list[int], ranks: bool = False
+) -> list[TokenLogprob]:
+    """Each row's token's log-probability and its ``tops[i]`` most likely alternatives, from ``logits``
+    (the caller's: vLLM reports them before temperature, top-p/k and penalties); with ``ranks``, each
+    token's rank among them all (1: the likeliest)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1).clamp(min=MIN_LOGPROB)
-    chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device).unsqueeze(1)).squeeze(1).tolist()
+    picked = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device).unsqueeze(1))
+    chosen = picked.squeeze(1).tolist()
+    rank_of = (logprobs > picked).sum(dim=1).add(1).tolist() if ranks else [None] * len(tokens)
     k = max(tops, default=0)
     top_values, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
     out = []
@@ -248,5 +255,5 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], tops: list[int]) -> 
         if tops[i] and top_ids is not None and top_values is not None:
             ids, values = top_ids[i, : tops[i]].tolist(), top_values[i, : tops[i]].tolist()
             top = tuple(zip(ids, values, strict=True))
-        out.append(TokenLogprob(token, lp, top))
+        out.append(TokenLogprob(token, lp, top, rank_of[i]))
     return out

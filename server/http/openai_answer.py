@@ -29,6 +29,7 @@ from parrot.openai_types import (
     OpenAICompletionRequest,
     OpenAICompletionResponse,
     OpenAIUsage,
+    PromptLogprobs,
 )
 from parrot.protocol import ErrorBody, ErrorResponse
 from pydantic import BaseModel
@@ -40,7 +41,7 @@ from server.engine.interface import Engine
 from server.engine.request import GenerateResult
 from server.engine.sampling import SamplingParams, TokenLogprob
 from server.http.openai_backends import OpenAIBackend
-from server.http.openai_logprobs import chat_logprobs, completion_logprobs
+from server.http.openai_logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from server.http.openai_requests import (
     ChatTools,
     QuotaError,
@@ -52,13 +53,22 @@ from server.serve.output_lengths import LengthEstimate
 
 @dataclass(frozen=True)
 class PromptEcho:
-    """What a completion answers of its prompts (``echo``): each prompt's text leads its choices' text and,
-    with ``top`` (the request's ``logprobs``), its tokens' log-probabilities lead theirs (`Engine.score`).
-    ``generate`` False (``max_tokens=0``): the prompt is the whole answer."""
+    """What an answer says of its prompts. ``texts`` (completions' ``echo``): each prompt's text leads its
+    choices' text and, with ``top`` (the request's ``logprobs``), its tokens' log-probabilities lead
+    theirs. ``prompt_logprobs`` (vLLM's extension): each prompt token's log-probability, rank and this many
+    alternatives. Both come from the prompt's own prefill (`Engine.score`). ``generate`` False
+    (``max_tokens=0``): the prompt is the whole answer."""
 
-    texts: list[str]
-    top: int | None
-    generate: bool
+    texts: list[str] | None = None
+    top: int | None = None
+    prompt_logprobs: int | None = None
+    generate: bool = True
+
+    @property
+    def score_top(self) -> int | None:
+        """The alternatives per prompt token to score with (None: the prompt is not scored)."""
+        tops = [t for t in (self.top, self.prompt_logprobs) if t is not None]
+        return max(tops) if tops else None
 
 
 class _NoGeneration:
@@ -174,7 +184,7 @@ async def _serve_on(
     release = _Release(backend, routed, jobs, req.cache_salt, lambda: backend.release_tokens(tenant, tokens))
     handed_off = False
     try:
-        score = None if echo is None else echo.top
+        score = None if echo is None else echo.score_top
         scores = await _gather_all(
             [
                 backend.fill_prompt(
@@ -213,7 +223,9 @@ async def _serve_on(
             usage = _usage(jobs, results)
             tokenizer = engine.tokenizer
             body: BaseModel = (
-                _chat_response(meta, results, usage, tokenizer, tools)
+                _chat_response(
+                    meta, results, usage, tokenizer, tools, _prompt_logprobs(tokenizer, jobs[0], echo)
+                )
                 if chat
                 else _text_response(meta, results, usage, tokenizer, jobs, _with_ids(req), echo)
             )
@@ -361,11 +373,12 @@ def _text_response(
     choices = [
         OpenAICompletionChoice(
             index=i,
-            text=r.text if echo is None else echo.texts[j.prompt_no] + r.text,
+            text=r.text if echo is None or echo.texts is None else echo.texts[j.prompt_no] + r.text,
             finish_reason=r.finish_reason,
-            logprobs=_completion_logprobs(tokenizer, j, r),
+            logprobs=_completion_logprobs(tokenizer, j, r, echo),
             token_ids=r.token_ids if with_ids else None,
             prompt_token_ids=j.prompt if with_ids else None,
+            prompt_logprobs=_prompt_logprobs(tokenizer, j, echo),
         )
         for i, (j, r) in enumerate(zip(jobs, results, strict=True))
     ]
@@ -375,18 +388,32 @@ def _text_response(
 
 
 def _completion_logprobs(
-    tokenizer: Any, job: _Job, result: GenerateResult
+    tokenizer: Any, job: _Job, result: GenerateResult, echo: PromptEcho | None
 ) -> OpenAICompletionLogprobs | None:
-    """A completion choice's log-probabilities, its echoed prompt's first where it was scored."""
+    """A completion choice's log-probabilities, its echoed prompt's first where they were asked for."""
     if result.logprobs is None:
         return None
-    if job.scored is None:
+    if echo is None or echo.texts is None or job.scored is None:
         return completion_logprobs(tokenizer, result.logprobs)
-    return completion_logprobs(tokenizer, job.scored + result.logprobs, first=job.prompt[0])
+    top = echo.top or 0
+    prompt = [replace(lp, top=lp.top[:top], rank=None) for lp in job.scored]  # scored with the larger top
+    return completion_logprobs(tokenizer, prompt + result.logprobs, first=job.prompt[0])
+
+
+def _prompt_logprobs(tokenizer: Any, job: _Job, echo: PromptEcho | None) -> PromptLogprobs | None:
+    """vLLM's ``prompt_logprobs`` of a job's prompt, where the request asked for them."""
+    if echo is None or echo.prompt_logprobs is None or job.scored is None:
+        return None
+    return prompt_logprobs(tokenizer, job.scored, echo.prompt_logprobs)
 
 
 def _chat_response(
-    meta: _Meta, results: list[GenerateResult], usage: OpenAIUsage, tokenizer: Any, tools: ChatTools | None
+    meta: _Meta,
+    results: list[GenerateResult],
+    usage: OpenAIUsage,
+    tokenizer: Any,
+    tools: ChatTools | None,
+    prompt_logprobs: PromptLogprobs | None,
 ) -> OpenAIChatCompletionResponse:
     choices = []
     for i, r in enumerate(results):
@@ -394,7 +421,12 @@ def _chat_response(
         logprobs = None if r.logprobs is None else chat_logprobs(tokenizer, r.logprobs)
         choices.append(OpenAIChatChoice(index=i, message=message, finish_reason=finish, logprobs=logprobs))
     return OpenAIChatCompletionResponse(
-        id=meta.id, created=meta.created, model=meta.model, choices=choices, usage=usage
+        id=meta.id,
+        created=meta.created,
+        model=meta.model,
+        choices=choices,
+        usage=usage,
+        prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -464,7 +496,7 @@ async def _stream_events(
             prompt_ids = job.prompt
             if chat:
                 yield _sse(_chat_role_chunk(meta, index))
-            if echo is not None:
+            if echo is not None and echo.texts is not None:
                 yield chunk(index, echo.texts[job.prompt_no], None)
             if tools is not None:
                 result = await job.stream.result()

@@ -135,7 +135,8 @@ def create_openai_router(backend: OpenAIBackend) -> APIRouter:
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
             sampling = sampling_for(req, max_tokens, engine, prompts, guided, logprobs)
             tenant = requester(request)
-            served = serve(backend, engine, prompts, sampling, req, tenant, chat=True, tools=tools)
+            echo = None if req.prompt_logprobs is None else PromptEcho(prompt_logprobs=req.prompt_logprobs)
+            served = serve(backend, engine, prompts, sampling, req, tenant, chat=True, tools=tools, echo=echo)
             return await _unless_client_leaves(request, served)
         except (EngineError, OpenAIAPIError) as e:
             return _error(e)
@@ -168,16 +169,19 @@ def create_openai_router(backend: OpenAIBackend) -> APIRouter:
 # ------------------------------------------------------------------------------------------ requests
 def _echo(engine: Engine, req: OpenAICompletionRequest, prompts: list[list[int]]) -> PromptEcho | None:
     """What the answer says of the prompts: with ``echo``, their text (and, with ``logprobs``, their tokens'
-    log-probabilities) before each choice's; ``max_tokens=0`` answers the prompt alone."""
-    if req.max_tokens == 0 and not req.echo:
+    log-probabilities) before each choice's; with ``prompt_logprobs``, vLLM's; ``max_tokens=0`` answers
+    the prompt alone."""
+    if req.max_tokens == 0 and not req.echo and req.prompt_logprobs is None:
         raise OpenAIAPIError(
-            "max_tokens=0 generates nothing, which only echo=true makes an answer (the prompt, with its "
-            "tokens' logprobs when logprobs is set): send max_tokens >= 1, or echo=true",
+            "max_tokens=0 generates nothing, which only echo=true or prompt_logprobs make an answer (the "
+            "prompt, or its tokens' logprobs): send max_tokens >= 1, echo=true or prompt_logprobs",
             "max_tokens",
         )
-    if not req.echo:
+    if not req.echo and req.prompt_logprobs is None:
         return None
-    return PromptEcho(prompt_texts(engine, req.prompt, prompts), req.logprobs, req.max_tokens != 0)
+    texts = prompt_texts(engine, req.prompt, prompts) if req.echo else None
+    top = req.logprobs if req.echo else None
+    return PromptEcho(texts, top, req.prompt_logprobs, req.max_tokens != 0)
 
 
 def _error(e: EngineError | OpenAIAPIError) -> JSONResponse:

@@ -7,8 +7,10 @@ from typing import Any
 from parrot.openai_types import (
     OpenAIChatLogprobs,
     OpenAICompletionLogprobs,
+    OpenAIPromptLogprob,
     OpenAITokenLogprob,
     OpenAITopLogprob,
+    PromptLogprobs,
 )
 
 from server.engine.sampling import TokenLogprob
@@ -34,6 +36,25 @@ def completion_logprobs(
     return OpenAICompletionLogprobs(
         tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top_logprobs, text_offset=offsets
     )
+
+
+def prompt_logprobs(tokenizer: Any, scored: list[TokenLogprob], top: int) -> PromptLogprobs:
+    """vLLM's ``prompt_logprobs``: None for the first prompt token (nothing predicts it), then per token
+    by token id the token itself (its logprob, rank and text) and its ``top`` likeliest alternatives."""
+    out: PromptLogprobs = [None]
+    for lp in scored:
+        entry = {
+            str(lp.token_id): OpenAIPromptLogprob(
+                logprob=lp.logprob, rank=lp.rank, decoded_token=_text(tokenizer, lp.token_id)
+            )
+        }
+        for rank, (token_id, value) in enumerate(lp.top[:top], 1):
+            entry.setdefault(
+                str(token_id),
+                OpenAIPromptLogprob(logprob=value, rank=rank, decoded_token=_text(tokenizer, token_id)),
+            )
+        out.append(entry)
+    return out
 
 
 def chat_logprobs(tokenizer: Any, logprobs: list[TokenLogprob]) -> OpenAIChatLogprobs:

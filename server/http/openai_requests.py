@@ -106,6 +106,16 @@ def reject_unsupported(req: OpenAICompletionRequest | OpenAIChatCompletionReques
         raise UnsupportedOptionError(
             "logprobs are returned only without streaming; send stream=false", "logprobs"
         )
+    if req.prompt_logprobs is not None:
+        if not 0 <= req.prompt_logprobs <= MAX_LOGPROBS:
+            raise OpenAIAPIError(
+                f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {req.prompt_logprobs}",
+                "prompt_logprobs",
+            )
+        if req.stream:
+            raise UnsupportedOptionError(
+                "prompt_logprobs are returned only without streaming; send stream=false", "prompt_logprobs"
+            )
 
 
 def guided_of(
