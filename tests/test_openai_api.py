@@ -379,3 +379,20 @@ def test_penalties_and_logit_bias(client: openai.OpenAI, engine: LLMEngine) -> N
         client.completions.create(**kwargs, logit_bias={"the": 5})  # type: ignore[call-overload]
     with pytest.raises(openai.BadRequestError, match=r"presence_penalty must be a number in \[-2, 2\]"):
         client.chat.completions.create(model="tiny", messages=MESSAGES, presence_penalty=3)  # type: ignore[arg-type]
+
+
+def test_streamed_choices_interleave_as_they_are_generated(client: openai.OpenAI, base_url: str) -> None:
+    kwargs = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
+    whole = client.completions.create(n=3, **kwargs)  # type: ignore[call-overload]
+    order, texts = [], ["", "", ""]
+    for c in client.completions.create(n=3, stream=True, **kwargs):  # type: ignore[call-overload]
+        for ch in c.choices:
+            order.append(ch.index)
+            texts[ch.index] += ch.text
+    assert texts == [ch.text for ch in whole.choices]
+    assert order != sorted(order)  # a later choice's tokens came before an earlier one ended
+    # A client that leaves mid-stream: every choice's context is freed (the fixture checks none is left).
+    body = {**kwargs, "n": 3, "stream": True, "max_tokens": 2000, "ignore_eos": True}
+    with httpx.stream("POST", f"{base_url}/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        next(r.iter_lines())

@@ -464,58 +464,19 @@ async def _stream_events(
     tools: ChatTools | None = None,
     echo: PromptEcho | None = None,
 ) -> AsyncIterator[str]:
-    """The SSE body: each choice's deltas in turn (all generates run concurrently in the engine).
-    With tools, a choice is sent whole once complete: only then is it known to be calls or text.
-
-    Deltas come from `IncrementalDetokenizer`, so a stop string is never sent; the last chunk of a choice
-    carries its ``finish_reason``. With ``with_ids`` (completions' return_token_ids), each chunk carries
-    the token ids pushed since the last one, and a choice's first chunk its prompt's. With ``echo``, a
-    choice's first chunk is its prompt's text. The contexts are freed however the stream ends.
-    """
-    pending: list[int] = []  # the current choice's ids not sent yet
-    prompt_ids: list[int] | None = None
-
-    def chunk(index: int, text: str | None, finish: str | None) -> str:
-        nonlocal prompt_ids
-        if chat:
-            return _chat_chunk(meta, index, text, finish)
-        if not with_ids:
-            return _text_chunk(meta, index, text or "", finish)
-        ids, prompt = list(pending), prompt_ids
-        pending.clear()
-        prompt_ids = None
-        return _text_chunk(meta, index, text or "", finish, ids, prompt)
-
-    engine, jobs = release.engine, list(release.jobs)
+    """The SSE body: every choice's deltas as they come, interleaved as vLLM sends them (all generates run
+    concurrently in the engine), each choice's in its own order; then the usage chunk (when asked for)
+    and ``[DONE]``. The contexts are freed however the stream ends; an engine error ends it with an error
+    event."""
+    jobs = list(release.jobs)
     results: list[GenerateResult] = []
+    choices = [
+        _choice_events(release.engine, meta, i, job, first, sampling, chat, with_ids, tools, echo, results)
+        for i, (job, first) in enumerate(zip(jobs, firsts, strict=True))
+    ]
     try:
-        for index, (job, first) in enumerate(zip(jobs, firsts, strict=True)):
-            assert job.stream is not None
-            detok = IncrementalDetokenizer(engine.tokenizer, sampling.stop)
-            pending.clear()
-            prompt_ids = job.prompt
-            if chat:
-                yield _sse(_chat_role_chunk(meta, index))
-            if echo is not None and echo.texts is not None:
-                yield chunk(index, echo.texts[job.prompt_no], None)
-            if tools is not None:
-                result = await job.stream.result()
-                job.output = result.token_ids
-                results.append(result)
-                yield _sse(_chat_whole_chunk(meta, index, *_assistant_message(result, tools)))
-                continue
-            if first is not None:
-                pending.append(first)
-                if delta := detok.push(first):
-                    yield chunk(index, delta, None)
-                async for token_id in job.stream:
-                    pending.append(token_id)
-                    if delta := detok.push(token_id):
-                        yield chunk(index, delta, None)
-            result = await job.stream.result()
-            job.output = result.token_ids
-            results.append(result)
-            yield chunk(index, detok.finish(result.text) or None, result.finish_reason)
+        async for event in choices[0] if len(choices) == 1 else _interleave(choices):
+            yield event
         if include_usage:
             usage = _usage(jobs, results)
             body: BaseModel = (
@@ -534,6 +495,97 @@ async def _stream_events(
         yield _sse(ErrorResponse(error=ErrorBody(type=e.error_type, message=str(e))).model_dump_json())
     finally:
         await release()
+
+
+async def _choice_events(
+    engine: Engine,
+    meta: _Meta,
+    index: int,
+    job: _Job,
+    first: int | None,
+    sampling: SamplingParams,
+    chat: bool,
+    with_ids: bool,
+    tools: ChatTools | None,
+    echo: PromptEcho | None,
+    results: list[GenerateResult],
+) -> AsyncIterator[str]:
+    """One choice's chunks; its result goes to ``results`` once it ends. With tools, the choice is sent
+    whole once complete: only then is it known to be calls or text.
+
+    Deltas come from `IncrementalDetokenizer`, so a stop string is never sent; the last chunk carries the
+    ``finish_reason``. With ``with_ids`` (completions' return_token_ids), each chunk carries the token ids
+    pushed since the last one, and the first chunk the prompt's. With ``echo``, the first chunk is the
+    prompt's text.
+    """
+    assert job.stream is not None
+    pending: list[int] = []  # ids not sent yet
+    prompt_ids: list[int] | None = job.prompt
+
+    def chunk(text: str | None, finish: str | None) -> str:
+        nonlocal prompt_ids
+        if chat:
+            return _chat_chunk(meta, index, text, finish)
+        if not with_ids:
+            return _text_chunk(meta, index, text or "", finish)
+        ids, prompt = list(pending), prompt_ids
+        pending.clear()
+        prompt_ids = None
+        return _text_chunk(meta, index, text or "", finish, ids, prompt)
+
+    if chat:
+        yield _sse(_chat_role_chunk(meta, index))
+    if echo is not None and echo.texts is not None:
+        yield chunk(echo.texts[job.prompt_no], None)
+    if tools is not None:
+        result = await job.stream.result()
+        job.output = result.token_ids
+        results.append(result)
+        yield _sse(_chat_whole_chunk(meta, index, *_assistant_message(result, tools)))
+        return
+    detok = IncrementalDetokenizer(engine.tokenizer, sampling.stop)
+    if first is not None:
+        pending.append(first)
+        if delta := detok.push(first):
+            yield chunk(delta, None)
+        async for token_id in job.stream:
+            pending.append(token_id)
+            if delta := detok.push(token_id):
+                yield chunk(delta, None)
+    result = await job.stream.result()
+    job.output = result.token_ids
+    results.append(result)
+    yield chunk(detok.finish(result.text) or None, result.finish_reason)
+
+
+async def _interleave(streams: list[AsyncIterator[str]]) -> AsyncIterator[str]:
+    """The items of all ``streams`` as each comes, each stream's in its own order; the first error of any
+    ends it (the rest are cancelled)."""
+    queue: asyncio.Queue[tuple[str | None, Exception | None]] = asyncio.Queue()
+
+    async def pump(stream: AsyncIterator[str]) -> None:
+        try:
+            async for item in stream:
+                queue.put_nowait((item, None))
+            queue.put_nowait((None, None))
+        except Exception as e:  # handed to the reader, which raises it
+            queue.put_nowait((None, e))
+
+    tasks = [asyncio.create_task(pump(s)) for s in streams]
+    live = len(tasks)
+    try:
+        while live:
+            item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is None:
+                live -= 1
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _text_chunk(
