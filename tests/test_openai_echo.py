@@ -147,8 +147,6 @@ def test_echo_logprobs_are_log_probabilities(base_url: str, engine: LLMEngine) -
 def test_echo_refusals_say_what_to_send(client: openai.OpenAI, engine: LLMEngine) -> None:  # noqa: F811
     with pytest.raises(openai.BadRequestError, match="max_tokens=0 generates nothing"):
         client.completions.create(model="tiny", prompt="hi", max_tokens=0, logprobs=1)
-    with pytest.raises(openai.BadRequestError, match="logprobs are returned only without streaming"):
-        client.completions.create(model="tiny", prompt="hi", max_tokens=1, echo=True, logprobs=1, stream=True)
     with pytest.raises(openai.BadRequestError, match="logprobs must be in"):
         client.completions.create(model="tiny", prompt="hi", max_tokens=0, echo=True, logprobs=21)
     assert client.models.list().data  # still serving
@@ -199,3 +197,34 @@ def test_chat_prompt_logprobs_cover_the_rendered_prompt(client: openai.OpenAI, e
         )
     with pytest.raises(openai.BadRequestError, match=r"prompt_logprobs must be in \[0, 20\]"):
         client.completions.create(model="tiny", prompt="hi", max_tokens=1, extra_body={"prompt_logprobs": 21})
+
+
+def test_streamed_logprobs_equal_the_whole_answers(client: openai.OpenAI) -> None:  # noqa: F811
+    """Each chunk carries its own tokens' logprobs: together, the non-streamed answer's, offsets included;
+    an echoed prompt's come in its first chunk."""
+    kwargs = {"model": "tiny", "prompt": PROMPT, "max_tokens": 10, "temperature": 0, "logprobs": 2}
+    for echo in (False, True):
+        whole = client.completions.create(echo=echo, **kwargs).choices[0].logprobs  # type: ignore[call-overload]
+        chunks = list(client.completions.create(echo=echo, stream=True, **kwargs))  # type: ignore[call-overload]
+        parts = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+        assert whole is not None and parts
+        for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            assert [x for p in parts for x in getattr(p, field)] == getattr(whole, field)
+        if echo:
+            assert parts[0].token_logprobs[0] is None and chunks[0].choices[0].text == PROMPT
+    chat = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 8,
+        "temperature": 0,
+    }
+    whole_chat = client.chat.completions.create(logprobs=True, top_logprobs=2, **chat)  # type: ignore[call-overload]
+    streamed = list(client.chat.completions.create(logprobs=True, top_logprobs=2, stream=True, **chat))  # type: ignore[call-overload]
+    content = [
+        t
+        for c in streamed
+        if c.choices and c.choices[0].logprobs
+        for t in c.choices[0].logprobs.content or []
+    ]
+    assert whole_chat.choices[0].logprobs is not None
+    assert content == whole_chat.choices[0].logprobs.content

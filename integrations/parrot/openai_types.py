@@ -241,7 +241,7 @@ class OpenAIChatChunkChoice(BaseModel):
     index: int
     delta: OpenAIChatDelta
     finish_reason: ChatFinishReason | None = None
-    logprobs: None = None
+    logprobs: OpenAIChatLogprobs | None = None  # the chunk's tokens', when logprobs were asked for
 
 
 class OpenAIChatCompletionChunk(BaseModel):

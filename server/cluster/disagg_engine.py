@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
@@ -180,8 +181,8 @@ class DisaggregatedGeneration(TaskStream):
         first = await prefill.generate(
             context_id, replace(sampling, max_tokens=1), parent_context_id, parent_len=parent_len, **options
         )
-        for token in first.token_ids:
-            emit(token)
+        for k, token in enumerate(first.token_ids):
+            emit(token, None if not first.logprobs else first.logprobs[k])
         window_full = prefill.context_length(context_id) >= self._engine.max_model_len
         if first.finish_reason == "stop" or sampling.max_tokens == 1 or not first.token_ids or window_full:
             return first
@@ -194,8 +195,8 @@ class DisaggregatedGeneration(TaskStream):
             rest = decode.submit_generate(
                 reader, replace(sampling, max_tokens=sampling.max_tokens - 1), stream=True, **options
             )
-            async for token in rest:
-                emit(token)
+            async for k, token in _counted(rest):
+                emit(token, rest.logprobs[k] if rest.logprobs else None)
             tail = await rest.result()
             # The answer's KV moves back once, and the context ends as on one engine: prompt and answer,
             # its last token not computed yet (the next turn's prefix).
@@ -207,6 +208,14 @@ class DisaggregatedGeneration(TaskStream):
         text = _text(self._engine, tokens, sampling)
         logprobs = None if first.logprobs is None else first.logprobs + (tail.logprobs or [])
         return GenerateResult(tokens, text, tail.finish_reason, first.prompt_tokens, logprobs)
+
+
+async def _counted(stream: GenerationStream) -> AsyncIterator[tuple[int, int]]:
+    """A stream's tokens with their place in it."""
+    k = 0
+    async for token in stream:
+        yield k, token
+        k += 1
 
 
 async def _release(

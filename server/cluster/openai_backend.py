@@ -324,7 +324,7 @@ class OpenAIBackendEngine(Engine):
     async def _warm(self, ctx: _Context) -> None:
         body = self._body(list(ctx.token_ids), SamplingParams(max_tokens=1), None)
         try:
-            await self._complete(body, lambda _: None)
+            await self._complete(body, lambda _token, _logprob: None)
             ctx.computed = True
             self.prefixes_warmed += 1
         except Exception as e:  # an optimization: the forks go out regardless, and fail on their own

@@ -110,7 +110,7 @@ async def stream_completion(
                         )
                     for t in ids or []:
                         token_ids.append(int(t))
-                        emit(int(t))
+                        emit(int(t), None)  # logprobs are not relayed (refused at submit)
                     text.append(choice.get("text") or "")
                     finish = choice.get("finish_reason") or finish
     except httpx.TimeoutException as e:

@@ -262,7 +262,8 @@ class RemoteGenerationStream(TaskStream):
                     if "finish_reason" in event:
                         final = EngineGenerateResponse.model_validate(event)
                         return result_of(final)
-                    emit(EngineStreamChunk.model_validate(event).token_id)
+                    chunk = EngineStreamChunk.model_validate(event)
+                    emit(chunk.token_id, None if chunk.logprob is None else logprobs_of([chunk.logprob])[0])
             raise EngineDeadError(f"engine {engine.name} at {engine.url} ended a generate without a result")
         except httpx.TransportError as e:
             raise _dead(engine.url, e) from e

@@ -11,8 +11,9 @@ from typing import Any
 
 from server.engine.errors import RequestAbortedError
 from server.engine.request import GenerateResult
+from server.engine.sampling import TokenLogprob
 
-Emit = Callable[[int], None]
+Emit = Callable[[int, TokenLogprob | None], None]  # a token id and, when asked for, its logprob
 
 
 class TaskStream:
@@ -22,6 +23,8 @@ class TaskStream:
 
     def __init__(self, produce: Callable[[Emit], Awaitable[GenerateResult]], stream: bool) -> None:
         self._queue: asyncio.Queue[Any] | None = asyncio.Queue() if stream else None
+        # The streamed tokens' log-probabilities, when the sampling asked for them (`GenerationStream`'s).
+        self.logprobs: list[TokenLogprob] = []
         self._task = asyncio.get_running_loop().create_task(self._run(produce))
 
     def __aiter__(self) -> TaskStream:
@@ -49,8 +52,10 @@ class TaskStream:
                 raise RequestAbortedError("the request was cancelled") from None
             raise  # the caller itself is cancelled
 
-    def _emit(self, token_id: int) -> None:
+    def _emit(self, token_id: int, logprob: TokenLogprob | None = None) -> None:
         if self._queue is not None:
+            if logprob is not None:
+                self.logprobs.append(logprob)
             self._queue.put_nowait(token_id)
 
     async def _run(self, produce: Callable[[Emit], Awaitable[GenerateResult]]) -> GenerateResult:

@@ -252,8 +252,14 @@ async def _stream_events(
 ) -> AsyncIterator[str]:
     detok = IncrementalDetokenizer(engine.tokenizer, sampling.stop)
 
+    sent = 0
+
     def chunk(token_id: int) -> str:
-        return _sse(EngineStreamChunk(token_id=token_id, text=detok.push(token_id)).model_dump_json())
+        nonlocal sent
+        logprob = next(iter(logprob_configs(handle.logprobs[sent : sent + 1])), None)
+        sent += 1
+        event = EngineStreamChunk(token_id=token_id, text=detok.push(token_id), logprob=logprob)
+        return _sse(event.model_dump_json(exclude_none=True))
 
     try:
         if first is not None:

@@ -733,7 +733,7 @@ class LLMEngine(KVExchange, Engine):
             ctx.token_ids.append(token)
             ctx.last_hidden = None
             if req.on_token is not None:
-                req.on_token(token)
+                req.on_token(token, None if not req.logprobs else req.logprobs[-1])
             reason, text = finish_reason(req, token, self.eos_token_ids, self.max_model_len, self._detokenize)
             if reason is not None:
                 self._finish(req, result=req.result(text, reason))

@@ -13,7 +13,7 @@ from typing import Any
 from server.engine.guided import CompiledGrammar
 from server.engine.remote_kv import RemotePrefix
 from server.engine.request import GenerateResult
-from server.engine.sampling import SamplingParams
+from server.engine.sampling import SamplingParams, TokenLogprob
 
 
 def mark_retrieved(future: asyncio.Future[Any]) -> None:
@@ -30,10 +30,17 @@ class Sink:
         self.loop = loop
         self.future: asyncio.Future[Any] = loop.create_future()
         self.queue: asyncio.Queue[object] | None = asyncio.Queue() if stream else None
+        self.logprobs: list[TokenLogprob] = []  # the streamed tokens', when the sampling asked for them
 
-    def token(self, token_id: int) -> None:
+    def token(self, token_id: int, logprob: TokenLogprob | None = None) -> None:
         if self.queue is not None:
-            self._post(self.queue.put_nowait, token_id)
+            self._post(self._push, token_id, logprob)
+
+    def _push(self, token_id: int, logprob: TokenLogprob | None) -> None:
+        assert self.queue is not None
+        if logprob is not None:
+            self.logprobs.append(logprob)  # before its token: a reader of the token finds it here
+        self.queue.put_nowait(token_id)
 
     def finish(self, result: object, error: BaseException | None = None) -> None:
         self._post(self._settle, result, error)
@@ -128,6 +135,12 @@ class GenerationStream:
                 raise error
             raise StopAsyncIteration
         return item  # type: ignore[return-value]
+
+    @property
+    def logprobs(self) -> list[TokenLogprob]:
+        """The log-probabilities of the tokens iterated so far (at least those), when the sampling asked
+        for them; else empty."""
+        return self._sink.logprobs
 
     def cancel(self) -> None:
         """Abort the request if it is still running."""

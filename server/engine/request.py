@@ -35,7 +35,7 @@ class Request:
     context: Context
     on_finish: Callable[[object, BaseException | None], None]
     sampling: SamplingParams | None = None
-    on_token: Callable[[int], None] | None = None
+    on_token: Callable[[int, TokenLogprob | None], None] | None = None  # a sampled token, its logprob
     generator: torch.Generator | None = None
     request_id: int = field(default_factory=lambda: next(_request_ids))
     output_ids: list[int] = field(default_factory=list)

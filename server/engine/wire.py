@@ -87,6 +87,7 @@ class EngineStreamChunk(BaseModel):
 
     token_id: int
     text: str
+    logprob: TokenLogprobConfig | None = None  # when the sampling asked for logprobs
 
 
 class EngineFreeContextRequest(StrictModel):

@@ -12,7 +12,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi.responses import JSONResponse, StreamingResponse
 from parrot.openai_types import (
@@ -24,6 +24,7 @@ from parrot.openai_types import (
     OpenAIChatCompletionRequest,
     OpenAIChatCompletionResponse,
     OpenAIChatDelta,
+    OpenAIChatLogprobs,
     OpenAICompletionChoice,
     OpenAICompletionLogprobs,
     OpenAICompletionRequest,
@@ -49,6 +50,8 @@ from server.http.openai_requests import (
 from server.http.openai_tools import parse_tool_calls
 from server.serve.openai_serving import Routed
 from server.serve.output_lengths import LengthEstimate
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,7 @@ class _NoGeneration:
 
     def __init__(self, prompt_tokens: int, logprobs: bool) -> None:
         self._result = GenerateResult([], "", "length", prompt_tokens, [] if logprobs else None)
+        self.logprobs: list[TokenLogprob] = []
 
     def __aiter__(self) -> _NoGeneration:
         return self
@@ -443,7 +447,7 @@ def _assistant_message(
     return OpenAIAssistantMessage(content=content, tool_calls=calls), finish
 
 
-async def _prepend(head: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
+async def _prepend(head: _T, rest: AsyncIterator[_T]) -> AsyncIterator[_T]:
     yield head
     async for item in rest:
         yield item
@@ -514,48 +518,79 @@ async def _choice_events(
     whole once complete: only then is it known to be calls or text.
 
     Deltas come from `IncrementalDetokenizer`, so a stop string is never sent; the last chunk carries the
-    ``finish_reason``. With ``with_ids`` (completions' return_token_ids), each chunk carries the token ids
-    pushed since the last one, and the first chunk the prompt's. With ``echo``, the first chunk is the
-    prompt's text.
+    ``finish_reason``. With logprobs, each chunk carries those of the tokens it completes. With
+    ``with_ids`` (completions' return_token_ids), each chunk carries the token ids pushed since the last
+    one, and the first chunk the prompt's. With ``echo``, the first chunk is the prompt's text (and its
+    tokens' logprobs, when scored).
     """
-    assert job.stream is not None
+    stream = job.stream
+    assert stream is not None
+    tokenizer = engine.tokenizer
     pending: list[int] = []  # ids not sent yet
     prompt_ids: list[int] | None = job.prompt
+    read = sent = 0  # tokens read from the stream; tokens whose logprobs went out
+    at = 0  # where the next chunk's logprob offsets start (after the tokens' texts sent so far)
 
-    def chunk(text: str | None, finish: str | None) -> str:
-        nonlocal prompt_ids
+    def chunk(text: str | None, finish: str | None, logprobs: list[TokenLogprob]) -> str:
+        nonlocal prompt_ids, at, sent
+        lps = None if sampling.logprobs is None else _chunk_logprobs(tokenizer, logprobs, chat, at)
+        sent += len(logprobs)
+        at = _end_offset(lps, at)
         if chat:
-            return _chat_chunk(meta, index, text, finish)
-        if not with_ids:
-            return _text_chunk(meta, index, text or "", finish)
-        ids, prompt = list(pending), prompt_ids
+            return _chat_chunk(meta, index, text, finish, lps)  # type: ignore[arg-type]
+        ids, prompt = (list(pending), prompt_ids) if with_ids else (None, None)
         pending.clear()
         prompt_ids = None
-        return _text_chunk(meta, index, text or "", finish, ids, prompt)
+        return _text_chunk(meta, index, text or "", finish, ids, prompt, lps)  # type: ignore[arg-type]
 
     if chat:
         yield _sse(_chat_role_chunk(meta, index))
     if echo is not None and echo.texts is not None:
-        yield chunk(echo.texts[job.prompt_no], None)
+        text = echo.texts[job.prompt_no]
+        if echo.top is not None and job.scored is not None and sampling.logprobs is not None:
+            prompt = [replace(lp, top=lp.top[: echo.top], rank=None) for lp in job.scored]
+            ids, prompt_ids = (job.prompt, None) if with_ids else (None, None)
+            echoed = completion_logprobs(tokenizer, prompt, first=job.prompt[0])
+            yield _text_chunk(meta, index, text, None, [] if with_ids else None, ids, echoed)
+            at = _end_offset(echoed, at)
+        else:
+            yield chunk(text, None, [])
     if tools is not None:
-        result = await job.stream.result()
+        result = await stream.result()
         job.output = result.token_ids
         results.append(result)
-        yield _sse(_chat_whole_chunk(meta, index, *_assistant_message(result, tools)))
+        lps = None if result.logprobs is None else chat_logprobs(tokenizer, result.logprobs)
+        yield _sse(_chat_whole_chunk(meta, index, *_assistant_message(result, tools), lps))
         return
-    detok = IncrementalDetokenizer(engine.tokenizer, sampling.stop)
+    detok = IncrementalDetokenizer(tokenizer, sampling.stop)
     if first is not None:
-        pending.append(first)
-        if delta := detok.push(first):
-            yield chunk(delta, None)
-        async for token_id in job.stream:
+        tokens = _prepend(first, stream)
+        async for token_id in tokens:
             pending.append(token_id)
+            read += 1
             if delta := detok.push(token_id):
-                yield chunk(delta, None)
-    result = await job.stream.result()
+                yield chunk(delta, None, stream.logprobs[sent:read])
+    result = await stream.result()
     job.output = result.token_ids
     results.append(result)
-    yield chunk(detok.finish(result.text) or None, result.finish_reason)
+    # The last chunk: the text held back (a stop string's start) and the rest of the logprobs.
+    yield chunk(detok.finish(result.text) or None, result.finish_reason, (result.logprobs or [])[sent:])
+
+
+def _end_offset(logprobs: OpenAIChatLogprobs | OpenAICompletionLogprobs | None, at: int) -> int:
+    """Where the offsets of the chunk after one carrying ``logprobs`` start."""
+    if isinstance(logprobs, OpenAICompletionLogprobs) and logprobs.tokens:
+        return logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+    return at
+
+
+def _chunk_logprobs(
+    tokenizer: Any, logprobs: list[TokenLogprob], chat: bool, offset: int
+) -> OpenAIChatLogprobs | OpenAICompletionLogprobs:
+    """A streamed chunk's tokens' log-probabilities in its route's shape."""
+    if chat:
+        return chat_logprobs(tokenizer, logprobs)
+    return completion_logprobs(tokenizer, logprobs, offset=offset)
 
 
 async def _interleave(streams: list[AsyncIterator[str]]) -> AsyncIterator[str]:
@@ -595,9 +630,11 @@ def _text_chunk(
     finish: str | None,
     token_ids: list[int] | None = None,
     prompt_token_ids: list[int] | None = None,
+    logprobs: OpenAICompletionLogprobs | None = None,
 ) -> str:
     choice = {"index": index, "text": text, "finish_reason": finish, "token_ids": token_ids}
     choice["prompt_token_ids"] = prompt_token_ids
+    choice["logprobs"] = logprobs
     body = OpenAICompletionResponse(
         id=meta.id,
         created=meta.created,
@@ -607,13 +644,21 @@ def _text_chunk(
     return _sse(body.model_dump_json(exclude=meta.chunk_exclude))
 
 
-def _chat_whole_chunk(meta: _Meta, index: int, message: OpenAIAssistantMessage, finish: str) -> str:
+def _chat_whole_chunk(
+    meta: _Meta,
+    index: int,
+    message: OpenAIAssistantMessage,
+    finish: str,
+    logprobs: OpenAIChatLogprobs | None = None,
+) -> str:
     """A whole streamed answer in one chunk: its content or its tool calls (each with its index)."""
     calls = None
     if message.tool_calls:
         calls = [{"index": k, **c.model_dump()} for k, c in enumerate(message.tool_calls)]
     delta = OpenAIChatDelta(content=message.content, tool_calls=calls)
-    choice = OpenAIChatChunkChoice.model_validate({"index": index, "delta": delta, "finish_reason": finish})
+    choice = OpenAIChatChunkChoice.model_validate(
+        {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+    )
     body = OpenAIChatCompletionChunk(id=meta.id, created=meta.created, model=meta.model, choices=[choice])
     data = body.model_dump(exclude=meta.chunk_exclude)
     data["choices"][0]["delta"] = delta.model_dump(exclude_none=True)
@@ -626,9 +671,13 @@ def _chat_role_chunk(meta: _Meta, index: int) -> str:
     return body.model_dump_json(exclude=meta.chunk_exclude)
 
 
-def _chat_chunk(meta: _Meta, index: int, text: str | None, finish: str | None) -> str:
+def _chat_chunk(
+    meta: _Meta, index: int, text: str | None, finish: str | None, logprobs: OpenAIChatLogprobs | None = None
+) -> str:
     delta = OpenAIChatDelta(content=text)
-    choice = OpenAIChatChunkChoice.model_validate({"index": index, "delta": delta, "finish_reason": finish})
+    choice = OpenAIChatChunkChoice.model_validate(
+        {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+    )
     body = OpenAIChatCompletionChunk(id=meta.id, created=meta.created, model=meta.model, choices=[choice])
     data = body.model_dump(exclude=meta.chunk_exclude)
     data["choices"][0]["delta"] = delta.model_dump(exclude_none=True)  # the last delta is {}

@@ -17,10 +17,11 @@ from server.engine.sampling import TokenLogprob
 
 
 def completion_logprobs(
-    tokenizer: Any, logprobs: list[TokenLogprob], first: int | None = None
+    tokenizer: Any, logprobs: list[TokenLogprob], first: int | None = None, offset: int = 0
 ) -> OpenAICompletionLogprobs:
-    """``/v1/completions``' legacy shape: parallel lists, the top alternatives as text -> logprob. With
-    ``first`` (an echoed prompt's first token, which nothing predicts), it leads them with None values."""
+    """``/v1/completions``' legacy shape: parallel lists, the top alternatives as text -> logprob, each
+    token's offset in the choice's text (a streamed chunk's start at ``offset``). With ``first`` (an echoed
+    prompt's first token, which nothing predicts), it leads them with None values."""
     token_logprobs: list[float | None] = [lp.logprob for lp in logprobs]
     top_logprobs: list[dict[str, float] | None] = [
         {_text(tokenizer, t): v for t, v in lp.top} for lp in logprobs
@@ -29,7 +30,7 @@ def completion_logprobs(
     if first is not None:
         ids, token_logprobs, top_logprobs = [first, *ids], [None, *token_logprobs], [None, *top_logprobs]
     tokens = [_text(tokenizer, t) for t in ids]
-    offsets, at = [], 0
+    offsets, at = [], offset
     for token in tokens:
         offsets.append(at)
         at += len(token)

@@ -102,10 +102,6 @@ def reject_unsupported(req: OpenAICompletionRequest | OpenAIChatCompletionReques
         raise OpenAIAPIError(f"{name} must be in [0, {MAX_LOGPROBS}], got {top}", name)
     if isinstance(req, OpenAIChatCompletionRequest) and req.top_logprobs and not req.logprobs:
         raise OpenAIAPIError("top_logprobs needs logprobs=true", "top_logprobs")
-    if req.stream and req.logprobs is not None and req.logprobs is not False:
-        raise UnsupportedOptionError(
-            "logprobs are returned only without streaming; send stream=false", "logprobs"
-        )
     if req.prompt_logprobs is not None:
         if not 0 <= req.prompt_logprobs <= MAX_LOGPROBS:
             raise OpenAIAPIError(

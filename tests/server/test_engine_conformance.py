@@ -107,6 +107,19 @@ async def test_every_kind_answers_the_engine_calls_alike(kind: str) -> None:
         # Stats, whatever the kind.
         assert engine.stats().model_copy() is not None
 
+        # A stream with logprobs: each token's is there by the time the token is read (an upstream server's
+        # are not relayed: refused at submit).
+        if kind != "openai-upstream":
+            with_lps = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=1)
+            lp_stream = engine.submit_generate(9, with_lps, parent_context_id=1, stream=True)
+            seen: list[int] = []
+            async for token in lp_stream:
+                seen.append(token)
+                assert lp_stream.logprobs[len(seen) - 1].token_id == token
+            final = (await lp_stream.result()).logprobs
+            assert seen == first.token_ids and final is not None and final == lp_stream.logprobs
+            await engine.free_context(9)
+
         # Scoring a prompt: each token after the first, from the fill's prefill; the greedy token is the
         # likeliest alternative where it is scored. An upstream server keeps its logits: it says it cannot.
         scoring = engine.score(8, [*prompt, first.token_ids[0]], top=2)

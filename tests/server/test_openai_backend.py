@@ -324,7 +324,7 @@ def test_a_backend_answering_what_an_engine_cannot_use_is_a_typed_error(
     async def run() -> None:
         async with httpx.AsyncClient(transport=_sse(*events), base_url="http://backend") as client:
             body = {"prompt": [1, 2], "max_tokens": 2}
-            await stream_completion(client, "http://backend", body, lambda _: None, 5.0)
+            await stream_completion(client, "http://backend", body, lambda _token, _logprob: None, 5.0)
 
     with pytest.raises(error, match=match):
         asyncio.run(run())
