@@ -15,7 +15,7 @@ each, with its own HTTP connections, as separate users have). Reported:
   the server has been idle for ``settle_s`` (an idle server returns freed memory to the OS:
   `server.common.malloc_tuning.release_free_memory`; the server started here runs, as ``python -m server``
   does,
-  with ``PYTHONMALLOC=malloc``, `server.common.malloc_tuning.restart_with_objects_on_malloc`);
+  with ``PYTHONMALLOC=malloc``, `server.common.server_env.restart_with_server_env`);
 * KV blocks in use on every engine after everything ended (``GET /v1/engines``, with the cluster token)
   and, for a server this tool started, after the manager dropped its prefix cache too — the blocks
   nothing should hold any more: ``kv_blocks_leaked``.

@@ -12,10 +12,10 @@ generated into $PARROT_CACHE_DIR/cluster_token (or ~/.cache/parrot-serve/cluster
 
 from __future__ import annotations
 
-from server.common.malloc_tuning import restart_with_objects_on_malloc
+from server.common.server_env import restart_with_server_env
 
 if __name__ == "__main__":  # first thing: the imports below would otherwise be paid twice
-    restart_with_objects_on_malloc()
+    restart_with_server_env()
 
 import argparse
 import functools
@@ -63,8 +63,8 @@ except ModuleNotFoundError as missing:
 def main(argv: list[str] | None = None) -> int:
     """``python -m server`` / ``parrot-serve``: parse ``argv`` (default: the command line) and serve until a
     signal. A wrong model or a port in use is one line on stderr and exit status 2, before any model loads."""
-    if argv is None:  # the process's own command line (`parrot-serve`): objects on malloc, as with -m
-        restart_with_objects_on_malloc()
+    if argv is None:  # the process's own command line (`parrot-serve`): the server environment, as with -m
+        restart_with_server_env()
     prog = program_name("server", "parrot-serve")
     p = argparse.ArgumentParser(
         prog=prog,

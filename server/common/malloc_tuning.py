@@ -12,7 +12,7 @@ CPython's own small-object allocator (pymalloc) keeps the other half: it frees a
 object in it is gone, so a burst of sessions leaves its arenas pinned by the few objects that outlive it
 (measured after 1,000 concurrent sessions: 204 arenas where there had been 109, 94 MB of them empty pools,
 +12% RSS for good). The servers' command lines therefore run with ``PYTHONMALLOC=malloc``
-(`restart_with_objects_on_malloc`): objects then live on glibc's heap, which the idle trim returns page by
+(`server.common.server_env`): objects then live on glibc's heap, which the idle trim returns page by
 page (the same load: RSS back to -0.1%, throughput within the run-to-run spread).
 
 It lives outside `server.engine` so that the kernels benchmark applies it too without importing the engine.
@@ -24,7 +24,6 @@ import ctypes
 import ctypes.util
 import functools
 import logging
-import os
 import sys
 
 log = logging.getLogger(__name__)
@@ -74,17 +73,7 @@ def tune_glibc_malloc() -> bool:
     return ok
 
 
-def restart_with_objects_on_malloc() -> None:
-    """Re-execute this process — same pid, same command line — with ``PYTHONMALLOC=malloc``, so that memory a
-    burst of work held goes back to the OS when it ends (see the module docstring). Nothing happens when
-    ``PYTHONMALLOC`` is set already (``PYTHONMALLOC=pymalloc`` keeps CPython's default), on interpreters other
-    than CPython, or where glibc is not the allocator. Call it first thing, before any thread starts."""
-    if os.environ.get(PYTHON_ALLOCATOR_ENV) or sys.implementation.name != "cpython":
-        return
+def glibc_trims() -> bool:
+    """Whether glibc is the allocator (with ``malloc_trim``): objects on malloc then pay off."""
     libc = _libc()
-    if libc is None or not hasattr(libc, "malloc_trim"):
-        return
-    os.environ[PYTHON_ALLOCATOR_ENV] = OBJECTS_ON_MALLOC
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+    return libc is not None and hasattr(libc, "malloc_trim")

@@ -10,10 +10,10 @@ $PARROT_CLUSTER_TOKEN, else the default file the manager writes ($PARROT_CACHE_D
 
 from __future__ import annotations
 
-from server.common.malloc_tuning import restart_with_objects_on_malloc
+from server.common.server_env import restart_with_server_env
 
 if __name__ == "__main__":  # first thing: the imports below would otherwise be paid twice
-    restart_with_objects_on_malloc()
+    restart_with_server_env()
 
 import argparse
 import asyncio
@@ -160,8 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m server.engine`` / ``parrot-engine``: serve one engine over HTTP until a signal, or answer
     ``--prompt`` and exit. A wrong model or a port in use is one line on stderr and exit status 2, before
     the model loads."""
-    if argv is None:  # the process's own command line (`parrot-engine`): objects on malloc, as with -m
-        restart_with_objects_on_malloc()
+    if argv is None:  # the process's own command line (`parrot-engine`): the server environment, as with -m
+        restart_with_server_env()
     args = parse_args(argv)
     prog = _prog()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
