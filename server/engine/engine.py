@@ -242,19 +242,12 @@ class LLMEngine(KVExchange, Engine):
 
         Returns the context's length in tokens (here: without the remote prefix).
         """
-        sink = self._post_submit(
-            Submit(
-                self._new_sink(False),
-                context_id,
-                parent_context_id,
-                list(token_ids),
-                parent_len=parent_len,
-                priority=priority,
-                tenant=tenant,
-                remote=remote,
+        fill = Submit(self._new_sink(False), context_id, parent_context_id, list(token_ids))
+        return await self._wait(
+            self._post_submit(
+                replace(fill, parent_len=parent_len, priority=priority, tenant=tenant, remote=remote)
             )
         )
-        return await self._wait(sink)
 
     async def score(
         self,
@@ -266,17 +259,8 @@ class LLMEngine(KVExchange, Engine):
         tenant: str | None = None,
     ) -> list[TokenLogprob]:
         """`Engine.score`: a fill whose prefill projects every token's hidden state, not only the last."""
-        sink = self._post_submit(
-            Submit(
-                self._new_sink(False),
-                context_id,
-                None,
-                list(token_ids),
-                priority=priority,
-                tenant=tenant,
-                prompt_logprobs=top,
-            )
-        )
+        fill = Submit(self._new_sink(False), context_id, None, list(token_ids))
+        sink = self._post_submit(replace(fill, priority=priority, tenant=tenant, prompt_logprobs=top))
         result: list[TokenLogprob] = await self._wait(sink)
         return result
 
