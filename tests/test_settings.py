@@ -13,10 +13,11 @@ from kernels.settings import EnvSetting, choice, switch
 from server.common.settings import SETTINGS, epilog
 
 ROOT = Path(__file__).resolve().parents[1]
-# What the service's own code may read of the environment besides its settings: CPython's allocator
-# switch (set before a restart), a child process's copy of the environment, a build script's tokenizer flag.
+# What the service's own code may read of the environment besides its settings: the servers' environment
+# (CPython's allocator and OpenMP's wait policy, set before a restart), a child process's copy of the
+# environment, a build script's tokenizer flag.
 OTHER_ENV_READS = {
-    "server/common/malloc_tuning.py",
+    "server/common/server_env.py",
     "server/cluster/ray_vllm.py",
     "server/engine/tiny/build_tokenizer.py",
 }
