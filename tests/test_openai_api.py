@@ -377,6 +377,8 @@ def test_penalties_and_logit_bias(client: openai.OpenAI, engine: LLMEngine) -> N
     assert repeated.choices[0].text != plain.choices[0].text
     with pytest.raises(openai.BadRequestError, match="logit_bias keys must be token ids"):
         client.completions.create(**kwargs, logit_bias={"the": 5})  # type: ignore[call-overload]
+    with pytest.raises(openai.BadRequestError, match="logit_bias names 1025 tokens, over the 1024"):
+        client.completions.create(**kwargs, logit_bias={str(i): 1 for i in range(1025)})  # type: ignore[call-overload]
     with pytest.raises(openai.BadRequestError, match=r"presence_penalty must be a number in \[-2, 2\]"):
         client.chat.completions.create(model="tiny", messages=MESSAGES, presence_penalty=3)  # type: ignore[arg-type]
 

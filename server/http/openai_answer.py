@@ -235,9 +235,7 @@ async def _serve_on(
             )
             return JSONResponse(body.model_dump())
         firsts = [await _first_token(j.stream) for j in jobs if j.stream is not None]
-        events = _stream_events(
-            release, firsts, sampling, meta, chat, include_usage, _with_ids(req), tools, echo
-        )
+        events = _stream_events(release, firsts, sampling, meta, chat, _with_ids(req), tools, echo)
         handed_off = True
         # Started here, so that its `finally` (which frees the contexts) runs even if the client is gone
         # before the response begins: asyncio closes a started async generator when it is collected.
@@ -417,7 +415,7 @@ def _chat_response(
     usage: OpenAIUsage,
     tokenizer: Any,
     tools: ChatTools | None,
-    prompt_logprobs: PromptLogprobs | None,
+    prompt_lps: PromptLogprobs | None,
 ) -> OpenAIChatCompletionResponse:
     choices = []
     for i, r in enumerate(results):
@@ -430,7 +428,7 @@ def _chat_response(
         model=meta.model,
         choices=choices,
         usage=usage,
-        prompt_logprobs=prompt_logprobs,
+        prompt_logprobs=prompt_lps,
     )
 
 
@@ -463,7 +461,6 @@ async def _stream_events(
     sampling: SamplingParams,
     meta: _Meta,
     chat: bool,
-    include_usage: bool,
     with_ids: bool = False,
     tools: ChatTools | None = None,
     echo: PromptEcho | None = None,
@@ -481,7 +478,7 @@ async def _stream_events(
     try:
         async for event in choices[0] if len(choices) == 1 else _interleave(choices):
             yield event
-        if include_usage:
+        if meta.include_usage:
             usage = _usage(jobs, results)
             body: BaseModel = (
                 OpenAIChatCompletionChunk(

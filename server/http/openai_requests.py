@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from parrot.openai_types import OpenAIChatCompletionRequest, OpenAICompletionRequest
+from parrot.protocol import MAX_LOGIT_BIAS
 
 from server.engine.interface import Engine
 from server.engine.sampling import MAX_LOGPROBS, GuidedDecoding, SamplingParams
@@ -171,7 +172,13 @@ def completion_prompts(
 
 
 def _token_biases(bias: dict[str, float] | None) -> dict[int, float]:
-    """OpenAI's ``logit_bias`` (token ids as JSON keys) by token id."""
+    """OpenAI's ``logit_bias`` (token ids as JSON keys) by token id; its size is checked before its keys
+    are read."""
+    if bias is not None and len(bias) > MAX_LOGIT_BIAS:
+        raise OpenAIAPIError(
+            f"logit_bias names {len(bias)} tokens, over the {MAX_LOGIT_BIAS} one request may bias",
+            "logit_bias",
+        )
     out: dict[int, float] = {}
     for key, value in (bias or {}).items():
         try:
