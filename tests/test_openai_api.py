@@ -26,9 +26,15 @@ import kernels  # noqa: F401  (before transformers, so TRITON_INTERPRET from con
 from server.engine import EngineConfig, LLMEngine, SamplingParams
 from server.engine.api import error_response
 from server.http.openai_api import create_openai_router
-from server.http.openai_backends import StaticBackend
+from server.serve.manager import Manager, ManagerConfig
 
 _ref_ids = itertools.count(1 << 50)  # the reference generates' own context ids
+
+
+def _manager(engine: LLMEngine) -> Manager:
+    """A manager over ``engine`` alone that keeps no context after a request (the fixtures check that every
+    context is freed)."""
+    return Manager([engine], ManagerConfig(openai_prefix_cache=False))
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +47,7 @@ def engine() -> Iterator[LLMEngine]:
 @pytest.fixture(scope="module")
 def base_url(engine: LLMEngine) -> Iterator[str]:
     app = FastAPI()
-    app.include_router(create_openai_router(StaticBackend({"tiny": engine})))
+    app.include_router(create_openai_router(_manager(engine).openai))
 
     @app.exception_handler(RequestValidationError)
     async def _schema_error(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -326,7 +332,7 @@ async def test_a_request_the_kv_cache_cannot_hold_is_refused_not_cut() -> None:
     small = LLMEngine.from_pretrained("tiny", EngineConfig(num_kv_blocks=8))
     try:
         app = FastAPI()
-        app.include_router(create_openai_router(StaticBackend({"tiny": small})))
+        app.include_router(create_openai_router(_manager(small).openai))
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
             body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 500, "temperature": 0}

@@ -1,19 +1,20 @@
 """OpenAI-compatible endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``.
 
 Any OpenAI client works against them, and they are the request-centric baseline of the benchmarks. Here a
-request is checked and parsed (its prompt tokenized with the engine's tokenizer, its sampling built); then
-`server.http.openai_answer.serve` fills a context per prompt and choice, generates and answers, and hands the
-contexts back to the backend (always, also on error or a client that goes away).
+request is checked and parsed (its prompt tokenized with the engine's tokenizer, its sampling built); the
+manager runs it (`server.serve.request_run`: placement, kept contexts, priorities, quotas, retries, through
+the manager's `OpenAIServing`) and it is answered whole (`openai_answer`) or streamed (`openai_stream`); its
+contexts go back to the manager always, also on error or a client that goes away.
 
-The router is built over an `OpenAIBackend` (`server.http.openai_backends`) — anything that picks an engine by
-model name and hands out unique context ids — so the manager and the tests plug in their own. Errors answer
-``{"error": {"type", "message"}}``: engine errors with their own status, unsupported options with 400.
+Errors answer ``{"error": {"type", "message"}}``: engine errors with their own status, unsupported options
+with 400.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -37,11 +38,13 @@ from server.common.security import requester
 from server.engine.api import error_response
 from server.engine.errors import EngineError
 from server.engine.interface import Engine
-from server.http.openai_answer import PromptEcho, serve
-from server.http.openai_backends import OpenAIBackend
+from server.engine.sampling import SamplingParams
+from server.http.openai_answer import AnswerMeta, PromptEcho, whole_answer
 from server.http.openai_requests import (
+    ChatTools,
     InvalidPromptError,
     OpenAIAPIError,
+    QuotaError,
     chat_prompt,
     chat_tools,
     completion_prompts,
@@ -50,6 +53,10 @@ from server.http.openai_requests import (
     reject_unsupported,
     sampling_for,
 )
+from server.http.openai_stream import streamed_answer
+from server.serve.openai_serving import OpenAIServing
+from server.serve.quotas import QuotaExceededError
+from server.serve.request_run import RequestSpec, run_request
 
 
 def model_card(name: str, engine: Engine, created: int) -> OpenAIModelCard:
@@ -71,8 +78,9 @@ def model_card(name: str, engine: Engine, created: int) -> OpenAIModelCard:
     )
 
 
-def create_openai_router(backend: OpenAIBackend) -> APIRouter:
-    """The router with the OpenAI-compatible endpoints over ``backend`` (paths start with ``/v1``)."""
+def create_openai_router(backend: OpenAIServing) -> APIRouter:
+    """The router with the OpenAI-compatible endpoints over the manager's ``backend`` (paths start with
+    ``/v1``)."""
     router = APIRouter(tags=["openai"])
     started = int(time.time())
 
@@ -102,7 +110,9 @@ def create_openai_router(backend: OpenAIBackend) -> APIRouter:
             echo = _echo(engine, req, prompts)
             max_tokens = 1 if req.max_tokens == 0 else req.max_tokens  # (0: sized as the one it would be)
             sampling = sampling_for(req, max_tokens, engine, prompts, guided, req.logprobs)
-            served = serve(backend, engine, prompts, sampling, req, requester(request), chat=False, echo=echo)
+            served = _serve(
+                backend, engine, prompts, sampling, req, requester(request), chat=False, echo=echo
+            )
             return await _unless_client_leaves(request, served)
         except (EngineError, OpenAIAPIError) as e:
             return _error(e)
@@ -136,7 +146,9 @@ def create_openai_router(backend: OpenAIBackend) -> APIRouter:
             sampling = sampling_for(req, max_tokens, engine, prompts, guided, logprobs)
             tenant = requester(request)
             echo = None if req.prompt_logprobs is None else PromptEcho(prompt_logprobs=req.prompt_logprobs)
-            served = serve(backend, engine, prompts, sampling, req, tenant, chat=True, tools=tools, echo=echo)
+            served = _serve(
+                backend, engine, prompts, sampling, req, tenant, chat=True, tools=tools, echo=echo
+            )
             return await _unless_client_leaves(request, served)
         except (EngineError, OpenAIAPIError) as e:
             return _error(e)
@@ -167,6 +179,52 @@ def create_openai_router(backend: OpenAIBackend) -> APIRouter:
 
 
 # ------------------------------------------------------------------------------------------ requests
+async def _serve(
+    backend: OpenAIServing,
+    engine: Engine,
+    prompts: list[list[int]],
+    sampling: SamplingParams,
+    req: OpenAICompletionRequest | OpenAIChatCompletionRequest,
+    tenant: str,
+    chat: bool,
+    tools: ChatTools | None = None,
+    echo: PromptEcho | None = None,
+) -> JSONResponse | StreamingResponse:
+    """Run ``n`` generations from each of ``prompts`` and answer them (or stream them). ``tenant`` (who sent
+    it) takes turns with other tenants; ``echo``: a completion's prompts in its answer.
+
+    A streaming answer starts only once every generate has produced its first token, so that bad input
+    still answers with a status code rather than an error event inside a 200 stream (and a failed engine
+    costs nothing: the request runs again elsewhere)."""
+    spec = RequestSpec(
+        prompts,
+        sampling,
+        n=req.n or 1,
+        tenant=tenant,
+        cache_salt=req.cache_salt,
+        priority=req.priority,
+        stream=bool(req.stream),
+        score=None if echo is None else echo.score_top,
+        generate=echo is None or echo.generate,
+    )
+    try:
+        run = await run_request(backend, engine, spec)
+    except QuotaExceededError as e:
+        raise QuotaError(str(e)) from None
+    meta = AnswerMeta(
+        id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+        created=int(time.time()),
+        model=run.engine.model_name,
+        include_usage=bool(
+            req.stream and req.stream_options is not None and req.stream_options.include_usage
+        ),
+    )
+    with_ids = bool(getattr(req, "return_token_ids", False))
+    if not req.stream:
+        return JSONResponse(whole_answer(run, meta, chat, with_ids, tools, echo).model_dump())
+    return await streamed_answer(run, sampling, meta, chat, with_ids, tools, echo)
+
+
 def _echo(engine: Engine, req: OpenAICompletionRequest, prompts: list[list[int]]) -> PromptEcho | None:
     """What the answer says of the prompts: with ``echo``, their text (and, with ``logprobs``, their tokens'
     log-probabilities) before each choice's; with ``prompt_logprobs``, vLLM's; ``max_tokens=0`` answers

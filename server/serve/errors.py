@@ -25,8 +25,8 @@ __all__ = [
 
 class ModelNotFoundError(EngineError):
     """The request names a model no engine serves (``404 model_not_found``); raised by whatever picks an
-    engine by model name: `OpenAIBackend.engine_for` (`server.serve.openai_serving`,
-    `server.http.openai_backends.StaticBackend`) and a call's submission.
+    engine by model name: `OpenAIServing.engine_for` (`server.serve.openai_serving`) and a call's
+    submission.
 
     An `EngineError` like `EngineFailedError`: it is about the engines in service, and every layer that
     answers engine errors with their status (the OpenAI router, a step's failure, the app's handler)

@@ -4,7 +4,8 @@
 - `KeptContexts` (`kept_contexts`): contexts kept after their request, forked by later ones.
 - `Placement` (`placement`): which engine a step waits for and gets (the scheduler's decisions).
 - `StepExecutor` (`executor`): runs a session's steps as they become runnable.
-- `OpenAIServing` (`openai_serving`): the OpenAI endpoints' engines, contexts and retries.
+- `OpenAIServing` (`openai_serving`): the request-centric calls' (OpenAI endpoints') engines, contexts and
+  retries; `request_run` runs one.
 - `SessionTable`, `VariableWaits`, `TenantTokens`: sessions, the clients waiting on their variables, and the
   token quotas of their tenants.
 

@@ -1,6 +1,5 @@
-"""The OpenAI endpoints' side of the manager (`server.http.openai_backends.OpenAIBackend`): which engine
-serves a
-request, and its context's life there.
+"""The request-centric side of the manager (the OpenAI endpoints'): which engine serves a request, and its
+contexts' life there; `server.serve.request_run` runs a request over these parts.
 
 A request waits for its engine in the manager's `Placement`, as a step does, and goes where a kept context
 holds the most of its prompt. Its prompt is forked from the longest kept context its tokens extend and the
@@ -95,9 +94,12 @@ class OpenAIServing:
         self._by_load: Counter[int] = Counter()
 
     def models(self) -> list[str]:
+        """The names of the models served, for ``GET /v1/models`` and error messages."""
         return self.registry.models()
 
     def engine_for(self, model: str | None) -> Engine:
+        """An engine serving ``model`` (None: the default one), whose tokenizer and window a request is
+        checked against; raises `ModelNotFoundError` (or `ServerDrainingError` while draining)."""
         self.gate.check("requests")
         return self.registry.engines[self.registry.serving(model)[0]]
 
@@ -169,8 +171,8 @@ class OpenAIServing:
         self.steps.ended(ticket.record, self._clock(), error)
         self.placement.release(ticket.engine_id, ticket.request)
 
-    def open_context(self, engine: Engine) -> int:
-        """A new context id for a request routed to ``engine``."""
+    def open_context(self) -> int:
+        """A context id no other user of any engine holds (handed back with `finish_context`)."""
         return self.kept.new_id()
 
     async def fill_prompt(
@@ -230,6 +232,7 @@ class OpenAIServing:
         return self.lengths.estimate(None, tail, len(token_ids), sampling)
 
     def observe_length(self, estimate: LengthEstimate, length: int) -> None:
+        """A request `estimate_length` predicted wrote ``length`` tokens (the predictor learns from it)."""
         if self.lengths is not None:
             self.lengths.observe(estimate, length)
 
@@ -251,9 +254,12 @@ class OpenAIServing:
         await self.kept.keep(index, namespace(cache_salt), context_id, token_ids)
 
     def hold_tokens(self, tenant: str, tokens: int) -> str | None:
+        """Count a request's ``tokens`` as ``tenant``'s in flight until `release_tokens`, or refuse them:
+        the reason (a tenant's quota)."""
         return self.tokens.hold(tenant, tokens)
 
     def release_tokens(self, tenant: str, tokens: int) -> None:
+        """The request `hold_tokens` counted is over."""
         self.tokens.release(tenant, tokens)
 
     async def retry_elsewhere(self, engine: Engine, error: EngineError, attempt: int) -> bool:
