@@ -15,7 +15,8 @@ Every function takes ``backend=``:
 * ``"torch"``: the torch form of the same two-phase algorithm (what the engine runs on CPU);
 * ``"reference"``: the plain, slow specification in :mod:`kernels.reference`.
 
-Importing this package never imports triton; it is loaded on the first Triton call.
+Importing this package imports neither torch nor triton (a command line reads `kernels.settings` before it
+loads a model); triton is loaded on the first Triton call.
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ import functools
 import importlib
 import importlib.util
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
+if TYPE_CHECKING:  # importing the package (its settings, by the command lines) does not import torch
+    import torch
 
-from kernels.gate import should_share_prefix
+    from kernels.gate import should_share_prefix
 
 __all__ = [
     "Backend",
@@ -223,3 +225,13 @@ def merge_attention_states(
         ``(out, lse)``: ``out`` in ``out_a.dtype`` (0 where both are empty), ``lse`` float32.
     """
     return _op("merge_attention_states", backend, out_a.device)(out_a, lse_a, out_b, lse_b)
+
+
+def __getattr__(name: str) -> Any:
+    """`should_share_prefix`, from `kernels.gate` (which imports torch) on first use."""
+    if name == "should_share_prefix":
+        from kernels.gate import should_share_prefix
+
+        globals()[name] = should_share_prefix  # later reads find it without this hook
+        return should_share_prefix
+    raise AttributeError(f"module 'kernels' has no attribute {name!r}")

@@ -24,8 +24,10 @@ import socket
 import sys
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+# The command line is parsed with light modules only (no torch, no web framework): a mistake in it is
+# answered at once; the server's own modules load after (`_serve`).
 from server.cli import (
     DefaultsHelpFormatter,
     add_listen_args,
@@ -37,27 +39,13 @@ from server.cli import (
     program_name,
     serve,
 )
+from server.common.settings import BACKEND_API_KEY, epilog
+from server.engine.model_names import DEFAULT_MODEL, MODEL_HELP
+from server.engine.ordering import add_scheduling_args
 
-try:  # without the server extra (a client-only install) this is one line naming the pip command to run
-    from starlette.types import ASGIApp
-
-    from server.cluster.mutel import Slo
-    from server.cluster.openai_backend import OpenAIBackendConfig
-    from server.cluster.openai_backend_http import BACKEND_KEY_ENV
+if TYPE_CHECKING:
     from server.cluster.ray_engines import RayEngines
-    from server.common.netdelay import NetworkDelayMiddleware
-    from server.common.security import SecurityConfig, api_keys_from, load_cluster_token
-    from server.common.settings import epilog
-    from server.engine import EngineConfig, EngineError
-    from server.engine.model_names import DEFAULT_MODEL, MODEL_HELP
-    from server.engine.ordering import add_scheduling_args
-    from server.http.app import create_app
-    from server.launcher import build_engines, connect_openai_backends
-    from server.serve.length_predictor import LengthPredictorStateError
-    from server.serve.manager import Manager, ManagerConfig
-except ModuleNotFoundError as missing:
-    exit_if_extra_missing(missing, program_name("server", "parrot-serve"))
-    raise
+    from server.engine import EngineConfig
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,6 +54,15 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None:  # the process's own command line (`parrot-serve`): the server environment, as with -m
         restart_with_server_env()
     prog = program_name("server", "parrot-serve")
+    p = _parser(prog)
+    args = p.parse_args(argv)
+    if args.ray_vllm is not None and args.ray is None:
+        p.error("--ray-vllm places vLLM servers with Ray: give --ray [ADDRESS] too")
+    return _serve(args, p, prog)
+
+
+def _parser(prog: str) -> argparse.ArgumentParser:
+    """The server's command line."""
     p = argparse.ArgumentParser(
         prog=prog,
         description=__doc__.split("\n")[0],
@@ -96,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         metavar="URL",
         help="an OpenAI-compatible completions server (vLLM, SGLang, another Parrot) serving as an engine; "
-        f"repeat for several (API key: ${BACKEND_KEY_ENV})",
+        f"repeat for several (API key: ${BACKEND_API_KEY.name})",
     )
     backends.add_argument(
         "--openai-backend-tokenizer",
@@ -199,9 +196,27 @@ def main(argv: list[str] | None = None) -> int:
         "(repeat for several; default: $PARROT_API_KEY, else none)",
     )
     security.add_argument("--max-engines", type=int, default=64, help="remote engines in service at once")
-    args = p.parse_args(argv)
-    if args.ray_vllm is not None and args.ray is None:
-        p.error("--ray-vllm places vLLM servers with Ray: give --ray [ADDRESS] too")
+    return p
+
+
+def _serve(args: argparse.Namespace, p: argparse.ArgumentParser, prog: str) -> int:
+    """Serve what the parsed command line ``args`` asks for until a signal."""
+    try:  # without the server extra (a client-only install) this is one line naming the pip command to run
+        from starlette.types import ASGIApp
+
+        from server.cluster.mutel import Slo
+        from server.cluster.openai_backend import OpenAIBackendConfig  # noqa: F401  (httpx, transformers)
+        from server.cluster.ray_engines import RayEngines
+        from server.common.netdelay import NetworkDelayMiddleware
+        from server.common.security import SecurityConfig, api_keys_from, load_cluster_token
+        from server.engine import EngineConfig
+        from server.http.app import create_app
+        from server.serve.length_predictor import LengthPredictorStateError
+        from server.serve.manager import Manager, ManagerConfig
+    except ModuleNotFoundError as missing:
+        exit_if_extra_missing(missing, prog)
+        raise
+
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request to an OpenAI backend
     try:
@@ -281,6 +296,10 @@ def _engines(
 ) -> list[Any]:
     """The OpenAI backends (connected and checked) and the in-process engines (their model loaded). A backend
     that cannot serve is argparse's error; a model that is not there or cannot run, one line; both exit 2."""
+    from server.cluster.openai_backend import OpenAIBackendConfig
+    from server.engine import EngineError
+    from server.launcher import build_engines, connect_openai_backends
+
     try:
         backend_configs = [
             OpenAIBackendConfig(

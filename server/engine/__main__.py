@@ -18,28 +18,36 @@ if __name__ == "__main__":  # first thing: the imports below would otherwise be 
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import sys
+from typing import TYPE_CHECKING, Any
 
+# The command line is parsed with light modules only (no torch, no web framework): a mistake in it is
+# answered at once; the engine's own modules load after.
 from server.cli import (
     DefaultsHelpFormatter,
     add_listen_args,
     add_memory_args,
     bind_listener,
     connection_limits,
+    exit_if_extra_missing,
     exit_with_error,
     program_name,
     serve,
 )
-from server.common.security import load_cluster_token
 from server.common.settings import epilog
 from server.engine.config import ENGINE_ROLES, EngineConfig
-from server.engine.engine import LLMEngine
-from server.engine.manager_link import ManagerLink
 from server.engine.model_names import DEFAULT_MODEL, MODEL_HELP
 from server.engine.ordering import add_scheduling_args
-from server.engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from server.engine.engine import LLMEngine
+
+_CONFIG_DEFAULTS: dict[str, Any] = {
+    f.name: f.default for f in dataclasses.fields(EngineConfig) if f.default is not dataclasses.MISSING
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -54,11 +62,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_listen_args(p, port=9100)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     add_memory_args(p)
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument(
-        "--max-num-batched-tokens", type=int, default=2048, help="tokens one step computes at most"
+        "--block-size", type=int, default=_CONFIG_DEFAULTS["block_size"], help="tokens per KV block"
     )
-    p.add_argument("--max-num-seqs", type=int, default=64, help="requests one step runs at most")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=_CONFIG_DEFAULTS["max_num_batched_tokens"],
+        help="tokens one step computes at most",
+    )
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=_CONFIG_DEFAULTS["max_num_seqs"],
+        help="requests one step runs at most",
+    )
     p.add_argument(
         "--max-running-tokens",
         type=int,
@@ -70,7 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--shared-prefix-decode",
-        default="auto",
+        default=_CONFIG_DEFAULTS["shared_prefix_decode"],
         choices=["auto", "always", "never"],
         help="decodes sharing prefix blocks read them in one pass (auto: where it pays)",
     )
@@ -143,6 +161,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 async def one_shot(engine: LLMEngine, args: argparse.Namespace) -> str:
+    """The completion (or, with ``--chat``, the answer) of ``--prompt``."""
+    from server.engine.sampling import SamplingParams
+
     tok = engine.tokenizer
     if args.chat:
         ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
@@ -164,6 +185,13 @@ def main(argv: list[str] | None = None) -> int:
         restart_with_server_env()
     args = parse_args(argv)
     prog = _prog()
+    try:  # without the server extra (a client-only install) this is one line naming the pip command to run
+        from server.common.security import load_cluster_token
+        from server.engine.engine import LLMEngine
+        from server.engine.manager_link import ManagerLink
+    except ModuleNotFoundError as missing:
+        exit_if_extra_missing(missing, prog)
+        raise
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per heartbeat
     log = logging.getLogger(__name__)

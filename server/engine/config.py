@@ -1,7 +1,8 @@
 """Engine and model configuration.
 
 `ModelConfig` is read from a Hugging Face `config.json` (both the transformers 4.x `rope_scaling` form and
-the 5.x `rope_parameters` form); `EngineConfig` holds the serving knobs.
+the 5.x `rope_parameters` form); `EngineConfig` holds the serving knobs. torch is imported where a value
+needs it, not at import: the command lines read these defaults before anything heavy loads.
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ import json
 import platform
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
-
-import torch
+from typing import TYPE_CHECKING, Any, Literal
 
 from server.engine.ordering import DEFAULT_SJF_AGING_S, SchedulingPolicy, check_policy
+
+if TYPE_CHECKING:
+    import torch
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 
@@ -98,6 +100,8 @@ class ModelConfig:
 def default_dtype(device: torch.device) -> torch.dtype:
     """bf16 on CUDA where supported, else fp16; on CPU bf16 where the CPU computes it natively
     (`cpu_has_native_bf16`), else fp32."""
+    import torch
+
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
@@ -119,6 +123,8 @@ def cpu_has_native_bf16() -> bool:
     AVX-512 parts) torch emulates bf16 products through fp32 conversions, measured 1.1-10x slower than fp32
     on an AVX2 EPYC, so fp32 stays the default there; ARM's bf16 extensions are not considered.
     """
+    import torch
+
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False
     probes = (
@@ -129,6 +135,8 @@ def cpu_has_native_bf16() -> bool:
 
 
 def _onednn_runs_bf16() -> bool:
+    import torch
+
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):  # an older or oneDNN-less build: no fast bf16 products
@@ -156,6 +164,12 @@ def step_activation_bytes(model: ModelConfig, config: EngineConfig, dtype: torch
     return 2 * config.max_num_batched_tokens * per_token + config.max_num_seqs * model.vocab_size * 4
 
 
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 EngineRole = Literal["prefill", "decode", "both"]
 ENGINE_ROLES: tuple[str, ...] = ("prefill", "decode", "both")
 
@@ -181,7 +195,7 @@ class EngineConfig:
     # the KV cache and max_num_seqs limit the batch. The latency-capped baseline of the benchmarks sets it.
     max_running_tokens: int | None = None
     max_model_len: int | None = None  # default: the model's max_position_embeddings
-    device: str = field(default_factory=lambda: "cuda" if torch.cuda.is_available() else "cpu")
+    device: str = field(default_factory=_default_device)
     # "float32" | "float16" | "bfloat16"; default per device (`default_dtype`), float32 for the "tiny" model
     dtype: str | None = None
     # Group decodes that share prefix blocks into one pass over the prefix: "auto" where it pays
@@ -227,6 +241,8 @@ class EngineConfig:
         never more than is free (less 2%: the allocator's slack); `ValueError` when nothing is left."""
         if self.kv_cache_memory_bytes is not None:
             return self.kv_cache_memory_bytes
+        import torch
+
         device = self.torch_device()
         if device.type != "cuda":
             return 256 * 1024 * 1024
@@ -248,9 +264,13 @@ class EngineConfig:
         return min(model.max_position_embeddings, self.max_model_len or model.max_position_embeddings)
 
     def torch_device(self) -> torch.device:
+        import torch
+
         return torch.device(self.device)
 
     def torch_dtype(self) -> torch.dtype:
+        import torch
+
         if self.dtype is None:
             return default_dtype(self.torch_device())
         dtype = getattr(torch, self.dtype, None)

@@ -49,6 +49,27 @@ def _error_line(err: str, prog: str) -> str:
     return lines[0]
 
 
+@pytest.mark.parametrize("module", sorted(MAINS))
+def test_a_command_line_mistake_is_answered_before_the_heavy_imports(module: str) -> None:
+    """An unknown flag, a bad value and ``--help`` are answered by a parser built from light modules: the
+    process never imports torch, transformers or the web framework (each such import costs seconds)."""
+    probe = (
+        "import sys, runpy\n"
+        f"sys.argv = [{module!r}, *sys.argv[1:]]\n"
+        "try:\n"
+        f"    runpy.run_module({module!r}, run_name='__main__')\n"
+        "except SystemExit as e:\n"
+        "    heavy = [m for m in ('torch', 'transformers', 'fastapi', 'starlette') if m in sys.modules]\n"
+        "    print('exit', e.code, 'heavy', heavy)\n"
+    )
+    env = {**os.environ, CLUSTER_TOKEN_ENV: "t" * 32, "PYTHONMALLOC": "malloc", "OMP_WAIT_POLICY": "PASSIVE"}
+    for argv, code in ((["--no-such-flag"], 2), (["--port", "many"], 2), (["--help"], 0)):
+        run = subprocess.run(
+            [sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=120, env=env
+        )
+        assert run.stdout.strip().splitlines()[-1] == f"exit {code} heavy []", (argv, run.stdout, run.stderr)
+
+
 def test_a_wrong_model_is_one_line_and_exit_status_2(tmp_path: Path) -> None:
     """As the user sees it: a real process, nothing on stderr but its log lines and the one error line."""
     env = {**os.environ, CLUSTER_TOKEN_ENV: "t" * 32}
