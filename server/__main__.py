@@ -37,6 +37,7 @@ from server.cli import (
     exit_if_extra_missing,
     exit_with_error,
     program_name,
+    ready_lines,
     serve,
 )
 from server.common.settings import BACKEND_API_KEY, epilog
@@ -279,7 +280,13 @@ def _serve(args: argparse.Namespace, p: argparse.ArgumentParser, prog: str) -> i
         if args.network_delay is not None:
             app = NetworkDelayMiddleware(app, *args.network_delay)
         drain = functools.partial(manager.drain, args.drain_timeout)
-        serve(app, listener, args.drain_timeout, drain, log, limits)
+        ready = functools.partial(
+            ready_lines,
+            models=manager.openai.models(),
+            api_keys=bool(settings.api_keys),
+            cluster_token=settings.cluster_token,
+        )
+        serve(app, listener, args.drain_timeout, drain, log, limits, ready)
     finally:
         listener.close()
         for engine in engines:

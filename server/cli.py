@@ -12,7 +12,7 @@ import errno
 import logging
 import socket
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
@@ -31,6 +31,7 @@ __all__ = [
     "exit_with_error",
     "listener_url",
     "program_name",
+    "ready_lines",
     "serve",
 ]
 
@@ -172,6 +173,19 @@ def listener_url(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}" if sock.family == socket.AF_INET6 else f"http://{host}:{port}"
 
 
+def ready_lines(url: str, models: Sequence[str], api_keys: bool, cluster_token: str) -> list[str]:
+    """What a user needs once the server at ``url`` is up: the OpenAI base URL with the model ids and the
+    key a client sends, the Parrot client's URL, and the live view's link (it carries the cluster token
+    after ``#``, which browsers never send to a server: the page reads it and forgets the address)."""
+    local = url.replace("://0.0.0.0:", "://127.0.0.1:").replace("://[::]:", "://[::1]:")
+    key = "the key given with --api-key" if api_keys else "any (no --api-key given)"
+    return [
+        f"OpenAI API: base_url={local}/v1, models: {', '.join(models) or 'none yet'}, api_key: {key}",
+        f"Parrot client: parrot.Session({local!r})",
+        f"live view: {local}/ui#token={cluster_token}",
+    ]
+
+
 def serve(
     app: ASGIApp,
     sock: socket.socket,
@@ -179,10 +193,12 @@ def serve(
     drain: Callable[[], Awaitable[object]] | None,
     log: logging.Logger,
     limits: ConnectionLimits | None = None,
+    ready: Callable[[str], Sequence[str]] | None = None,
 ) -> None:
     """Serve ``app`` on ``sock`` (from `bind_listener`) until a signal; the first one drains (``drain``,
     then up to ``drain_timeout`` seconds for in-flight requests: `server.engine.draining`). Logs the URL
-    it serves on, with the port actually bound. ``limits`` bound each connection (`ConnectionLimits`)."""
+    it serves on, with the port actually bound, and once the app has started the lines ``ready(url)``
+    answers (what a user points a client at). ``limits`` bound each connection (`ConnectionLimits`)."""
     import uvicorn  # the server extra: imported only to serve
 
     from server.engine.draining import DrainingServer
@@ -196,5 +212,11 @@ def serve(
         timeout_graceful_shutdown=drain_timeout,  # type: ignore[arg-type]  # any number of seconds works
         http=guarded_h11(limits or ConnectionLimits()),
     )
-    log.info("serving on %s", listener_url(sock))
-    DrainingServer(config, drain).run(sockets=[sock])
+    url = listener_url(sock)
+    log.info("serving on %s", url)
+
+    def started() -> None:
+        for line in ready(url) if ready is not None else ():
+            log.info("%s", line)
+
+    DrainingServer(config, drain, started).run(sockets=[sock])

@@ -55,7 +55,25 @@ _HOMES = {
     "UnknownContextError": _ERRORS,
 }
 
-__all__ = sorted(_HOMES)
+__all__ = [
+    "ContextBusyError",
+    "ContextExistsError",
+    "EngineConfig",
+    "EngineDeadError",
+    "EngineError",
+    "EngineStats",
+    "GenerateResult",
+    "GenerationStream",
+    "InvalidRequestError",
+    "InvalidSamplingParamsError",
+    "LLMEngine",
+    "ModelConfig",
+    "PromptTooLongError",
+    "RequestAbortedError",
+    "SamplingParams",
+    "TokenOutOfVocabError",
+    "UnknownContextError",
+]
 
 
 def __getattr__(name: str) -> Any:

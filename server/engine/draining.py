@@ -12,6 +12,7 @@ and waits for its running steps — then hands over to uvicorn's shutdown (in-fl
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Awaitable, Callable
 from types import FrameType
 
@@ -23,10 +24,21 @@ __all__ = ["DrainingServer"]
 class DrainingServer(uvicorn.Server):
     """A uvicorn server whose first SIGTERM/SIGINT awaits ``drain`` (if any) before shutting down."""
 
-    def __init__(self, config: uvicorn.Config, drain: Callable[[], Awaitable[object]] | None) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        drain: Callable[[], Awaitable[object]] | None,
+        on_started: Callable[[], None] | None = None,
+    ) -> None:
         super().__init__(config)
         self._drain = drain
         self._draining: asyncio.Future[None] | None = None
+        self._on_started = on_started  # once the app has started and its sockets accept
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started and self._on_started is not None:
+            self._on_started()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._drain is None or self._draining is not None:

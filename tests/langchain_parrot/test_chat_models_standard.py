@@ -168,7 +168,7 @@ _SMOLLM2_CANNOT = {
         "complete), where the test expects one call"
     ),
     "test_json_mode": (
-        "SmolLM2-135M: JSON mode admits any object, and the model nests {\"setup\": {\"setup\": ...}} until "
+        'SmolLM2-135M: JSON mode admits any object, and the model nests {"setup": {"setup": ...}} until '
         "max_tokens instead of writing setup and punchline as strings"
     ),
     "test_agent_loop": (

@@ -6,6 +6,7 @@ engine is in service (200) or none is (503, the process up all the same)."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import pytest
 
 from server import launch
 from server.__main__ import main as server_main
+from server.cli import ready_lines
 from server.common.security import CLUSTER_TOKEN_ENV
 from server.engine import LLMEngine
 from server.engine.__main__ import main as engine_main
@@ -138,8 +140,26 @@ def test_a_manager_with_no_engine_is_up_on_the_port_it_logs_and_health_says_503(
         body = httpx.get(f"{url}/health").json()
         assert body["status"] == "no_engine" and body["engines_in_service"] == 0
         assert body["error"]["type"] == "no_engine" and "--engines" in body["error"]["message"]
+        # Once up, the log says where a client points and how the live view opens (its token after '#').
+        text = log.read_text()
+        assert f"OpenAI API: base_url={url}/v1, models: none yet, api_key: any (no --api-key given)" in text
+        assert f"Parrot client: parrot.Session('{url}')" in text
+        link = re.search(r"live view: (\S+)#token=(\S+)", text)
+        assert link is not None and link[1] == f"{url}/ui", text
+        view = httpx.get(f"{url}/v1/view", headers={"Authorization": f"Bearer {link[2]}"})
+        assert view.status_code == 200, view.text
     finally:
         stop(proc)
+
+
+def test_the_ready_lines_name_the_keys_and_a_local_address_for_a_wildcard_host() -> None:
+    lines = ready_lines("http://0.0.0.0:9000", ["smollm2"], api_keys=True, cluster_token="tok")
+    assert lines == [
+        "OpenAI API: base_url=http://127.0.0.1:9000/v1, models: smollm2, "
+        "api_key: the key given with --api-key",
+        "Parrot client: parrot.Session('http://127.0.0.1:9000')",
+        "live view: http://127.0.0.1:9000/ui#token=tok",
+    ]
 
 
 def test_health_is_200_with_an_engine_in_service_and_503_without() -> None:
