@@ -33,13 +33,17 @@ They are built with torch's extension builder (ninja and a C++ compiler) into to
 first time a process asks, for this machine's CPU (``-march=native``; the build's name carries the CPU's
 flags, so a shared cache never hands one CPU another's binary, and the interpreter's and torch's paths, so
 two virtualenvs never rebuild each other's). A build says so when it starts and what it cost when it ends
-(minutes on 2 cores); a lock file left by a build that was killed is removed once it is older than any
-build (torch's builder would wait on it forever). Where they cannot be built the torch ops run instead and
-the reason is logged once; ``PARROT_CPU_KERNELS=0`` turns them off.
+(minutes on 2 cores). Builders of one folder take turns under an OS lock (``flock``), which the kernel
+releases when its holder exits, killed or not: the turn's holder knows that torch's own lock file, if
+there, was left by a build that was killed, and removes it (torch's builder would wait on it forever).
+Where they cannot be built the torch ops run instead and the reason is logged once;
+``PARROT_CPU_KERNELS=0`` turns them off.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
@@ -48,7 +52,7 @@ import platform
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -100,8 +104,6 @@ SiluMul = Callable[[torch.Tensor], torch.Tensor]
 Gemv = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 _build_lock = threading.Lock()  # two engines of one process may start together: one build, one load
-# A build takes 1-4 minutes on 2 cores; a lock older than this was left by a build that was killed.
-STALE_LOCK_S = 20 * 60
 
 
 @functools.cache
@@ -149,19 +151,26 @@ def _build_dir(name: str) -> Path:
     return folder
 
 
-def clear_stale_lock(folder: Path, stale_s: float = STALE_LOCK_S) -> bool:
-    """Remove ``folder``'s build lock if it is older than any build (a killed build's); whether it did."""
-    lock = folder / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return False
-    if age < stale_s:
-        log.warning("CPU kernels: waiting for another process's build (its lock: %s)", lock)
-        return False
-    log.warning("CPU kernels: removing %s, %.0f min old: left by a build that was killed", lock, age / 60)
-    lock.unlink(missing_ok=True)
-    return True
+@contextlib.contextmanager
+def build_turn(folder: Path) -> Iterator[None]:
+    """This process's turn to build in ``folder``, among all processes of the machine: an exclusive
+    ``flock`` on ``folder/turn``, which the kernel releases when its holder exits, however it exits. Holding
+    it, torch's own ``lock`` file can only be a dead build's (every builder holds the turn while it builds):
+    it goes, with a warning."""
+    with open(folder / "turn", "a") as turn:
+        try:
+            fcntl.flock(turn, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.warning("CPU kernels: waiting for another process's build in %s", folder)
+            fcntl.flock(turn, fcntl.LOCK_EX)
+        baton = folder / "lock"
+        if baton.exists():
+            log.warning("CPU kernels: removing %s, left by a build that was killed", baton)
+            baton.unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(turn, fcntl.LOCK_UN)
 
 
 @functools.cache
@@ -175,24 +184,24 @@ def _ops() -> Any | None:
 
             name = f"parrot_cpu_kernels_{_build_tag()}"
             folder = _build_dir(name)
-            clear_stale_lock(folder)
-            built = (folder / f"{name}.so").is_file()
-            if not built:
-                log.warning(
-                    "CPU kernels: building them for this CPU, once (1-4 minutes on 2 cores) in %s", folder
+            with build_turn(folder):
+                built = (folder / f"{name}.so").is_file()
+                if not built:
+                    log.warning(
+                        "CPU kernels: building them for this CPU, once (1-4 minutes on 2 cores) in %s", folder
+                    )
+                started = time.monotonic()
+                load(
+                    name=name,
+                    sources=[str(p) for p in SOURCES],
+                    extra_cflags=list(_compile_flags()),
+                    extra_ldflags=[f for f in _compile_flags() if f == "-fopenmp"],
+                    build_directory=os.fspath(folder),
+                    is_python_module=False,
+                    verbose=False,
                 )
-            started = time.monotonic()
-            load(
-                name=name,
-                sources=[str(p) for p in SOURCES],
-                extra_cflags=list(_compile_flags()),
-                extra_ldflags=[f for f in _compile_flags() if f == "-fopenmp"],
-                build_directory=os.fspath(folder),
-                is_python_module=False,
-                verbose=False,
-            )
-            if not built:
-                log.warning("CPU kernels: built in %.0f s", time.monotonic() - started)
+                if not built:
+                    log.warning("CPU kernels: built in %.0f s", time.monotonic() - started)
         except Exception as exc:  # no compiler, no ninja, an unknown -march: the torch ops are correct too
             log.warning("CPU kernels unavailable, using torch ops: %s", exc)
             return None

@@ -11,8 +11,9 @@ a few ulps).
 from __future__ import annotations
 
 import math
-import os
+import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -156,21 +157,47 @@ def test_turned_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cpu_kernels.paged_decode_kernel() is not None
 
 
-def test_a_killed_build_s_lock_is_removed_and_a_live_build_s_kept(
+def test_a_killed_build_s_lock_is_removed_and_a_live_build_waited_on(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """torch's builder waits on a lock file while it exists: one left by a killed build hung every later
-    start. A lock older than any build goes (and says so); a fresh one is another build's, waited on."""
-    lock = tmp_path / "lock"
-    assert not cpu_kernels.clear_stale_lock(tmp_path)
-    lock.touch()
-    with caplog.at_level("WARNING", logger="kernels.cpu_kernels"):
-        assert not cpu_kernels.clear_stale_lock(tmp_path) and lock.exists()
-        assert "waiting for another process's build" in caplog.text
-        old = time.time() - cpu_kernels.STALE_LOCK_S - 60
-        os.utime(lock, (old, old))
-        assert cpu_kernels.clear_stale_lock(tmp_path) and not lock.exists()
+    """torch's builder waits on its lock file while it exists: one left by a killed build hung every later
+    start. A builder's turn is an OS lock that dies with its holder: a process killed while holding it
+    frees it, and the next builder removes torch's lock file it left; a live holder is waited on."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_THE_TURN, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "holding"
+        (tmp_path / "lock").touch()  # torch's baton, as a build in progress has it
+        took: list[float] = []
+        waiter = threading.Thread(target=lambda: _take_turn(tmp_path, took))
+        with caplog.at_level("WARNING", logger="kernels.cpu_kernels"):
+            waiter.start()
+            waiter.join(timeout=1.0)
+            assert waiter.is_alive() and not took, "the turn was taken while a live build held it"
+            assert "waiting for another process's build" in caplog.text
+            holder.kill()  # killed mid-build: its lock file stays, its turn goes with it
+            holder.wait()
+            waiter.join(timeout=30)
+        assert took and not (tmp_path / "lock").exists()
         assert "left by a build that was killed" in caplog.text
+    finally:
+        holder.kill()
+
+
+_HOLD_THE_TURN = """
+import sys, time
+from pathlib import Path
+from kernels import cpu_kernels
+with cpu_kernels.build_turn(Path(sys.argv[1])):
+    print("holding", flush=True)
+    time.sleep(600)
+"""
+
+
+def _take_turn(folder: Path, took: list[float]) -> None:
+    with cpu_kernels.build_turn(folder):
+        took.append(time.monotonic())
 
 
 def test_two_interpreters_build_apart(monkeypatch: pytest.MonkeyPatch) -> None:
