@@ -9,6 +9,8 @@ itself (same pid, same command line) with what the user has not set.
   16.5 and 104.9 passive (2.8x, 2.1x; one core's worth of the idle rate is 11.4 and 94). The price on an
   idle machine: 22.7 -> 19.1 tok/s at batch 1, 187 -> 176 at 16. ``OMP_WAIT_POLICY=ACTIVE`` keeps the
   spinning (a dedicated machine). libgomp reads the variable once, when torch loads it: hence the re-exec.
+- ``OMP_NUM_THREADS``, only where a cgroup CPU quota (a container's ``--cpus``) allows fewer cores than
+  the affinity holds: as many threads as the quota's whole cores (`server.common.cpu_budget`).
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ from __future__ import annotations
 import os
 import sys
 
+from server.common.cpu_budget import affinity_cores, cpu_budget, quota_cores
 from server.common.malloc_tuning import OBJECTS_ON_MALLOC, PYTHON_ALLOCATOR_ENV, glibc_trims
 
 WAIT_POLICY_ENV = "OMP_WAIT_POLICY"
+THREADS_ENV = "OMP_NUM_THREADS"
 PASSIVE = "PASSIVE"
 
 
@@ -27,6 +31,10 @@ def server_env() -> dict[str, str]:
     wanted = {WAIT_POLICY_ENV: PASSIVE}
     if glibc_trims():
         wanted[PYTHON_ALLOCATOR_ENV] = OBJECTS_ON_MALLOC
+    affinity = affinity_cores()
+    threads = cpu_budget(affinity, quota_cores())
+    if threads < affinity:
+        wanted[THREADS_ENV] = str(threads)
     return {k: v for k, v in wanted.items() if k not in os.environ}
 
 

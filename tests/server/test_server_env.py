@@ -11,10 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from server.common import malloc_tuning
+from server.common import malloc_tuning, server_env as server_env_module
+from server.common.cpu_budget import cpu_budget, quota_cores
 from server.common.malloc_tuning import OBJECTS_ON_MALLOC, PYTHON_ALLOCATOR_ENV
 from server.common.security import CLUSTER_TOKEN_ENV
-from server.common.server_env import PASSIVE, WAIT_POLICY_ENV, restart_with_server_env
+from server.common.server_env import (
+    PASSIVE,
+    THREADS_ENV,
+    WAIT_POLICY_ENV,
+    restart_with_server_env,
+    server_env,
+)
 from tests.processes import served_url, spawn_logged, stop, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,6 +39,7 @@ def _unset(monkeypatch: pytest.MonkeyPatch, *names: str) -> None:
 def test_the_process_is_re_executed_with_the_same_command_line(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[str, list[str]]] = []
     _unset(monkeypatch, PYTHON_ALLOCATOR_ENV, WAIT_POLICY_ENV)
+    monkeypatch.setattr(server_env_module, "quota_cores", lambda: None)  # whatever the machine has
     monkeypatch.setattr(sys, "orig_argv", [sys.executable, "-m", "server", "--port", "9000"])
     monkeypatch.setattr(os, "execv", lambda path, args: calls.append((path, args)))
     monkeypatch.setattr(malloc_tuning, "_libc", lambda: type("Glibc", (), {"malloc_trim": None})())
@@ -46,6 +54,7 @@ def test_the_users_values_stand_and_a_missing_glibc_changes_only_the_wait_policy
 ) -> None:
     calls: list[list[str]] = []
     monkeypatch.setattr(os, "execv", lambda path, args: calls.append(args))
+    monkeypatch.setattr(server_env_module, "quota_cores", lambda: None)  # whatever the machine has
     if why == "set":  # the user's choices stand: nothing to re-execute for
         monkeypatch.setenv(PYTHON_ALLOCATOR_ENV, "pymalloc")
         monkeypatch.setenv(WAIT_POLICY_ENV, "ACTIVE")
@@ -73,3 +82,62 @@ def test_python_m_server_runs_in_the_server_environment(tmp_path: Path) -> None:
         assert f"{WAIT_POLICY_ENV}={PASSIVE}".encode() in environ
     finally:
         stop(proc)
+
+
+def _cgroup(tmp_path: Path, proc: str, files: dict[str, str]) -> tuple[Path, Path]:
+    """A fake cgroup mount under ``tmp_path`` with ``files`` (relative paths), and a /proc/self/cgroup."""
+    root = tmp_path / "cgroup"
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    (tmp_path / "proc_cgroup").write_text(proc)
+    return root, tmp_path / "proc_cgroup"
+
+
+@pytest.mark.parametrize(
+    ("proc", "files", "quota"),
+    [
+        ("0::/\n", {"cpu.max": "200000 100000\n"}, 2.0),  # v2, a container's own view
+        ("0::/\n", {"cpu.max": "max 100000\n"}, None),
+        ("0::/kubepods/pod1\n", {"kubepods/pod1/cpu.max": "150000 100000\n"}, 1.5),
+        ("0::/gone\n", {"cpu.max": "300000 100000\n"}, 3.0),  # the path is not under the mount: its root
+        (
+            "4:memory:/\n3:cpu,cpuacct:/docker/abc\n",
+            {
+                "cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "400000\n",
+                "cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000\n",
+            },
+            4.0,
+        ),
+        ("1:cpu:/\n", {"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+        ("1:cpu:/\n", {}, None),  # nothing readable
+    ],
+)
+def test_the_cgroup_quota_is_read_as_cores(
+    tmp_path: Path, proc: str, files: dict[str, str], quota: float | None
+) -> None:
+    root, proc_cgroup = _cgroup(tmp_path, proc, files)
+    assert quota_cores(root, proc_cgroup) == quota
+
+
+@pytest.mark.parametrize(
+    ("affinity", "quota", "threads"), [(64, 2.0, 2), (64, 1.5, 1), (64, 0.5, 1), (2, 8.0, 2), (8, None, 8)]
+)
+def test_threads_follow_the_quota_s_whole_cores_within_the_affinity(
+    affinity: int, quota: float | None, threads: int
+) -> None:
+    assert cpu_budget(affinity, quota) == threads
+
+
+def test_a_quota_below_the_affinity_sets_the_thread_count_unless_the_user_did(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(server_env_module, "affinity_cores", lambda: 64)
+    monkeypatch.setattr(server_env_module, "quota_cores", lambda: 2.0)
+    _unset(monkeypatch, THREADS_ENV)
+    assert server_env()[THREADS_ENV] == "2"
+    monkeypatch.setenv(THREADS_ENV, "4")  # the user's choice stands
+    assert THREADS_ENV not in server_env()
+    monkeypatch.setattr(server_env_module, "quota_cores", lambda: None)
+    _unset(monkeypatch, THREADS_ENV)
+    assert THREADS_ENV not in server_env()  # no quota: libgomp's own choice (the affinity)
