@@ -21,6 +21,7 @@ from parrot.openai_types import (
 )
 
 from server.engine.request import GenerateResult
+from server.engine.sampling import SamplingParams
 from server.http.openai_logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from server.http.openai_requests import ChatTools
 from server.http.openai_tools import parse_tool_calls
@@ -64,6 +65,20 @@ class AnswerMeta:
         return set() if self.include_usage else {"usage"}
 
 
+@dataclass(frozen=True)
+class AnswerForm:
+    """How a run is answered: what every part repeats (``meta``), the route (chat or completions), the
+    sampling it ran with, and what the request asked the answer to carry: token ids (completions'
+    ``return_token_ids``), tool calls parsed from the text, its prompts echoed."""
+
+    meta: AnswerMeta
+    chat: bool
+    sampling: SamplingParams
+    with_ids: bool = False
+    tools: ChatTools | None = None
+    echo: PromptEcho | None = None
+
+
 def usage(choices: list[RequestChoice]) -> OpenAIUsage:
     """Token counts as OpenAI's and vLLM's: each prompt once, however many choices (``n``) it has."""
     prompt = sum(c.prompt_tokens for c in choices if c.choice == 0)
@@ -72,20 +87,16 @@ def usage(choices: list[RequestChoice]) -> OpenAIUsage:
 
 
 def whole_answer(
-    run: RequestRun,
-    meta: AnswerMeta,
-    chat: bool,
-    with_ids: bool,
-    tools: ChatTools | None,
-    echo: PromptEcho | None,
+    run: RequestRun, form: AnswerForm
 ) -> OpenAIChatCompletionResponse | OpenAICompletionResponse:
     """The answer of a run that was not streamed (every choice completed)."""
     tokenizer = run.engine.tokenizer
-    if chat:
+    meta, tools, echo = form.meta, form.tools, form.echo
+    if form.chat:
         return _chat_response(
             meta, run.choices, tokenizer, tools, choice_prompt_logprobs(tokenizer, run.choices[0], echo)
         )
-    return _text_response(meta, run.choices, tokenizer, with_ids, echo)
+    return _text_response(meta, run.choices, tokenizer, form.with_ids, echo)
 
 
 def _results(choices: list[RequestChoice]) -> list[GenerateResult]:

@@ -39,7 +39,7 @@ from server.engine.api import error_response
 from server.engine.errors import EngineError
 from server.engine.interface import Engine
 from server.engine.sampling import SamplingParams
-from server.http.openai_answer import AnswerMeta, PromptEcho, whole_answer
+from server.http.openai_answer import AnswerForm, AnswerMeta, PromptEcho, whole_answer
 from server.http.openai_requests import (
     ChatTools,
     InvalidPromptError,
@@ -220,9 +220,10 @@ async def _serve(
         ),
     )
     with_ids = bool(getattr(req, "return_token_ids", False))
+    form = AnswerForm(meta, chat, sampling, with_ids, tools, echo)
     if not req.stream:
-        return JSONResponse(whole_answer(run, meta, chat, with_ids, tools, echo).model_dump())
-    return await streamed_answer(run, sampling, meta, chat, with_ids, tools, echo)
+        return JSONResponse(whole_answer(run, form).model_dump())
+    return await streamed_answer(run, form)
 
 
 def _echo(engine: Engine, req: OpenAICompletionRequest, prompts: list[list[int]]) -> PromptEcho | None:

@@ -26,28 +26,19 @@ from pydantic import BaseModel
 
 from server.engine.detokenize import IncrementalDetokenizer
 from server.engine.errors import EngineError
-from server.engine.sampling import SamplingParams, TokenLogprob
-from server.http.openai_answer import AnswerMeta, PromptEcho, assistant_message, echoed_logprobs, usage
+from server.engine.sampling import TokenLogprob
+from server.http.openai_answer import AnswerForm, AnswerMeta, assistant_message, echoed_logprobs, usage
 from server.http.openai_logprobs import chat_logprobs, completion_logprobs
-from server.http.openai_requests import ChatTools
 from server.serve.request_run import RequestChoice, RequestRun
 
 _T = TypeVar("_T")
 
 
-async def streamed_answer(
-    run: RequestRun,
-    sampling: SamplingParams,
-    meta: AnswerMeta,
-    chat: bool,
-    with_ids: bool,
-    tools: ChatTools | None,
-    echo: PromptEcho | None,
-) -> StreamingResponse:
+async def streamed_answer(run: RequestRun, form: AnswerForm) -> StreamingResponse:
     """The streamed answer of a started run (each choice's first token read); from here the stream owns
     the run and releases it."""
     try:
-        events = _stream_events(run, sampling, meta, chat, with_ids, tools, echo)
+        events = _stream_events(run, form)
         # Started here, so that its `finally` (which releases the run) runs even if the client is gone
         # before the response begins: asyncio closes a started async generator when it is collected.
         head = await anext(events)
@@ -67,24 +58,14 @@ def _sse(payload: str) -> str:
     return f"data: {payload}\n\n"
 
 
-async def _stream_events(
-    run: RequestRun,
-    sampling: SamplingParams,
-    meta: AnswerMeta,
-    chat: bool,
-    with_ids: bool,
-    tools: ChatTools | None,
-    echo: PromptEcho | None,
-) -> AsyncIterator[str]:
+async def _stream_events(run: RequestRun, form: AnswerForm) -> AsyncIterator[str]:
     """The SSE body: every choice's deltas as they come, interleaved as vLLM sends them (all generates run
     concurrently in the engine), each choice's in its own order; then the usage chunk (when asked for)
     and ``[DONE]``. The contexts are freed however the stream ends; an engine error ends it with an error
     event."""
     tokenizer = run.engine.tokenizer
-    choices = [
-        _choice_events(tokenizer, meta, i, choice, sampling, chat, with_ids, tools, echo)
-        for i, choice in enumerate(run.choices)
-    ]
+    meta, chat = form.meta, form.chat
+    choices = [_choice_events(tokenizer, form, i, choice) for i, choice in enumerate(run.choices)]
     try:
         async for event in choices[0] if len(choices) == 1 else _interleave(choices):
             yield event
@@ -109,15 +90,7 @@ async def _stream_events(
 
 
 async def _choice_events(
-    tokenizer: Any,
-    meta: AnswerMeta,
-    index: int,
-    choice: RequestChoice,
-    sampling: SamplingParams,
-    chat: bool,
-    with_ids: bool,
-    tools: ChatTools | None,
-    echo: PromptEcho | None,
+    tokenizer: Any, form: AnswerForm, index: int, choice: RequestChoice
 ) -> AsyncIterator[str]:
     """One choice's chunks; the choice completes once its generate ends. With tools, the choice is sent
     whole once complete: only then is it known to be calls or text.
@@ -128,6 +101,14 @@ async def _choice_events(
     one, and the first chunk the prompt's. With ``echo``, the first chunk is the prompt's text (and its
     tokens' logprobs, when scored).
     """
+    meta, sampling, chat, with_ids, tools, echo = (
+        form.meta,
+        form.sampling,
+        form.chat,
+        form.with_ids,
+        form.tools,
+        form.echo,
+    )
     stream = choice.stream
     assert stream is not None
     pending: list[int] = []  # ids not sent yet
