@@ -57,7 +57,7 @@ SIZES = {"full": Sizes((1, 16, 64), 128, 5), "quick": Sizes((1, 16), 64, 3), "ti
 
 def mask_us_per_row(engine: LLMEngine, batch: int, tokens: list[int], repeats: int) -> float:
     """Median microseconds to mask one row for one token, over a real answer's grammar states."""
-    grammar = engine._grammars.compile(GuidedDecoding("json_schema", json.dumps(SCHEMA)))
+    grammar = engine.core.grammars.compile(GuidedDecoding("json_schema", json.dumps(SCHEMA)))
     logits = torch.randn(batch, engine.vocab_size)
     times = []
     for _ in range(repeats):

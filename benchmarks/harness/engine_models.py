@@ -14,8 +14,8 @@ from typing import Any
 
 def engine_model(engine: Any) -> Any:
     """The ``torch.nn.Module`` a loaded `server.engine.LLMEngine` runs (its parameters are the weights)."""
-    # The engine does not expose its model publicly; the runner holds it (`ModelRunner.model`).
-    model = getattr(getattr(engine, "_runner", None), "model", None)
+    # The engine's core holds the runner, which holds the model (`EngineCore.runner`, `ModelRunner.model`).
+    model = getattr(getattr(getattr(engine, "core", None), "runner", None), "model", None)
     if model is None:
         raise TypeError(f"{type(engine).__name__} has no loaded torch model to read weights from")
     return model

@@ -1,7 +1,7 @@
 """The engine's side of disaggregated serving: lending its KV to other engines, and moving KV in and out.
 
-A base of `LLMEngine`; every state change runs on the engine thread (`_run_on_thread`), like every other
-command.
+A base of `LLMEngine`; every change of its core's state runs on the engine thread (`_run_on_thread`), like
+every other command.
 
 * `lease_kv` pins a context's cached tokens for another engine to attend over (`remote_kv.KVLease`) and
   `kv_source` is what that engine calls to do so — the holder side of Mutel's attention parallelism;
@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
-from server.engine.block_manager import BlockAllocator
-from server.engine.context import Context, ContextTable, blocks_for
+from server.engine.context import Context, blocks_for
 from server.engine.errors import (
     ContextBusyError,
     InvalidRequestError,
@@ -28,8 +27,10 @@ from server.engine.errors import (
 from server.engine.kv_transfer import KVBlob, read_kv, write_kv
 from server.engine.model_runner import KVCache
 from server.engine.remote_kv import KVLease, LocalKVSource
-from server.engine.scheduler import Scheduler
 from server.engine.submit_checks import inherited
+
+if TYPE_CHECKING:
+    from server.engine.engine_core import EngineCore
 
 T = TypeVar("T")
 
@@ -37,15 +38,11 @@ T = TypeVar("T")
 class KVExchange:
     """Lease, export and import of KV (see the module docstring), over the engine state declared here."""
 
-    # The engine's state and helpers this relies on (`LLMEngine` sets and defines them).
+    # What this relies on from `LLMEngine`: its core (the state, changed only on the engine thread), the
+    # thread's liveness and the way onto it.
     model_name: str
     block_size: int
-    _runner: Any  # a `ModelRunner` (its `kv`); the simulator's runner has no KV to lend
-    _contexts: ContextTable
-    _allocator: BlockAllocator
-    _scheduler: Scheduler
-    _leases: dict[int, KVLease]
-    _kv_bytes_moved: int
+    core: EngineCore
     _dead: BaseException | None
     _thread: threading.Thread
     _kv_source: LocalKVSource | None = None
@@ -53,11 +50,8 @@ class KVExchange:
     async def _run_on_thread(self, fn: Callable[[], T]) -> T:
         raise NotImplementedError
 
-    def _check_length(self, kind: str, total: int, generate: bool, remote: int = 0) -> None:
-        raise NotImplementedError
-
     def _kv(self) -> KVCache:
-        kv = getattr(self._runner, "kv", None)
+        kv = getattr(self.core.runner, "kv", None)  # the simulator's runner has no KV to lend
         if not isinstance(kv, KVCache):
             raise InvalidRequestError(f"engine {self.model_name!r} has no KV cache to lend or move")
         return kv
@@ -84,9 +78,9 @@ class KVExchange:
                     f"1..{ctx.num_cached} of them, not {n}"
                 )
             blocks = tuple(ctx.block_table[: blocks_for(n, self.block_size)])
-            self._allocator.share(list(blocks))
+            self.core.allocator.share(list(blocks))
             held = KVLease(context_id, blocks, n)
-            self._leases[held.lease_id] = held
+            self.core.leases[held.lease_id] = held
             return held
 
         return await self._run_on_thread(lease)
@@ -95,10 +89,10 @@ class KVExchange:
         """Let go of a lease: its blocks return once nothing else holds them. Releasing twice is an error."""
 
         def release() -> None:
-            held = self._leases.pop(lease.lease_id, None)
+            held = self.core.leases.pop(lease.lease_id, None)
             if held is None:
                 raise InvalidRequestError(f"release_kv: lease {lease.lease_id} is not held here (released?)")
-            self._allocator.release(list(held.blocks))
+            self.core.allocator.release(list(held.blocks))
 
         await self._run_on_thread(release)
 
@@ -115,7 +109,7 @@ class KVExchange:
                     f"tokens of context {context_id}"
                 )
             blob = read_kv(self._kv().k, self._kv().v, ctx, start, stop)
-            self._kv_bytes_moved += blob.nbytes
+            self.core.kv_bytes_moved += blob.nbytes
             return blob
 
         return await self._run_on_thread(export)
@@ -143,21 +137,21 @@ class KVExchange:
                     "dim); "
                     f"this engine's model needs ({len(kv.k)}, n, {kv.k[0].shape[2]}, {kv.k[0].shape[3]})"
                 )
-            created = context_id not in self._contexts
+            created = context_id not in self.core.contexts
             if created:
                 parent = None
                 if parent_context_id is not None:
                     parent = _idle(self, parent_context_id, "import_kv")
                 forked = 0 if parent is None else inherited("import_kv", parent, parent_len)
-                self._check_length("import_kv", forked + len(blob.token_ids) + len(pending or []), False)
-                ctx = self._contexts.create(context_id, parent, parent_len)
+                self.core.check_length("import_kv", forked + len(blob.token_ids) + len(pending or []), False)
+                ctx = self.core.contexts.create(context_id, parent, parent_len)
             else:
                 ctx = _idle(self, context_id, "import_kv")
                 if parent_context_id is not None or parent_len is not None:
                     raise InvalidRequestError(
                         f"import_kv: context {context_id} already exists; nothing is forked into it"
                     )
-                self._check_length(
+                self.core.check_length(
                     "import_kv", ctx.num_cached + len(blob.token_ids) + len(pending or []), False
                 )
             try:
@@ -168,30 +162,30 @@ class KVExchange:
                         f"{uncomputed[:5]}...; imported KV continues the last computed token, so it must "
                         "start with them"
                     )
-                need = self._contexts.blocks_needed(ctx, len(blob.token_ids))
-                if not self._scheduler.make_room(need, keep=(ctx,)):
+                need = self.core.contexts.blocks_needed(ctx, len(blob.token_ids))
+                if not self.core.scheduler.make_room(need, keep=(ctx,)):
                     raise PromptTooLongError(
                         f"import_kv: {len(blob.token_ids)} tokens need {need} free KV blocks and only "
-                        f"{self._allocator.num_free} can be freed now; retry later or free contexts"
+                        f"{self.core.allocator.num_free} can be freed now; retry later or free contexts"
                     )
-                self._contexts.reserve(ctx, len(blob.token_ids))
+                self.core.contexts.reserve(ctx, len(blob.token_ids))
             except Exception:
                 if created:
-                    self._contexts.free(context_id)
+                    self.core.contexts.free(context_id)
                 raise
             del ctx.token_ids[ctx.num_cached :]  # the pending tokens come back with their KV
             write_kv(kv.k, kv.v, ctx, blob)
             ctx.token_ids.extend(pending or [])
-            self._kv_bytes_moved += blob.nbytes
+            self.core.kv_bytes_moved += blob.nbytes
             return len(ctx.token_ids)
 
         return await self._run_on_thread(import_)
 
 
 def _idle(engine: KVExchange, context_id: int, op: str, allow_remote: bool = False) -> Context:
-    if context_id not in engine._contexts:
+    if context_id not in engine.core.contexts:
         raise UnknownContextError(f"{op}: context {context_id} does not exist (never created, or freed)")
-    ctx: Context = engine._contexts.get(context_id)
+    ctx: Context = engine.core.contexts.get(context_id)
     if ctx.busy:
         raise ContextBusyError(f"{op}: context {context_id} is being extended by a request; wait for it")
     if ctx.remote is not None and not allow_remote:

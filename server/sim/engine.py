@@ -17,16 +17,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from server.engine.config import EngineConfig, ModelConfig
 from server.engine.engine import LLMEngine
+from server.engine.engine_core import EngineCore
 from server.engine.engine_front import Abort, Sink
 from server.engine.errors import EngineDeadError
 from server.engine.remote_kv import RemoteRows
-from server.engine.request import Request
 from server.engine.scheduler import ScheduledChunk
 from server.engine.step_features import step_features
 from server.sim.latency import LatencyModel
@@ -42,7 +42,7 @@ _FILLER_TEXT = (
 
 
 class SimRunner:
-    """A `server.engine.engine.StepRunner` that computes nothing: it predicts each step's time."""
+    """A `server.engine.engine_core.StepRunner` that computes nothing: it predicts each step's time."""
 
     def __init__(self, latency: LatencyModel, block_size: int, vocab_size: int, filler: list[int]) -> None:
         if not filler:
@@ -52,6 +52,10 @@ class SimRunner:
         self.vocab_size = vocab_size
         self.filler = filler
         self.grouped_decode_steps = 0
+        # What the latency model models (its grouped steps' times), not a choice made here.
+        self.shared_prefix_decode: Literal["auto", "always", "never"] = (
+            "auto" if latency.shared_prefix_decode else "never"
+        )
         self.remote_rows: RemoteRows | None = None  # the simulator models no remote KV
         self.scored_rows: dict[int, torch.Tensor] = {}
         self.last_seconds = 0.0  # predicted time of the last `run`
@@ -73,12 +77,15 @@ class SimRunner:
         }
         return torch.tensor(nxt, dtype=torch.float32).unsqueeze(1)
 
+    def wait_for_device(self) -> None:
+        """Nothing runs on a device here."""
+
     def _next(self, position: int) -> int:
         """The token the simulated model predicts at ``position``."""
         return self.filler[position % len(self.filler)]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """A peaked distribution on the chosen token (`SimEngine` reads the token directly instead)."""
+        """A peaked distribution on the chosen token: greedy or not, sampling picks it."""
         out = torch.zeros(hidden.shape[0], self.vocab_size)
         out[torch.arange(hidden.shape[0]), hidden[:, 0].long()] = 100.0
         return out
@@ -124,33 +131,47 @@ class SimEngine(LLMEngine):
         ]
         runner = SimRunner(latency, config.block_size, model_config.vocab_size, filler)
         self._sim_runner = runner
+        self._dead: BaseException | None = None
+        self._loop_of_commands: asyncio.AbstractEventLoop | None = None  # where commands are handled
         # SJF aging waits in simulated seconds: the loop's virtual clock, read when the scheduler runs.
-        self._init_state(
-            runner, tokenizer, model_config, config, model_name, num_blocks, _no_copy, _virtual_now
+        core = EngineCore(
+            runner,
+            tokenizer,
+            model_config,
+            config,
+            model_name,
+            num_blocks,
+            _no_copy,
+            self._post_from_thread,
+            _virtual_now,
         )
+        self._attach(core)
         self._held: list[tuple[Any, tuple[Any, ...]]] | None = None
         self._task: asyncio.Task[None] | None = None
         self._closed = False
         self.busy_seconds = 0.0  # simulated time spent in steps
 
-    def _next_tokens(self, reqs: list[Request], hidden: torch.Tensor) -> list[int]:
-        # The runner already chose each token; sampling over a vocabulary would only cost time.
-        return [int(t) for t in hidden[:, 0].tolist()]
-
     # The caller side of `LLMEngine`, without the thread: commands are handled at once on the loop.
     def _new_sink(self, stream: bool) -> Sink:
-        return _HeldSink(asyncio.get_running_loop(), stream, self)
+        self._loop_of_commands = asyncio.get_running_loop()
+        return _HeldSink(self._loop_of_commands, stream, self)
 
     def _post(self, command: object) -> None:
         if self._closed or self._dead is not None:
             raise EngineDeadError(f"the simulated engine is not running: {self._dead or 'shut down'}")
-        self._stalled = False  # anything may have freed room
-        self._handle(command)
+        self.core.stalled = False  # anything may have freed room
+        self.core.handle(command)
         self._kick()
+
+    def _post_from_thread(self, command: object) -> None:
+        """A command from another thread (a compiled grammar): handled on the loop, in its turn."""
+        loop = self._loop_of_commands
+        if loop is not None and not loop.is_closed() and not self._closed:
+            loop.call_soon_threadsafe(self._post, command)
 
     def _abort(self, sink: Sink) -> None:
         if not sink.future.done() and not self._closed:
-            self._handle(Abort(sink))
+            self.core.handle(Abort(sink))
             self._kick()
 
     def shutdown(self) -> None:
@@ -160,7 +181,7 @@ class SimEngine(LLMEngine):
         self._closed = True
         if self._task is not None:
             self._task.cancel()
-        self._fail_all(EngineDeadError("the simulated engine was shut down"))
+        self.core.fail_all(EngineDeadError("the simulated engine was shut down"))
 
     def _kick(self) -> None:
         if self._task is None or self._task.done():
@@ -169,13 +190,13 @@ class SimEngine(LLMEngine):
     async def _run(self) -> None:
         try:
             while True:
-                self._admit_deferred()
-                if self._stalled or not self._scheduler.has_work:
+                self.core.admit_deferred()
+                if self.core.stalled or not self.core.scheduler.has_work:
                     return  # the next command starts a new run
                 self._sim_runner.last_seconds = 0.0
                 self._held = []
                 try:
-                    self._step()
+                    self.core.step()
                 finally:
                     held, self._held = self._held, None
                 seconds = self._sim_runner.last_seconds
@@ -189,7 +210,7 @@ class SimEngine(LLMEngine):
         except Exception as e:  # a bug: fail everyone loudly rather than hang them
             log.exception("simulated engine crashed")
             self._dead = e
-            self._fail_all(EngineDeadError(f"the simulated engine stopped: {e!r}"))
+            self.core.fail_all(EngineDeadError(f"the simulated engine stopped: {e!r}"))
 
 
 def _no_copy(src: int, dst: int) -> None:

@@ -22,17 +22,17 @@ async def recorded_remote(
     """A `RemoteEngine` of ``engine`` over ASGI (no network), the raw HTTP client, and every request the
     engine's scheduler is given meanwhile, in order."""
     added: list[Request] = []
-    add = engine._scheduler.add
+    add = engine.core.scheduler.add
 
     def record(req: Request) -> None:
         added.append(req)
         add(req)
 
-    engine._scheduler.add = record  # type: ignore[method-assign]
+    engine.core.scheduler.add = record  # type: ignore[method-assign]
     app = create_engine_app(engine, cluster_token=None)
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://e") as client:
             info = EngineInfo.model_validate((await client.get("/info")).json())
             yield RemoteEngine("http://e", "e", info, engine.tokenizer, client), client, added
     finally:
-        engine._scheduler.add = add  # type: ignore[method-assign]
+        engine.core.scheduler.add = add  # type: ignore[method-assign]

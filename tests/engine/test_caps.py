@@ -149,7 +149,7 @@ def _computed(chunk: ScheduledChunk) -> None:
 
 # ------------------------------------------------------------------------------------------- the engine
 class _Watch:
-    """Wraps ``engine._scheduler.schedule``: after each call, the context ids running (in admission order)
+    """Wraps ``engine.core.scheduler.schedule``: after each call, the context ids running (in admission order)
     and their total reservation. `hold` makes the next call wait for `release`, so requests posted in
     between are all queued before the scheduler looks at them."""
 
@@ -157,7 +157,7 @@ class _Watch:
         self.steps: list[tuple[list[int], int]] = []
         self._gate = threading.Event()
         self._gate.set()
-        scheduler = engine._scheduler
+        scheduler = engine.core.scheduler
         inner: Callable[[], list[ScheduledChunk]] = scheduler.schedule
 
         def schedule() -> list[ScheduledChunk]:

@@ -47,7 +47,7 @@ async def test_shared_prefix_kernel_in_the_engine_changes_nothing(gqa_model: Pat
             await eng.fill(0, prefix)
             await asyncio.gather(*(eng.fill(i + 1, s, parent_context_id=0) for i, s in enumerate(suffixes)))
             res = await asyncio.gather(*(eng.generate(i + 1, GREEDY) for i in range(len(suffixes))))
-            replays = eng._runner.graphs.grouped_replays if eng._runner.graphs is not None else 0
+            replays = eng.core.runner.graphs.grouped_replays if eng.core.runner.graphs is not None else 0
             return [r.token_ids for r in res], eng.stats().grouped_decode_steps, replays
 
     grouped, steps, replays = await run("always")  # the Triton shared-prefix kernel inside graphs
@@ -83,7 +83,7 @@ async def test_cuda_graph_decode_equals_eager(gqa_model: Path) -> None:
     async def run(graphs: bool) -> tuple[list[list[int]], int]:
         with LLMEngine.from_pretrained(gqa_model, cuda_config(cuda_graphs=graphs, max_num_seqs=16)) as engine:
             out = await asyncio.gather(*(run_prompt(engine, p) for p in batch))
-            runner = engine._runner
+            runner = engine.core.runner
             return out, 0 if runner.graphs is None else runner.graphs.replays
 
     graphed, replays = await run(True)

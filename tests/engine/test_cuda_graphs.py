@@ -60,13 +60,13 @@ async def test_replayed_decode_equals_eager(gqa_model: Path) -> None:
     with _engine(gqa_model, backend) as graphed:
         ours = await asyncio.gather(*(run_prompt(graphed, p) for p in batch))
         single = await run_prompt(graphed, batch[0])  # bucket 1
-        runner = graphed._runner
+        runner = graphed.core.runner
         assert runner.graphs is not None and runner.graphs.replays > 0
         assert graphed.stats().blocks_used == 0  # padding never took a block
     sizes = cuda_graphs.graph_batch_sizes(6)
     assert backend.captured == len(sizes) + len([s for s in sizes if s >= 2])  # plain, and grouped from 2
     with _engine(gqa_model, None) as eager:
-        assert eager._runner.graphs is None
+        assert eager.core.runner.graphs is None
         expected = await asyncio.gather(*(run_prompt(eager, p) for p in batch))
     assert ours == expected and single == expected[0]
 
@@ -97,7 +97,7 @@ async def test_grouped_steps_replay_their_own_graphs_and_agree(
     async def run(backend: object | None, mode: str) -> tuple[list[list[int]], int, int]:
         with _engine(gqa_model, backend, shared_prefix_decode=mode) as eng:
             out = await _forks(eng, prefixes, suffixes, lone)
-            graphs = eng._runner.graphs
+            graphs = eng.core.runner.graphs
             return out, eng.stats().grouped_decode_steps, graphs.grouped_replays if graphs else 0
 
     graphed, grouped_steps, grouped_replays = await run(ReplayingBackend(), "always")
@@ -116,7 +116,7 @@ async def test_more_groups_than_a_graph_holds_run_eagerly(
     suffixes = prompts(4, seed=36, low=1, high=9)
     with _engine(gqa_model, ReplayingBackend(), shared_prefix_decode="always") as eng:
         out = await _forks(eng, prefixes, suffixes)
-        graphs = eng._runner.graphs
+        graphs = eng.core.runner.graphs
         assert graphs is not None and graphs.max_groups == 1
         assert eng.stats().grouped_decode_steps > 0 and graphs.grouped_replays == 0
     with _engine(gqa_model, None, shared_prefix_decode="never") as eager:
@@ -135,11 +135,11 @@ def test_failed_grouped_capture_keeps_the_plain_graphs(
             return super().capture(step)
 
     with _engine(gqa_model, FailsGrouped()) as engine:
-        graphs = engine._runner.graphs
+        graphs = engine.core.runner.graphs
         assert graphs is not None and not graphs.has_grouped
     assert "grouped steps failed" in caplog.text
     with _engine(gqa_model, FailsGrouped(), shared_prefix_decode="never") as engine:  # none asked
-        assert engine._runner.graphs is not None and not engine._runner.graphs.has_grouped
+        assert engine.core.runner.graphs is not None and not engine.core.runner.graphs.has_grouped
 
 
 async def run_generate(engine: LLMEngine, cid: int) -> list[int]:
@@ -154,7 +154,7 @@ def test_failed_capture_falls_back_to_eager(gqa_model: Path, caplog: pytest.LogC
             raise RuntimeError("capture not supported")
 
     with _engine(gqa_model, Broken()) as engine:
-        assert engine._runner.graphs is None
+        assert engine.core.runner.graphs is None
     assert "CUDA graph capture failed" in caplog.text
 
 
@@ -198,7 +198,7 @@ async def test_the_mode_switches_while_the_engine_serves(gqa_model: Path) -> Non
             await eng.free_context(cid)
         assert await eng.set_shared_prefix_decode("always") == "never"
         grouped = await _forks(eng, prefixes, suffixes)
-        graphs = eng._runner.graphs
+        graphs = eng.core.runner.graphs
         assert eng.stats().grouped_decode_steps > 0 and graphs is not None and graphs.grouped_replays == 0
         with pytest.raises(InvalidRequestError, match="'auto', 'always' or 'never'"):
             await eng.set_shared_prefix_decode("sometimes")

@@ -295,7 +295,7 @@ def test_json_strings_refuse_control_characters_and_surrogates(tiny: LLMEngine, 
     byte_token = {b: vocab[ch] for b, ch in bytes_to_unicode().items()}
     text = {"type": "string", "maxLength": 8} if bounded else {"type": "string"}
     schema = json.dumps({"type": "object", "properties": {"s": text}, "required": ["s"]})
-    grammar = tiny._grammars.compile(GuidedDecoding("json_schema", schema))
+    grammar = tiny.core.grammars.compile(GuidedDecoding("json_schema", schema))
 
     def accepts(inner: bytes) -> bool:
         guide = Guide(grammar)
@@ -390,7 +390,7 @@ def test_json_whitespace_is_bounded_or_off(tiny: LLMEngine, compact: bool) -> No
     vocab = tiny.tokenizer.get_vocab()
     byte_token = {b: vocab[ch] for b, ch in bytes_to_unicode().items()}
     schema = json.dumps({"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]})
-    grammar = tiny._grammars.compile(GuidedDecoding("json_schema", schema, compact))
+    grammar = tiny.core.grammars.compile(GuidedDecoding("json_schema", schema, compact))
 
     def accepts(text: bytes) -> bool:
         guide = Guide(grammar)

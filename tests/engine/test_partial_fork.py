@@ -96,7 +96,7 @@ async def test_outputs_differ_by_prefix(fresh: LLMEngine, parent: list[int]) -> 
 async def test_block_accounting_is_exact(fresh: LLMEngine, parent: list[int]) -> None:
     original = (await fresh.generate(9, GREEDY, PARENT)).token_ids
     await fresh.free_context(9)
-    table = fresh._contexts
+    table = fresh.core.contexts
     used = blocks_for(L, B)
     assert _used(fresh) == used
 

@@ -132,7 +132,7 @@ async def test_a_preempted_scoring_fill_scores_each_token_once(gqa_model: Path) 
 
     try:
         *_, scored = await asyncio.gather(*(grow(next(context_ids), p) for p in firsts), score_later())
-        preemptions = eng._scheduler.num_preemptions
+        preemptions = eng.core.scheduler.num_preemptions
     finally:
         eng.shutdown()
     assert preemptions > 0

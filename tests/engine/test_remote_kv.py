@@ -245,7 +245,7 @@ async def test_bad_exchanges_get_typed_errors(pair: tuple[LLMEngine, LLMEngine])
     wrong = KVBlob((1, 2), torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4))
     with pytest.raises(InvalidRequestError, match="this engine's model needs"):
         await decode.import_kv(62, wrong)
-    assert 62 not in decode._contexts
+    assert 62 not in decode.core.contexts
     stream = prefill.submit_generate(6, _first(3))
     with pytest.raises(ContextBusyError):
         await prefill.lease_kv(6)

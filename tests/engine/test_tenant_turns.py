@@ -114,7 +114,7 @@ async def test_the_tenant_travels_over_http_and_a_long_one_is_refused(gqa_model:
 def test_a_server_with_api_keys_sends_each_keys_tenant_from_both_apis() -> None:
     keys = ("key-of-alice", "key-of-bob")
     with launch("tiny", api_keys=list(keys)) as served:
-        scheduler = served.engines[0]._scheduler
+        scheduler = served.engines[0].core.scheduler
         added: list[Request] = []
         add = scheduler.add
 

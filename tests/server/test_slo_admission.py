@@ -95,7 +95,7 @@ def test_a_disaggregated_pair_under_a_tpot_objective_retunes_its_prefill_chunk()
         assert pair.prefill_chunk == 2048  # a generous objective leaves the chunk whole
         # A tight one (1 ms per output token, below any CPU step here) takes it to its least.
         assert s.run(tune(1e-3)) == pair.prefill_chunk == 64
-        assert pair.prefill._scheduler.max_num_batched_tokens == 64  # the engine's own budget now
+        assert pair.prefill.core.scheduler.max_num_batched_tokens == 64  # the engine's own budget now
         r = httpx.post(f"{s.url}/v1/completions", json={"prompt": PROMPT * 4, "max_tokens": 4}, timeout=60)
         assert r.status_code == 200, r.text  # a long prompt fills in chunks of 64 and answers
         assert s.run(tune(slo.tpot_s)) == pair.prefill_chunk == 2048  # and back when the objective allows
