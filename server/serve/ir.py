@@ -32,10 +32,10 @@ from parrot.protocol import (
     SamplingConfig,
     SubmitCallRequest,
     TransformSpec,
-    check_call,
-    schema_guide,
 )
 from parrot.template import TemplatePlaceholder, TemplateText
+
+from server.serve.call_checks import schema_guide, validate_call
 
 __all__ = [
     "PREFIX_HASH_HEX_CHARS",
@@ -180,13 +180,13 @@ def input_vars(step: Step) -> list[str]:
 def build_call(
     request: SubmitCallRequest, var_ids_for_outputs: Mapping[str, str], *, call_id: str | None = None
 ) -> CallIR:
-    """Validate ``request`` (`check_call`: `TemplateError` / `CallError`) and build its IR.
+    """Validate ``request`` (`validate_call`: `TemplateError` / `CallError`) and build its IR.
 
     ``var_ids_for_outputs`` maps each output name to the fresh variable the session created for it; it must
     name exactly the template's outputs, with distinct ids (anything else is a bug in the caller:
     ``ValueError``). ``call_id`` defaults to a random hex id.
     """
-    pieces = check_call(request.template, request.placeholders)
+    pieces = validate_call(request.template, request.placeholders)
     specs = {spec.name: spec for spec in request.placeholders}
     outputs = [p.name for p in pieces if isinstance(p, TemplatePlaceholder) and p.role == "output"]
     if sorted(var_ids_for_outputs) != sorted(outputs):
@@ -207,7 +207,7 @@ def build_call(
         if piece.role == "output":
             # A private copy: the IR outlives the request and must not change if the request object does.
             sampling = spec.sampling.model_copy() if spec.sampling is not None else SamplingConfig()
-            if (guide := schema_guide(spec.transforms)) is not None:  # check_call: the only constraint
+            if (guide := schema_guide(spec.transforms)) is not None:  # validate_call: the only constraint
                 sampling.guided = guide
             gen = Gen(var_ids_for_outputs[piece.name], piece.name, sampling, tuple(spec.transforms))
             steps.append(Step(len(steps), tuple(fills), gen))
@@ -215,7 +215,7 @@ def build_call(
         elif spec.value is not None:
             fills.append(TextFill(spec.value, piece.name))
         else:
-            assert spec.var_id is not None  # check_call: an input has exactly one of value / var_id
+            assert spec.var_id is not None  # validate_call: an input has exactly one of value / var_id
             fills.append(VarFill(spec.var_id, piece.name))
     return CallIR(
         call_id=call_id if call_id is not None else uuid.uuid4().hex,

@@ -3,10 +3,10 @@
 It answers the single-operation routes and the batch route the client uses (operations applied in order,
 an error naming its ``op_index``, then the get: NDJSON, all at once since nothing here runs concurrently).
 
-It speaks the wire schema of `parrot.protocol`: it validates every body with the same models (and submitted
-calls with `check_call`), checks the bearer token, records every request, and "generates" an output as
-``<name:input values>`` once the call's inputs have values. ``script`` overrides what a named output
-becomes (a `GetVariableResponse` minus the id).
+It speaks the wire schema of `parrot.protocol`: it validates every body with the same models (and
+submitted calls with the server's `validate_call`), checks the bearer token, records every request, and
+"generates" an output as ``<name:input values>`` once the call's inputs have values. ``script``
+overrides what a named output becomes (a `GetVariableResponse` minus the id).
 """
 
 from __future__ import annotations
@@ -32,10 +32,11 @@ from parrot.protocol import (
     SubmitCallRequest,
     SubmitCallResponse,
     VariableCreated,
-    check_call,
 )
 from parrot.template import TemplateError
 from pydantic import ValidationError
+
+from server.serve.call_checks import validate_call
 
 URL = "http://parrot.test"
 
@@ -159,7 +160,7 @@ class FakeServer:
         return GetVariableResponse(var_id=var.var_id, status="ready", value=value)
 
     def _submit(self, call: SubmitCallRequest) -> SubmitCallResponse:
-        check_call(call.template, call.placeholders)
+        validate_call(call.template, call.placeholders)
         if call.func_name in self.reject:
             raise self.reject[call.func_name]
         call_id = f"c{next(self._ids)}"

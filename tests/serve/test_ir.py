@@ -1,5 +1,5 @@
 """The call IR: steps, prompt rendering (values verbatim, steps continuing each other), prefix hashes, and the
-call checks (`check_call`) that guard it."""
+call checks (`validate_call`) that guard it."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ from parrot.protocol import (
     SubmitCallRequest,
     SubmitCallResponse,
     TransformSpec,
-    check_call,
 )
 from parrot.template import TemplateError
 from pydantic import ValidationError
 
+from server.serve.call_checks import validate_call
 from server.serve.ir import (
     PREFIX_HASH_HEX_CHARS,
     CallIR,
@@ -241,7 +241,7 @@ def test_hash_of_pieces_equals_hash_of_whole(parts: list[str]) -> None:
         assert digest == prefix_hash(prompt[:offset])
 
 
-# ------------------------------------------------------------------------------------------- check_call
+# ---------------------------------------------------------------------------------------- validate_call
 OK_TEMPLATE = "Task: {{input:t}}\nCode: {{output:code}}"
 
 
@@ -281,9 +281,9 @@ OK_TEMPLATE = "Task: {{input:t}}\nCode: {{output:code}}"
         ),
     ],
 )
-def test_check_call_errors(specs: list[PlaceholderSpec], message: str) -> None:
+def test_validate_call_errors(specs: list[PlaceholderSpec], message: str) -> None:
     with pytest.raises(CallError, match=message):
-        check_call(OK_TEMPLATE, specs)
+        validate_call(OK_TEMPLATE, specs)
     with pytest.raises(CallError, match=message):  # build_call checks the same way
         build_call(SubmitCallRequest(template=OK_TEMPLATE, placeholders=specs), {"code": "v"})
 
@@ -291,17 +291,17 @@ def test_check_call_errors(specs: list[PlaceholderSpec], message: str) -> None:
 def test_outputs_may_choose_their_var_ids_but_not_the_same_one() -> None:
     template = "{{input:t}} {{output:a}} {{output:b}}"
     chosen = [spec("t", value="x"), spec("a", "output", var_id="out-a"), spec("b", "output", var_id="out_b")]
-    check_call(template, chosen)
+    validate_call(template, chosen)
     same = [spec("t", value="x"), spec("a", "output", var_id="v"), spec("b", "output", var_id="v")]
     with pytest.raises(CallError, match="two outputs ask for the same var_id"):
-        check_call(template, same)
+        validate_call(template, same)
 
 
-def test_check_call_returns_the_pieces_and_checks_the_template_first() -> None:
-    pieces = check_call(OK_TEMPLATE, [spec("t", value=""), spec("code", "output")])  # an empty value is fine
+def test_validate_call_returns_the_pieces_and_checks_the_template_first() -> None:
+    pieces = validate_call(OK_TEMPLATE, [spec("t", value=""), spec("code", "output")])  # an empty value: fine
     assert len(pieces) == 4
     with pytest.raises(TemplateError, match="unknown role"):
-        check_call("{{inptu:t}} {{output:code}}", [])
+        validate_call("{{inptu:t}} {{output:code}}", [])
 
 
 def test_wire_models() -> None:
