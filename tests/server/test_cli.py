@@ -224,3 +224,39 @@ def test_the_listener_turns_nagle_off_on_every_connection_it_accepts() -> None:
         return value
 
     assert asyncio.run(accepted_nodelay()) != 0
+
+
+# Flags that set a config field, by the config that declares it: a flag's default must be the field's.
+_ENGINE_FIELDS = (
+    "num_kv_blocks",
+    "gpu_memory_utilization",
+    "dtype",
+    "max_running_tokens",
+    "scheduling",
+    "sjf_aging_s",
+)
+
+
+def test_the_command_lines_defaults_are_the_config_objects_defaults() -> None:
+    """The parsers are built from light modules (no torch), so they cannot all read the config objects;
+    this keeps every flag that sets a field at that field's default (the defaults cannot drift)."""
+    from server.__main__ import _parser
+    from server.cluster.openai_backend_http import OpenAIBackendConfig
+    from server.common.security import SecurityConfig
+    from server.engine import EngineConfig
+    from server.engine.__main__ import parse_args as engine_args
+    from server.serve.manager_config import ManagerConfig
+
+    engine_defaults = EngineConfig()
+    served = vars(_parser("parrot-serve").parse_args([]))
+    for name in _ENGINE_FIELDS:
+        assert served[name] == getattr(engine_defaults, name), name
+    assert served["enforce_eager"] is (not engine_defaults.cuda_graphs)
+    assert served["session_ttl"] == ManagerConfig().session_ttl
+    assert served["max_engines"] == SecurityConfig("t" * 32).max_remote_engines
+    assert served["openai_backend_capacity"] == OpenAIBackendConfig("http://x").capacity_tokens
+    engine = vars(engine_args([]))
+    engine_only = ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_model_len", "role")
+    for name in (*_ENGINE_FIELDS, *engine_only, "shared_prefix_decode", "batch_invariant"):
+        assert engine[name] == getattr(engine_defaults, name), name
+    assert engine["enforce_eager"] is (not engine_defaults.cuda_graphs)
