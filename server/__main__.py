@@ -284,7 +284,7 @@ def _serve(args: argparse.Namespace, p: argparse.ArgumentParser, prog: str) -> i
             ready_lines,
             models=manager.openai.models(),
             api_keys=bool(settings.api_keys),
-            cluster_token=settings.cluster_token,
+            token_source=str(token.source),
         )
         serve(app, listener, args.drain_timeout, drain, log, limits, ready)
     finally:

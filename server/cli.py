@@ -173,16 +173,16 @@ def listener_url(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}" if sock.family == socket.AF_INET6 else f"http://{host}:{port}"
 
 
-def ready_lines(url: str, models: Sequence[str], api_keys: bool, cluster_token: str) -> list[str]:
+def ready_lines(url: str, models: Sequence[str], api_keys: bool, token_source: str) -> list[str]:
     """What a user needs once the server at ``url`` is up: the OpenAI base URL with the model ids and the
-    key a client sends, the Parrot client's URL, and the live view's link (it carries the cluster token
-    after ``#``, which browsers never send to a server: the page reads it and forgets the address)."""
+    key a client sends, the Parrot client's URL, and the live view's address with where its credential
+    is (``token_source``: the cluster token's file or variable; the token itself never goes to a log)."""
     local = url.replace("://0.0.0.0:", "://127.0.0.1:").replace("://[::]:", "://[::1]:")
     key = "the key given with --api-key" if api_keys else "any (no --api-key given)"
     return [
         f"OpenAI API: base_url={local}/v1, models: {', '.join(models) or 'none yet'}, api_key: {key}",
         f"Parrot client: parrot.Session({local!r})",
-        f"live view: {local}/ui#token={cluster_token}",
+        f"live view: {local}/ui (sign in with the cluster token: {token_source})",
     ]
 
 
