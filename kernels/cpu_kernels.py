@@ -31,9 +31,10 @@ the small elementwise parts of a layer (RoPE with the KV write, SwiGLU's activat
 
 They are built with torch's extension builder (ninja and a C++ compiler) into torch's extension cache the
 first time a process asks, for this machine's CPU (``-march=native``; the build's name carries the CPU's
-flags, so a shared cache never hands one CPU another's binary, and the interpreter's and torch's paths, so
-two virtualenvs never rebuild each other's). A build says so when it starts and what it cost when it ends
-(minutes on 2 cores). Builders of one folder take turns under an OS lock (``flock``), which the kernel
+flags, so a shared cache never hands one CPU another's binary, the interpreter's and torch's paths, so
+two virtualenvs never rebuild each other's, and the sources' text, so a binary found under its name is
+loaded as it is, however new the source files are). A build says so when it starts and what it cost when
+it ends (minutes on 2 cores). Builders of one folder take turns under an OS lock (``flock``), which the kernel
 releases when its holder exits, killed or not: the turn's holder knows that torch's own lock file, if
 there, was left by a build that was killed, and removes it (torch's builder would wait on it forever).
 Where they cannot be built the torch ops run instead and the reason is logged once;
@@ -173,6 +174,20 @@ def build_turn(folder: Path) -> Iterator[None]:
             fcntl.flock(turn, fcntl.LOCK_UN)
 
 
+def _load_built(binary: Path) -> bool:
+    """Load ``binary`` if a build left it; whether it did. Its name's tag digests the sources' text, so it is
+    theirs whatever their files' times say: torch's builder would hand it to ninja, which rebuilds from
+    scratch when the sources are newer than the objects (every fresh clone: minutes, silently)."""
+    if not binary.is_file():
+        return False
+    try:
+        torch.ops.load_library(str(binary))
+    except (OSError, RuntimeError) as e:  # a link cut short by a kill: build it again
+        log.warning("CPU kernels: %s does not load (%s); building it again", binary, e)
+        return False
+    return True
+
+
 @functools.cache
 def _ops() -> Any | None:
     """``torch.ops.parrot_cpu`` once the kernels are built and loaded; None where they cannot be."""
@@ -185,22 +200,20 @@ def _ops() -> Any | None:
             name = f"parrot_cpu_kernels_{_build_tag()}"
             folder = _build_dir(name)
             with build_turn(folder):
-                built = (folder / f"{name}.so").is_file()
-                if not built:
+                if not _load_built(folder / f"{name}.so"):
                     log.warning(
                         "CPU kernels: building them for this CPU, once (1-4 minutes on 2 cores) in %s", folder
                     )
-                started = time.monotonic()
-                load(
-                    name=name,
-                    sources=[str(p) for p in SOURCES],
-                    extra_cflags=list(_compile_flags()),
-                    extra_ldflags=[f for f in _compile_flags() if f == "-fopenmp"],
-                    build_directory=os.fspath(folder),
-                    is_python_module=False,
-                    verbose=False,
-                )
-                if not built:
+                    started = time.monotonic()
+                    load(
+                        name=name,
+                        sources=[str(p) for p in SOURCES],
+                        extra_cflags=list(_compile_flags()),
+                        extra_ldflags=[f for f in _compile_flags() if f == "-fopenmp"],
+                        build_directory=os.fspath(folder),
+                        is_python_module=False,
+                        verbose=False,
+                    )
                     log.warning("CPU kernels: built in %.0f s", time.monotonic() - started)
         except Exception as exc:  # no compiler, no ninja, an unknown -march: the torch ops are correct too
             log.warning("CPU kernels unavailable, using torch ops: %s", exc)

@@ -157,6 +157,33 @@ def test_turned_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cpu_kernels.paged_decode_kernel() is not None
 
 
+def test_a_built_binary_is_loaded_without_the_builder(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh clone's sources are newer than the cached objects: torch's builder (ninja) would compile
+    everything again, for minutes and without a word. The binary's name digests the sources' text, so a
+    binary found under it is loaded as it is; the builder runs only where there is none."""
+    assert cpu_kernels.paged_decode_kernel() is not None  # built (or found) once
+    import torch.utils.cpp_extension as cpp_extension
+
+    def no_build(**_: object) -> None:
+        raise AssertionError("the builder ran although the binary was there")
+
+    monkeypatch.setattr(cpp_extension, "load", no_build)
+    cpu_kernels.clear_cache()
+    try:
+        assert cpu_kernels.paged_decode_kernel() is not None
+    finally:
+        cpu_kernels.clear_cache()
+
+
+def test_a_binary_that_does_not_load_is_built_again(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    assert not cpu_kernels._load_built(tmp_path / "absent.so")
+    cut = tmp_path / "cut.so"
+    cut.write_bytes(b"\x7fELF cut short")
+    with caplog.at_level("WARNING", logger="kernels.cpu_kernels"):
+        assert not cpu_kernels._load_built(cut)
+    assert "does not load" in caplog.text
+
+
 def test_a_killed_build_s_lock_is_removed_and_a_live_build_waited_on(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -218,6 +245,7 @@ def test_a_failed_build_falls_back_to_torch_and_says_why(
         raise RuntimeError("Ninja is required to load C++ extensions")
 
     monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiler)
+    monkeypatch.setattr(cpu_kernels, "_load_built", lambda binary: False)  # nothing built on this machine
     cpu_kernels.clear_cache()
     try:
         with caplog.at_level("WARNING", logger="kernels.cpu_kernels"):
