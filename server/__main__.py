@@ -206,7 +206,6 @@ def _serve(args: argparse.Namespace, p: argparse.ArgumentParser, prog: str) -> i
         from starlette.types import ASGIApp
 
         from server.cluster.mutel import Slo
-        from server.cluster.openai_backend import OpenAIBackendConfig  # noqa: F401  (httpx, transformers)
         from server.cluster.ray_engines import RayEngines
         from server.common.netdelay import NetworkDelayMiddleware
         from server.common.security import SecurityConfig, api_keys_from, load_cluster_token

@@ -142,7 +142,7 @@ async def _choice_events(
             yield chunk(text, None, [])
     if tools is not None:
         result = await stream.result()
-        choice.completed(result)
+        choice.result = result
         lps = None if result.logprobs is None else chat_logprobs(tokenizer, result.logprobs)
         yield _sse(_chat_whole_chunk(meta, index, *assistant_message(result, tools), lps))
         return
@@ -155,7 +155,7 @@ async def _choice_events(
             if delta := detok.push(token_id):
                 yield chunk(delta, None, stream.logprobs[sent:read])
     result = await stream.result()
-    choice.completed(result)
+    choice.result = result
     # The last chunk: the text held back (a stop string's start) and the rest of the logprobs.
     yield chunk(detok.finish(result.text) or None, result.finish_reason, (result.logprobs or [])[sent:])
 

@@ -85,16 +85,12 @@ class RequestChoice:
     prompt_no: int = 0  # which of the request's prompts
     stream: GenerationStream | NoGeneration | None = None
     first: int | None = None  # a streaming choice's first token, once read (None: it generated none)
-    result: GenerateResult | None = None  # once it completed
+    result: GenerateResult | None = None  # once it completed (its context may then be kept)
     scored: list[TokenLogprob] | None = None  # its prompt's tokens' log-probabilities, when scored
 
     @property
     def prompt_tokens(self) -> int:
         return len(self.prompt)
-
-    def completed(self, result: GenerateResult) -> None:
-        """The choice's generate ended with ``result``: its context may be kept as a cached prefix."""
-        self.result = result
 
 
 @dataclass
@@ -227,7 +223,7 @@ async def _start(run: RequestRun, spec: RequestSpec) -> None:
     if not spec.stream:
         results = await _gather_all([c.stream.result() for c in run.choices if c.stream is not None])
         for c, r in zip(run.choices, results, strict=True):
-            c.completed(r)
+            c.result = r
         return
     for c in run.choices:
         assert c.stream is not None
