@@ -5,7 +5,7 @@
 // holds those features' k-th weights, so one FMA multiplies it by a broadcast x[r][k] and accumulates 8
 // outputs in the lanes of a register: no horizontal sums, every weight byte read once per pass, in order.
 // A micro-kernel keeps kRows x kPanels accumulators (6 x 2 = 12 of the 16 vector registers, plus two
-// weight vectors and the broadcast) over the whole K; threads split the output features in groups of
+// weight vectors and the broadcast) over the whole K; threads claim the output features in groups of
 // kPanels panels, and rows run in chunks of kChunkRows (each chunk a pass over the weight). Each output is
 // one float32 sum over k in order, plus the bias: the same at every row count.
 //
@@ -17,6 +17,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
@@ -131,21 +132,34 @@ void panels(const float* x, int64_t M, int64_t K, const float* w, const float* b
   }
 }
 
+// Calls ``body(begin, end)`` over [0, count) in pieces of ``step``, each claimed by whichever thread is free
+// (a shared counter), not a fixed share per thread: a thread that starts late (woken from a passive wait,
+// or preempted by another process on its core) leaves its work to the others instead of making them wait
+// for it at the region's end.
+template <class Body>
+void claimed(int64_t count, int64_t step, const Body& body) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    for (int64_t begin; (begin = next.fetch_add(step, std::memory_order_relaxed)) < count;)
+      body(begin, std::min(count, begin + step));
+  });
+}
+
 template <bool Bias>
 void gemm(const float* x, const float* w, const float* bias, float* y, int64_t M, int64_t K, int64_t N,
           int64_t num_panels) {
   const int64_t groups = (num_panels + kPanels - 1) / kPanels;
-  // At a row or two a group is ~10k multiply-adds: a task takes several, or waking a thread costs more.
-  const int64_t grain = M >= 4 ? 1 : 4;
+  // At a row or two a group is ~10k multiply-adds: a claim takes several, or the claims cost more.
+  const int64_t step = M >= 4 ? 2 : 4;
   for (int64_t m0 = 0; m0 < M; m0 += kChunkRows) {
     const int64_t rows = std::min(kChunkRows, M - m0);
-    at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
+    claimed(groups, step, [&](int64_t begin, int64_t end) {
       for (int64_t g = begin; g < end; ++g) {
         const int64_t p = g * kPanels, n = p * kPanel, panel_bytes = K * kPanel * sizeof(float);
         const float* wg = w + p * K * kPanel;
         const float* xm = x + m0 * K;
         float* ym = y + m0 * N;
-        // This task's next group, if it has one (its panels follow this group's in memory).
+        // This claim's next group, if it has one (its panels follow this group's in memory).
         const bool more = g + 1 < end;
         const char* next = more ? reinterpret_cast<const char*>(wg) + kPanels * panel_bytes : nullptr;
         const int64_t next_bytes = more ? std::min<int64_t>(kPanels, num_panels - p - kPanels) * panel_bytes : 0;
