@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING, Any
 from server.cli import (
     DefaultsHelpFormatter,
     add_listen_args,
-    add_memory_args,
     bind_listener,
     connection_limits,
     exit_if_extra_missing,
@@ -40,13 +39,13 @@ from server.cli import (
     ready_lines,
     serve,
 )
+from server.common.config_flags import add_config_flags, config_values
 from server.common.settings import BACKEND_API_KEY, epilog
+from server.engine.config import SERVER_ENGINE_FLAGS, EngineConfig
 from server.engine.model_names import DEFAULT_MODEL, MODEL_HELP
-from server.engine.ordering import add_scheduling_args
 
 if TYPE_CHECKING:
     from server.cluster.ray_engines import RayEngines
-    from server.engine import EngineConfig
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,14 +151,7 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         default=30.0,
         help="on SIGTERM: new sessions and calls get 503; running steps get this long to finish",
     )
-    add_memory_args(p)
-    p.add_argument(
-        "--max-running-tokens",
-        type=int,
-        default=None,
-        help="each engine's FIFO token cap on its running batch (the latency-capped baseline; default: none)",
-    )
-    add_scheduling_args(p)
+    add_config_flags(p, EngineConfig, SERVER_ENGINE_FLAGS)
     p.add_argument(
         "--length-predictor",
         metavar="PATH",
@@ -209,7 +201,6 @@ def _serve(args: argparse.Namespace, p: argparse.ArgumentParser, prog: str) -> i
         from server.cluster.ray_engines import RayEngines
         from server.common.netdelay import NetworkDelayMiddleware
         from server.common.security import SecurityConfig, api_keys_from, load_cluster_token
-        from server.engine import EngineConfig
         from server.http.app import create_app
         from server.serve.length_predictor import LengthPredictorStateError
         from server.serve.manager import Manager, ManagerConfig
@@ -230,15 +221,7 @@ def _serve(args: argparse.Namespace, p: argparse.ArgumentParser, prog: str) -> i
     log.info("cluster token from %s (remote engines need it)", token.source)
     if settings.api_keys:
         log.info("the OpenAI routes require an API key (%d configured)", len(settings.api_keys))
-    config = EngineConfig(
-        num_kv_blocks=args.num_kv_blocks,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        cuda_graphs=not args.enforce_eager,
-        max_running_tokens=args.max_running_tokens,
-        dtype=args.dtype,
-        scheduling=args.scheduling,
-        sjf_aging_s=args.sjf_aging_s,
-    )
+    config = EngineConfig(**config_values(EngineConfig, args, SERVER_ENGINE_FLAGS))
     limits = connection_limits(prog, args)
     listener = bind_listener(prog, args.host, args.port)  # before any model loads: a port in use fails now
     try:

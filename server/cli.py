@@ -25,7 +25,6 @@ __all__ = [
     "USAGE_ERROR",
     "DefaultsHelpFormatter",
     "add_listen_args",
-    "add_memory_args",
     "bind_listener",
     "exit_if_extra_missing",
     "exit_with_error",
@@ -107,41 +106,6 @@ def connection_limits(prog: str, args: argparse.Namespace) -> ConnectionLimits:
         return ConnectionLimits(args.head_timeout, args.max_connections_per_client)
     except ValueError:
         exit_with_error(prog, "--head-timeout and --max-connections-per-client must be positive")
-
-
-def _fraction(text: str) -> float:
-    """A number in (0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"{text} is not in (0, 1]")
-    return value
-
-
-def add_memory_args(parser: argparse.ArgumentParser) -> None:
-    """``--num-kv-blocks``, ``--gpu-memory-utilization``, ``--dtype`` and ``--enforce-eager``: each engine's
-    KV cache size, number format and whether its GPU decode steps replay CUDA graphs (vLLM's names)."""
-    parser.add_argument(
-        "--num-kv-blocks", type=int, default=None, help="KV cache blocks of each engine (default: what fits)"
-    )
-    parser.add_argument(
-        "--gpu-memory-utilization",
-        type=_fraction,
-        default=0.85,
-        help="share of the GPU's memory each engine may take, weights included (several engines on one GPU: "
-        "split it, e.g. 0.4 each)",
-    )
-    parser.add_argument(
-        "--enforce-eager", action="store_true", help="on a GPU, run every step eagerly (no CUDA graphs)"
-    )
-    parser.add_argument(
-        "--dtype",
-        default=None,
-        choices=["float32", "float16", "bfloat16"],
-        help="weights and activations (default: per device, see EngineConfig.dtype)",
-    )
 
 
 def bind_listener(prog: str, host: str, port: int) -> socket.socket:

@@ -18,18 +18,16 @@ if __name__ == "__main__":  # first thing: the imports below would otherwise be 
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import logging
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 # The command line is parsed with light modules only (no torch, no web framework): a mistake in it is
 # answered at once; the engine's own modules load after.
 from server.cli import (
     DefaultsHelpFormatter,
     add_listen_args,
-    add_memory_args,
     bind_listener,
     connection_limits,
     exit_if_extra_missing,
@@ -37,17 +35,13 @@ from server.cli import (
     program_name,
     serve,
 )
+from server.common.config_flags import add_config_flags, config_values
 from server.common.settings import epilog
-from server.engine.config import ENGINE_ROLES, EngineConfig
+from server.engine.config import ENGINE_FLAGS, EngineConfig
 from server.engine.model_names import DEFAULT_MODEL, MODEL_HELP
-from server.engine.ordering import add_scheduling_args
 
 if TYPE_CHECKING:
     from server.engine.engine import LLMEngine
-
-_CONFIG_DEFAULTS: dict[str, Any] = {
-    f.name: f.default for f in dataclasses.fields(EngineConfig) if f.default is not dataclasses.MISSING
-}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -61,50 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     add_listen_args(p, port=9100)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    add_memory_args(p)
-    p.add_argument(
-        "--block-size", type=int, default=_CONFIG_DEFAULTS["block_size"], help="tokens per KV block"
-    )
-    p.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=_CONFIG_DEFAULTS["max_num_batched_tokens"],
-        help="tokens one step computes at most",
-    )
-    p.add_argument(
-        "--max-num-seqs",
-        type=int,
-        default=_CONFIG_DEFAULTS["max_num_seqs"],
-        help="requests one step runs at most",
-    )
-    p.add_argument(
-        "--max-running-tokens",
-        type=int,
-        default=None,
-        help="FIFO token cap on the running batch: prompt + max new tokens of what runs (default: none)",
-    )
-    p.add_argument(
-        "--max-model-len", type=int, default=None, help="context window (default: the model's own)"
-    )
-    p.add_argument(
-        "--shared-prefix-decode",
-        default=_CONFIG_DEFAULTS["shared_prefix_decode"],
-        choices=["auto", "always", "never"],
-        help="decodes sharing prefix blocks read them in one pass (auto: where it pays)",
-    )
-    p.add_argument(
-        "--batch-invariant",
-        action="store_true",
-        help="a token's result independent of its batch, chunking and forks (CPU, bf16: greedy answers "
-        "compare exactly between schedules; refuses to start where it cannot hold)",
-    )
-    p.add_argument(
-        "--role",
-        default="both",
-        choices=ENGINE_ROLES,
-        help="disaggregated serving: prefill instance, decode instance, or both (colocated, the default)",
-    )
-    add_scheduling_args(p)
+    add_config_flags(p, EngineConfig, ENGINE_FLAGS)
     join = p.add_argument_group("joining a manager")
     join.add_argument("--manager", default=None, help="register with the manager at this URL and heartbeat")
     join.add_argument("--name", default=None, help="the engine's name at the manager (default: host:port)")
@@ -141,23 +92,7 @@ def _prog() -> str:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     extra = {} if args.device is None else {"device": args.device}
-    return EngineConfig(
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        cuda_graphs=not args.enforce_eager,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        max_running_tokens=args.max_running_tokens,
-        max_model_len=args.max_model_len,
-        dtype=args.dtype,
-        shared_prefix_decode=args.shared_prefix_decode,
-        scheduling=args.scheduling,
-        sjf_aging_s=args.sjf_aging_s,
-        role=args.role,
-        batch_invariant=args.batch_invariant,
-        **extra,
-    )
+    return EngineConfig(**config_values(EngineConfig, args, ENGINE_FLAGS), **extra)
 
 
 async def one_shot(engine: LLMEngine, args: argparse.Namespace) -> str:

@@ -7,6 +7,7 @@ needs it, not at import: the command lines read these defaults before anything h
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 import platform
@@ -14,7 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from server.engine.ordering import DEFAULT_SJF_AGING_S, SchedulingPolicy, check_policy
+from server.common.config_flags import Flag, flagged, fraction
+from server.engine.ordering import (
+    DEFAULT_SJF_AGING_S,
+    SCHEDULING_POLICIES,
+    SchedulingPolicy,
+    check_policy,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -172,11 +179,23 @@ def _default_device() -> str:
 
 EngineRole = Literal["prefill", "decode", "both"]
 ENGINE_ROLES: tuple[str, ...] = ("prefill", "decode", "both")
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+def _aging_seconds(text: str) -> float:
+    """``--sjf-aging-s``'s text: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+        check_policy("sjf", value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: a finite number of seconds > 0") from e
+    return value
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Serving knobs.
+    """Serving knobs. A field made with `flagged` is also a command-line flag of both CLIs
+    (`ENGINE_FLAGS`, `SERVER_ENGINE_FLAGS`), with the field's default.
 
     The KV cache holds ``num_kv_blocks`` blocks if given, else as many as fit in ``kv_cache_memory_bytes``,
     else (default) 256 MiB on CPU; on a GPU, what is left of ``gpu_memory_utilization`` x the GPU's total
@@ -184,23 +203,52 @@ class EngineConfig:
     each take their own fraction (e.g. 0.4 each for two).
     """
 
-    block_size: int = 16
-    num_kv_blocks: int | None = None
+    block_size: int = flagged(16, Flag("tokens per KV block"))
+    num_kv_blocks: int | None = flagged(
+        None, Flag("KV cache blocks of each engine (default: what fits)", parse=int)
+    )
     kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.85  # of the GPU's total memory, this engine's weights included
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
+    gpu_memory_utilization: float = flagged(
+        0.85,
+        Flag(
+            "share of the GPU's memory each engine may take, weights included (several engines on one GPU: "
+            "split it, e.g. 0.4 each)",
+            parse=fraction,
+        ),
+    )
+    max_num_batched_tokens: int = flagged(2048, Flag("tokens one step computes at most"))
+    max_num_seqs: int = flagged(64, Flag("requests one step runs at most"))
     # FIFO token cap: the head of the waiting queue joins the running batch only while the running
     # requests' reservations, its own included, stay within this (`server.engine.scheduler`). None: only
     # the KV cache and max_num_seqs limit the batch. The latency-capped baseline of the benchmarks sets it.
-    max_running_tokens: int | None = None
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    max_running_tokens: int | None = flagged(
+        None,
+        Flag(
+            "each engine's FIFO token cap on its running batch: prompt + max new tokens of what runs (the "
+            "latency-capped baseline; default: none)",
+            parse=int,
+        ),
+    )
+    max_model_len: int | None = flagged(None, Flag("context window (default: the model's own)", parse=int))
     device: str = field(default_factory=_default_device)
     # "float32" | "float16" | "bfloat16"; default per device (`default_dtype`), float32 for the "tiny" model
-    dtype: str | None = None
+    dtype: str | None = flagged(
+        None,
+        Flag(
+            "weights and activations (default: bfloat16 on a GPU that has it, else float16; on CPU bfloat16 "
+            "where the CPU computes it natively, else float32)",
+            choices=DTYPES,
+        ),
+    )
     # Group decodes that share prefix blocks into one pass over the prefix: "auto" where it pays
     # (`kernels.should_share_prefix`), "always" (tests), "never" (ablations).
-    shared_prefix_decode: Literal["auto", "always", "never"] = "auto"
+    shared_prefix_decode: Literal["auto", "always", "never"] = flagged(
+        "auto",
+        Flag(
+            "decodes sharing prefix blocks read them in one pass (auto: where it pays)",
+            choices=("auto", "always", "never"),
+        ),
+    )
     seed: int = 0  # seed of the embedded "tiny" model's weights
     # Keep the features and wall time of the last this-many steps (`LLMEngine.step_trace`; 0: off), the
     # data the simulator's latency model is fitted to. On a GPU a traced step waits for the device, so its
@@ -209,22 +257,50 @@ class EngineConfig:
     # The order of the waiting queue (`server.engine.ordering`): "fcfs" (arrival) or "sjf" (lowest
     # `generate(priority=)` first, within objective classes, never preempting). Under "sjf", a request
     # queued for `sjf_aging_s` seconds is overtaken by nothing queued after it (the aging bound).
-    scheduling: SchedulingPolicy = "fcfs"
-    sjf_aging_s: float = DEFAULT_SJF_AGING_S
+    scheduling: SchedulingPolicy = flagged(
+        "fcfs",
+        Flag(
+            "order of each engine's waiting queue: fcfs (arrival) or sjf (shortest predicted output first, "
+            "with aging)",
+            choices=SCHEDULING_POLICIES,
+        ),
+    )
+    sjf_aging_s: float = flagged(
+        DEFAULT_SJF_AGING_S,
+        Flag(
+            "under sjf: a request queued this long is overtaken by nothing queued after it",
+            parse=_aging_seconds,
+            metavar="SECONDS",
+        ),
+    )
     # Disaggregated serving (Mutel): what the manager places here. "prefill" instances compute
     # prompts and keep their KV for the next turn, lending it to decode instances (`kv_exchange`);
     # "decode" instances run decodes over it (`remote_kv`); "both" is the colocated default.
-    role: EngineRole = "both"
+    role: EngineRole = flagged(
+        "both",
+        Flag(
+            "disaggregated serving: prefill instance, decode instance, or both (colocated)",
+            choices=ENGINE_ROLES,
+        ),
+    )
     # On a GPU, replay pure decode steps as CUDA graphs captured per batch-size bucket at start
     # (`server.engine.cuda_graphs`; vLLM's default too). False: every step eager (vLLM's enforce_eager).
-    cuda_graphs: bool = True
+    cuda_graphs: bool = flagged(
+        True, Flag("on a GPU, run every step eagerly (no CUDA graphs)", name="--enforce-eager", negates=True)
+    )
     # Batch invariance (CPU, bf16): a token's result does not depend on what else runs in its step, how its
     # prompt was chunked or whether its prefix was forked, so greedy answers compare exactly between
     # schedules in bf16 (the benchmarks' setting). Every fill token attends as a row of the decode kernel,
     # decodes are never grouped over shared prefixes, and every linear runs our packed GEMM (each output
     # row summed in one order at any row count). Needs our CPU kernels (`ValueError` at start without).
     # Not covered: contexts over another engine's KV (`remote_kv`), whose attention merges two partials.
-    batch_invariant: bool = False
+    batch_invariant: bool = flagged(
+        False,
+        Flag(
+            "a token's result independent of its batch, chunking and forks (CPU, bf16: greedy answers "
+            "compare exactly between schedules; refuses to start where it cannot hold)"
+        ),
+    )
 
     def __post_init__(self) -> None:
         check_policy(self.scheduling, self.sjf_aging_s)
@@ -277,3 +353,25 @@ class EngineConfig:
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"unknown dtype {self.dtype!r}; use float32, float16 or bfloat16")
         return dtype
+
+
+# The fields `python -m server.engine` takes as flags, and those `python -m server` passes to its engines.
+SERVER_ENGINE_FLAGS = (
+    "num_kv_blocks",
+    "gpu_memory_utilization",
+    "cuda_graphs",
+    "dtype",
+    "max_running_tokens",
+    "scheduling",
+    "sjf_aging_s",
+)
+ENGINE_FLAGS = (
+    *SERVER_ENGINE_FLAGS,
+    "block_size",
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "max_model_len",
+    "shared_prefix_decode",
+    "batch_invariant",
+    "role",
+)

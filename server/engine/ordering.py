@@ -36,7 +36,6 @@ them adjacent in the queue.
 
 from __future__ import annotations
 
-import argparse
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -121,32 +120,3 @@ def next_reorder_at(queue: Sequence[Queued[T]], now: float, aging_s: float) -> f
     request ages (``math.inf``: never)."""
     pending = [e.queued_at + aging_s for e in queue if not e.resumed and not is_aged(e, now, aging_s)]
     return min(pending, default=math.inf)
-
-
-def add_scheduling_args(parser: argparse.ArgumentParser) -> None:
-    """``--scheduling`` and ``--sjf-aging-s`` (both CLIs; read into ``EngineConfig.scheduling`` and
-    ``EngineConfig.sjf_aging_s``)."""
-    parser.add_argument(
-        "--scheduling",
-        default="fcfs",
-        choices=SCHEDULING_POLICIES,
-        help="order of each engine's waiting queue: fcfs (arrival) or sjf (shortest predicted output "
-        "first, with aging; default: fcfs)",
-    )
-    parser.add_argument(
-        "--sjf-aging-s",
-        type=_aging_seconds,
-        default=DEFAULT_SJF_AGING_S,
-        metavar="SECONDS",
-        help="under sjf: a request queued this long is overtaken by nothing queued after it "
-        f"(default: {DEFAULT_SJF_AGING_S:g})",
-    )
-
-
-def _aging_seconds(text: str) -> float:
-    try:
-        value = float(text)
-        check_policy("sjf", value)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"{text!r}: a finite number of seconds > 0") from e
-    return value

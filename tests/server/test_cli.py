@@ -223,37 +223,38 @@ def test_the_listener_turns_nagle_off_on_every_connection_it_accepts() -> None:
     assert asyncio.run(accepted_nodelay()) != 0
 
 
-# Flags that set a config field, by the config that declares it: a flag's default must be the field's.
-_ENGINE_FIELDS = (
-    "num_kv_blocks",
-    "gpu_memory_utilization",
-    "dtype",
-    "max_running_tokens",
-    "scheduling",
-    "sjf_aging_s",
-)
+def test_the_engine_flags_are_the_engine_configs_fields() -> None:
+    """Both command lines build their engine flags from `EngineConfig`'s fields (`config_flags`): each flag's
+    default is its field's, and the parsed values make the config that the field defaults make."""
+    from server.__main__ import _parser
+    from server.common.config_flags import config_values
+    from server.engine.__main__ import engine_config, parse_args as engine_args
+    from server.engine.config import ENGINE_FLAGS, SERVER_ENGINE_FLAGS, EngineConfig
+
+    defaults = EngineConfig()
+    assert set(SERVER_ENGINE_FLAGS) < set(ENGINE_FLAGS)
+    assert engine_config(engine_args([])) == defaults
+    served = _parser("parrot-serve").parse_args([])
+    assert EngineConfig(**config_values(EngineConfig, served, SERVER_ENGINE_FLAGS)) == defaults
+    argv = ["--enforce-eager", "--max-num-seqs", "8", "--scheduling", "sjf", "--sjf-aging-s", "5"]
+    config = engine_config(engine_args(argv))
+    assert (config.cuda_graphs, config.max_num_seqs, config.scheduling, config.sjf_aging_s) == (
+        False,
+        8,
+        "sjf",
+        5.0,
+    )
 
 
-def test_the_command_lines_defaults_are_the_config_objects_defaults() -> None:
-    """The parsers are built from light modules (no torch), so they cannot all read the config objects;
-    this keeps every flag that sets a field at that field's default (the defaults cannot drift)."""
+def test_the_servers_other_flags_default_to_their_configs() -> None:
+    """The parser cannot read these configs without their heavy imports: their flags are written by hand,
+    and this keeps each at its field's default."""
     from server.__main__ import _parser
     from server.cluster.openai_backend_http import OpenAIBackendConfig
     from server.common.security import SecurityConfig
-    from server.engine import EngineConfig
-    from server.engine.__main__ import parse_args as engine_args
     from server.serve.manager_config import ManagerConfig
 
-    engine_defaults = EngineConfig()
     served = vars(_parser("parrot-serve").parse_args([]))
-    for name in _ENGINE_FIELDS:
-        assert served[name] == getattr(engine_defaults, name), name
-    assert served["enforce_eager"] is (not engine_defaults.cuda_graphs)
     assert served["session_ttl"] == ManagerConfig().session_ttl
     assert served["max_engines"] == SecurityConfig("t" * 32).max_remote_engines
     assert served["openai_backend_capacity"] == OpenAIBackendConfig("http://x").capacity_tokens
-    engine = vars(engine_args([]))
-    engine_only = ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_model_len", "role")
-    for name in (*_ENGINE_FIELDS, *engine_only, "shared_prefix_decode", "batch_invariant"):
-        assert engine[name] == getattr(engine_defaults, name), name
-    assert engine["enforce_eager"] is (not engine_defaults.cuda_graphs)
