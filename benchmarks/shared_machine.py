@@ -71,11 +71,11 @@ TINY = Config(batches=(1, 4), prompt_len=16, new_tokens=4, rounds=1)
 
 
 @contextmanager
-def co_tenant(cores: int) -> Iterator[None]:
-    """``cores`` busy loops running for as long as the block does."""
+def co_tenant(cores: int) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """``cores`` busy loops (their processes) running for as long as the block does."""
     loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores)]
     try:
-        yield
+        yield loops
     finally:
         for loop in loops:
             loop.kill()

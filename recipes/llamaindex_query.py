@@ -61,6 +61,12 @@ def main() -> None:
     parser.add_argument("--tokenizer", default=None, help="the served model's tokenizer.json")
     parser.add_argument("--context-window", type=int, default=1024, help="tokens to pack prompts for")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per LLM call")
+    parser.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.2,
+        help="vLLM's repetition penalty (1: off): a 135M model's refine and tree summaries otherwise loop",
+    )
     args = parser.parse_args()
 
     started = time.perf_counter()
@@ -75,6 +81,7 @@ def main() -> None:
                 served.url,
                 model=served.model,
                 max_tokens=args.max_tokens,
+                repetition_penalty=args.repetition_penalty,
                 context_window=args.context_window,
                 tokenizer=tokenizer,
             )

@@ -33,7 +33,19 @@ __all__ = ["DEFAULT_BASE_URL", "CallParams", "ParrotModelBase"]
 
 # The call-time keywords a model takes (from ``invoke(..., **kwargs)`` or ``.bind(**kwargs)``).
 _CALL_KWARGS = frozenset(
-    {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos"}
+    {
+        "model",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "stop",
+        "ignore_eos",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+    }
 )
 
 
@@ -49,6 +61,9 @@ class CallParams:
     seed: int | None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def body(self) -> dict[str, Any]:
         """The sampling part of an OpenAI-style request body (``max_tokens`` null: up to the window)."""
@@ -67,6 +82,12 @@ class CallParams:
             body["stop"] = list(self.stop)
         if self.ignore_eos:
             body["ignore_eos"] = True
+        if self.presence_penalty:
+            body["presence_penalty"] = self.presence_penalty
+        if self.frequency_penalty:
+            body["frequency_penalty"] = self.frequency_penalty
+        if self.repetition_penalty != 1.0:
+            body["repetition_penalty"] = self.repetition_penalty  # the server's extension (as in vLLM)
         return body
 
     def sampling(self) -> SamplingConfig:
@@ -82,6 +103,9 @@ class CallParams:
             seed=self.seed,
             stop=list(self.stop),
             ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
         )
 
 
@@ -112,6 +136,12 @@ class ParrotModelBase(BaseModel):
     """Stop sequences (a call's own ``stop`` replaces them); the output ends before the first one."""
     ignore_eos: bool = False
     """Keep generating past the end-of-sequence token (benchmarks use it for fixed output lengths)."""
+    presence_penalty: float = 0.0
+    """Lowers the logits of tokens already generated, once (OpenAI's; in [-2, 2])."""
+    frequency_penalty: float = 0.0
+    """Lowers them per occurrence (OpenAI's; in [-2, 2])."""
+    repetition_penalty: float = 1.0
+    """Divides the positive logits of the prompt's and output's tokens (vLLM's; 1 is off)."""
     timeout: float | None = 120.0
     """Seconds each HTTP attempt may take (connect, each read, each write); None waits forever."""
     max_retries: int = 2
@@ -177,6 +207,9 @@ class ParrotModelBase(BaseModel):
             seed=given.get("seed", self.seed),
             stop=list(stop if stop is not None else (self.stop or [])),
             ignore_eos=given.get("ignore_eos", self.ignore_eos),
+            presence_penalty=given.get("presence_penalty", self.presence_penalty),
+            frequency_penalty=given.get("frequency_penalty", self.frequency_penalty),
+            repetition_penalty=given.get("repetition_penalty", self.repetition_penalty),
         )
         # Refused before any request goes out: a field's value when the model is made, a bound or per-call
         # one (``.bind(temperature=-1)``) when it is called.
@@ -209,6 +242,9 @@ class ParrotModelBase(BaseModel):
             "seed": self.seed,
             "stop": self.stop,
             "ignore_eos": self.ignore_eos,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
         }
 
     def _parrot_ls_params(

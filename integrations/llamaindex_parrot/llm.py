@@ -59,7 +59,17 @@ __all__ = ["ParrotLLM"]
 dispatcher = instrument.get_dispatcher(__name__)
 
 # Per-call keyword arguments that `complete` / `chat` / `structured_predict(llm_kwargs=...)` accept.
-SAMPLING_OPTIONS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+SAMPLING_OPTIONS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
 
 # LlamaIndex's own default for num_output (llama_index.core.constants.DEFAULT_NUM_OUTPUTS).
 DEFAULT_MAX_TOKENS = 256
@@ -106,6 +116,21 @@ class ParrotLLM(LLM):
     top_k: int = Field(default=0, ge=0, description="Top-k sampling (0: off).")
     seed: int | None = Field(default=None, description="Sampling seed (for temperature > 0).")
     stop: list[str] = Field(default_factory=list, description="Stop strings.")
+    presence_penalty: float = Field(
+        default=0.0,
+        ge=-2.0,
+        le=2.0,
+        description="Lowers the logits of tokens already generated, once (OpenAI's).",
+    )
+    frequency_penalty: float = Field(
+        default=0.0, ge=-2.0, le=2.0, description="Lowers them per occurrence (OpenAI's)."
+    )
+    repetition_penalty: float = Field(
+        default=1.0,
+        gt=0.0,
+        le=100.0,
+        description="Divides the positive logits of the prompt's and output's tokens (vLLM's; 1 is off).",
+    )
     timeout: float = Field(default=60.0, gt=0, description="Seconds for each HTTP request.")
     api_key: str | None = Field(
         default_factory=lambda: os.environ.get("PARROT_API_KEY") or None,

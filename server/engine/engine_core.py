@@ -13,7 +13,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol
 
 import torch
@@ -36,7 +36,7 @@ from server.engine.remote_kv import KVLease, KVSourceLostError, RemoteRows
 from server.engine.request import Request
 from server.engine.sampling import make_generator
 from server.engine.scheduler import ScheduledChunk, Scheduler
-from server.engine.step_features import StepRecord, step_features
+from server.engine.step_features import StepFeatures, StepRecord, step_features
 from server.engine.step_timing import StepTiming
 from server.engine.submit_checks import check_length, check_submit, inherited
 from server.engine.wire import EngineStats
@@ -65,6 +65,16 @@ class StepRunner(Protocol):
     def wait_for_device(self) -> None:
         """Return once the device has run everything queued (a traced step's time is the step's)."""
         ...
+
+
+@dataclass(frozen=True)
+class ForwardPass:
+    """One step's forward pass: the final hidden states (a row per chunk's last token, `StepRunner.run`),
+    when it started and, for a traced step, the batch's features."""
+
+    hidden: torch.Tensor
+    started: float
+    features: StepFeatures | None
 
 
 class EngineCore:
@@ -333,49 +343,40 @@ class EngineCore:
         self.contexts.free(context_id)
 
     def step(self) -> None:
+        """One step: schedule a batch, run the model over it, then advance, sample and finish its requests."""
         batch = self.scheduler.schedule()
         if not batch:
             self.stalled = not self._finish_stuck()
             return
+        forward = self._forward(batch)
+        if forward is not None:
+            self._postprocess(batch, forward)
+        self.queued_prefill = self.scheduler.pending_prefill_tokens()
+
+    def _forward(self, batch: list[ScheduledChunk]) -> ForwardPass | None:
+        """The model over ``batch`` (None when it failed: that fails this step's requests, not the engine)."""
         self.steps += 1
-        features = step_features(batch, self.block_size) if self.step_trace is not None else None
         started = time.perf_counter()
+        features = step_features(batch, self.block_size) if self.step_trace is not None else None
         try:
             hidden = self.runner.run(batch)
-        except Exception as e:  # a model failure fails this step's requests, not the engine
+        except Exception as e:
             log.exception("engine step failed")
             for c in batch:
                 self._finish(c.request, error=EngineError(f"the engine step failed: {e!r}"))
-            return
+            return None
         self.tokens_in_last_step = sum(c.num_tokens for c in batch)
         decodes = sum(1 for c in batch if c.request.decoding)
         prefills = sum(c.num_tokens for c in batch if not c.request.decoding)
         self.timing.observe(time.perf_counter() - started, prefills, decodes)
+        return ForwardPass(hidden, started, features)
+
+    def _postprocess(self, batch: list[ScheduledChunk], forward: ForwardPass) -> None:
+        """Advance every chunk's context by the tokens it computed, sample the generates that reached their
+        end, finish the fills that did, and trace the step."""
+        hidden = forward.hidden
         lost = self._remote_exchange_done()
-        to_sample: list[int] = []
-        for i, c in enumerate(batch):
-            req, ctx = c.request, c.request.context
-            if ctx.context_id in lost and ctx.remote is not None:
-                error = KVSourceLostError(f"context {ctx.context_id}: {lost[ctx.context_id]}")
-                self._finish(req, error=error)
-                continue
-            if req.prompt_logprobs is not None:
-                rows = self.runner.scored_rows.get(i, hidden[i : i + 1] if c.num_tokens == 1 else None)
-                if not self._score_chunk(c, rows):
-                    continue
-            if req.decoding:
-                self.decode_tokens += c.num_tokens
-            else:
-                self.prefill_tokens += c.num_tokens
-            ctx.num_cached += c.num_tokens
-            ctx.last_used = self.steps
-            if ctx.num_pending == 0:
-                if req.is_generate:
-                    to_sample.append(i)
-                else:
-                    ctx.last_hidden = hidden[i].clone()
-                    scored = req.prompt_logprobs
-                    self._finish(req, result=len(ctx.token_ids) if scored is None else list(scored))
+        to_sample = [i for i, c in enumerate(batch) if self._advance(i, c, hidden, lost)]
         if to_sample:
             try:
                 self._sample(batch, hidden, to_sample)
@@ -383,11 +384,38 @@ class EngineCore:
                 log.exception("sampling failed")
                 for i in to_sample:
                     self._finish(batch[i].request, error=EngineError(f"sampling failed: {e!r}"))
-        if features is not None and self.step_trace is not None:
+        if forward.features is not None and self.step_trace is not None:
             # A fill reads nothing back: on a GPU its time would be the host's queueing, not the step's.
             self.runner.wait_for_device()
-            self.step_trace.append(StepRecord(features, time.perf_counter() - started))
-        self.queued_prefill = self.scheduler.pending_prefill_tokens()
+            self.step_trace.append(StepRecord(forward.features, time.perf_counter() - forward.started))
+
+    def _advance(
+        self, i: int, chunk: ScheduledChunk, hidden: torch.Tensor, lost: dict[int, BaseException]
+    ) -> bool:
+        """Chunk ``i`` of the step computed its tokens: count them into its context; a fill that reached its
+        end keeps its last hidden state and finishes. True for a generate that is to sample now."""
+        req, ctx = chunk.request, chunk.request.context
+        if ctx.context_id in lost and ctx.remote is not None:
+            self._finish(req, error=KVSourceLostError(f"context {ctx.context_id}: {lost[ctx.context_id]}"))
+            return False
+        if req.prompt_logprobs is not None:
+            rows = self.runner.scored_rows.get(i, hidden[i : i + 1] if chunk.num_tokens == 1 else None)
+            if not self._score_chunk(chunk, rows):
+                return False
+        if req.decoding:
+            self.decode_tokens += chunk.num_tokens
+        else:
+            self.prefill_tokens += chunk.num_tokens
+        ctx.num_cached += chunk.num_tokens
+        ctx.last_used = self.steps
+        if ctx.num_pending != 0:
+            return False
+        if req.is_generate:
+            return True
+        ctx.last_hidden = hidden[i].clone()
+        scored = req.prompt_logprobs
+        self._finish(req, result=len(ctx.token_ids) if scored is None else list(scored))
+        return False
 
     def _score_chunk(self, chunk: ScheduledChunk, rows: torch.Tensor | None) -> bool:
         """Score the tokens a scoring fill's chunk predicts from its ``rows`` (each token's final hidden

@@ -24,11 +24,10 @@ are fresh, no cycle) before it changes anything, so a rejected call leaves no tr
 
 The graph also keeps each step's *objective* (``criteria`` and ``task_group``, the rules of
 `server.serve.deduction`, after Figure 9 of the Parrot paper) on its node, updated by the operations that can
-change it — `SessionGraph.add_call` and `SessionGraph.activate` — at a cost proportional to the steps they
-touch: criteria only ever strengthen, and a step with criteria has everything upstream of it at least
-throughput-preferred, so every walk stops at the first step already marked and each step is walked from
-``None`` at most once. `SessionGraph.take_reprioritised` reports the steps whose objective changed, so the
-manager re-prioritises exactly those.
+change it — `SessionGraph.add_call` and `SessionGraph.activate` — through its `Objectives`
+(`server.serve.graph_objectives`), at a cost proportional to the steps they touch.
+`SessionGraph.take_reprioritised` reports the steps whose objective changed, so the manager re-prioritises
+exactly those.
 """
 
 from __future__ import annotations
@@ -40,6 +39,7 @@ from typing import TYPE_CHECKING
 from parrot.protocol import Criteria
 
 from server.serve.graph_checks import check_new_call
+from server.serve.graph_objectives import Objectives
 from server.serve.ir import CallIR, input_vars
 from server.serve.step_node import (
     CycleError,
@@ -74,9 +74,6 @@ __all__ = [
     "UnknownStepError",
 ]
 
-# Which objective wins when a variable is asked for twice: latency is the stricter promise.
-_STRENGTH: dict[Criteria | None, int] = {None: 0, "throughput": 1, "latency": 2}
-
 
 def _downstream_error(error: str | None) -> str:
     # Downstream messages name the root cause once, however long the chain: a variable that failed because of
@@ -109,11 +106,8 @@ class SessionGraph:
         self._ready: dict[StepId, StepNode] = {}  # ready, not dispatched; in the order they became ready
         self._runnable: dict[StepId, StepNode] = {}  # ... and activated
         self._pending_per_call: dict[str, int] = {}
-        # Pending variables a get (or a submission with criteria) asked for, with the strongest objective.
-        self._wanted: dict[str, Criteria | None] = {}
-        # Pending steps whose criteria or task group changed since `take_reprioritised` (ordered, unique).
-        self._reprioritised: dict[StepId, StepNode] = {}
         self.visits = 0
+        self.objectives = Objectives(self)  # criteria and task groups (`server.serve.graph_objectives`)
 
     # ============================================================================================ reading
     def __len__(self) -> int:
@@ -164,6 +158,14 @@ class SessionGraph:
         """The pending steps waiting for ``var_id``, in submission order (empty once it is settled)."""
         return list(self._consumers.get(var_id, {}).values())
 
+    def waiting_for(self, var_id: str) -> Iterable[StepNode]:
+        """`consumers` as a view, without the copy (for walks that do not change the graph)."""
+        return self._consumers.get(var_id, {}).values()
+
+    def upstream(self, node: StepNode) -> Iterable[StepNode]:
+        """`predecessors` of a node in the graph, lazily, each counted in ``visits``."""
+        return self._predecessors(node)
+
     def predecessors(self, step: StepRef) -> list[StepNode]:
         """The pending steps ``step`` waits for directly: the previous step of its call, then the producers
         of its pending inputs (distinct, in that order)."""
@@ -198,7 +200,7 @@ class SessionGraph:
     def wanted(self) -> dict[str, Criteria | None]:
         """Pending variables that a ``get`` or a submission with ``criteria`` asked for, with the objective
         (latency beats throughput beats none when asked more than once). Input to objective deduction."""
-        return dict(self._wanted)
+        return dict(self.objectives.wanted)
 
     # ========================================================================================= submitting
     def add_call(self, call: CallIR) -> list[StepNode]:
@@ -260,9 +262,11 @@ class SessionGraph:
         for node in nodes:
             out = node.output
             if call.criteria is not None:
-                self._want(out, call.criteria)
+                self.objectives.want(out, call.criteria)
                 to_activate.append(node)
-            elif out in self._wanted or any(c.activated for c in self._consumers.get(out, {}).values()):
+            elif out in self.objectives.wanted or any(
+                c.activated for c in self._consumers.get(out, {}).values()
+            ):
                 to_activate.append(node)  # an adopted output that a get already reaches
         self._activate(to_activate)
 
@@ -273,7 +277,7 @@ class SessionGraph:
             self._fail_from(node, error, error, cause.error_type or STEP_FAILED, cause.llm_output)
         # Objectives after the failures: a step that failed at once neither names a group nor marks its
         # upstream for a variable nobody can have any more.
-        self._deduce_added(
+        self.objectives.added(
             [node for node in nodes if node.status != "failed"],
             [node for node in adopted if node.status != "failed"],
         )
@@ -290,16 +294,12 @@ class SessionGraph:
         var = self.variables.get(var_id)
         if var.settled:
             return []
-        self._want(var_id, criteria)
+        self.objectives.want(var_id, criteria)
         producer = self._producer.get(var_id)
         if producer is None:
             return []
-        self._mark_get(producer, criteria)
+        self.objectives.mark_get(producer, criteria)
         return self._activate([producer])
-
-    def _want(self, var_id: str, criteria: Criteria | None) -> None:
-        if var_id not in self._wanted or _STRENGTH[criteria] > _STRENGTH[self._wanted[var_id]]:
-            self._wanted[var_id] = criteria
 
     def _activate(self, start: Iterable[StepNode]) -> list[StepNode]:
         # Activation is closed upstream (an activated step's predecessors are all activated), so the walk
@@ -407,8 +407,7 @@ class SessionGraph:
         self._ready.clear()
         self._runnable.clear()
         self._pending_per_call.clear()
-        self._wanted.clear()
-        self._reprioritised.clear()
+        self.objectives.clear()
         return cancelled
 
     # ========================================================================================= objectives
@@ -420,104 +419,7 @@ class SessionGraph:
         The steps of a call being added are not reported for the objective they start with: nothing can
         have queued them yet. Steps that left the graph are dropped from the list.
         """
-        changed = list(self._reprioritised.values())
-        self._reprioritised.clear()
-        return changed
-
-    def _deduce_added(self, nodes: list[StepNode], adopted: list[StepNode]) -> None:
-        """The objectives a new call's (surviving) ``nodes`` bring: task groups, then criteria.
-
-        ``adopted`` are those of them whose output existing steps already wait for: they are new inputs of
-        those consumers (which may now have parallel producers) and new upstream of whatever those
-        consumers are marked for.
-        """
-        # Older consumers first: a step feeding several consumers joins the first one's group.
-        for node in adopted:
-            for consumer in self._consumers.get(node.output, {}).values():
-                self.visits += 1
-                self._group_inputs(consumer)
-        for node in nodes:
-            self._group_inputs(node)
-        for node in nodes:
-            criteria = self._wanted.get(node.output)  # the call's own criteria, or an earlier get
-            if criteria is not None:
-                self._mark_get(node, criteria)
-        for node in adopted:
-            self._inherit_criteria(node)
-        for node in nodes:
-            self._reprioritised.pop(node.id, None)  # born with this objective: nobody queued them before
-
-    def _group_inputs(self, consumer: StepNode) -> None:
-        """Task groups: the pending producers of ``consumer``'s inputs from two or more calls run in
-        parallel and ``consumer`` waits for the slowest, so they form a group named by ``consumer``.
-        Sticky: a step already in a group stays there."""
-        producers = self._input_producers(consumer)
-        if len({p.id.call_id for p in producers}) < 2:  # the steps of one call are sequential, not parallel
-            return
-        for producer in producers:
-            if producer.task_group is None:
-                producer.task_group = consumer.id
-                self._reprioritised.setdefault(producer.id, producer)
-
-    def _input_producers(self, consumer: StepNode) -> list[StepNode]:
-        """The distinct pending steps producing ``consumer``'s inputs, other than its own call's steps (those
-        run one after the other on one context, never in parallel)."""
-        seen: dict[StepId, StepNode] = {}
-        for var_id in consumer.inputs:
-            producer = self._producer.get(var_id)
-            if producer is not None and producer.id.call_id != consumer.id.call_id:
-                self.visits += 1
-                seen.setdefault(producer.id, producer)
-        return list(seen.values())
-
-    def _mark_get(self, producer: StepNode, criteria: Criteria | None) -> None:
-        """A get of ``producer``'s output with ``criteria``: Figure 9's marking.
-
-        Latency makes the producer and its immediate predecessors (the previous step of its call, the
-        producers of its pending inputs) latency-critical; everything further upstream, and everything
-        upstream of a throughput get, becomes at least throughput-preferred.
-        """
-        if criteria is None:
-            return
-        heads = [producer, *self._predecessors(producer)] if criteria == "latency" else [producer]
-        # A step that already had criteria has its whole upstream marked (the invariant): walk only from
-        # steps that had none, so a repeated get costs the producer's in-degree, not its upstream.
-        unmarked = [node for node in heads if node.criteria is None]
-        for node in heads:
-            self._strengthen(node, criteria)
-        self._mark_upstream(unmarked)
-
-    def _inherit_criteria(self, node: StepNode) -> None:
-        """``node`` (new) produces a variable that existing steps wait for: it is upstream of whatever they
-        are marked for, and an immediate predecessor of any of them that a latency get produces for."""
-        for consumer in self._consumers.get(node.output, {}).values():
-            self.visits += 1
-            if consumer.criteria is None:
-                continue  # nothing asked for the consumer yet: nothing to inherit
-            criteria: Criteria = "latency" if self._wanted.get(consumer.output) == "latency" else "throughput"
-            unmarked = node.criteria is None
-            self._strengthen(node, criteria)
-            if unmarked:
-                self._mark_upstream([node])
-
-    def _mark_upstream(self, start: list[StepNode]) -> None:
-        """Make every pending step upstream of ``start`` at least throughput-preferred.
-
-        Stops at steps that already have criteria: their upstream is marked already (the invariant), so over
-        a step's life the walk passes it once at most.
-        """
-        stack = list(start)
-        while stack:
-            for pred in self._predecessors(stack.pop()):
-                if pred.criteria is None:
-                    self._strengthen(pred, "throughput")
-                    stack.append(pred)
-
-    def _strengthen(self, node: StepNode, criteria: Criteria) -> None:
-        """Raise ``node``'s criteria to ``criteria`` unless it is as strong already: criteria never weaken."""
-        if _STRENGTH[criteria] > _STRENGTH[node.criteria]:
-            node.criteria = criteria
-            self._reprioritised.setdefault(node.id, node)
+        return self.objectives.take_reprioritised()
 
     # ========================================================================================== internals
     def next_step(self, node: StepNode) -> StepNode | None:
@@ -555,7 +457,7 @@ class SessionGraph:
 
     def _settle(self, var_id: str, woken: dict[StepId, StepNode]) -> None:
         """``var_id`` got its value: wake the steps waiting for it; it leaves the graph."""
-        self._wanted.pop(var_id, None)
+        self.objectives.wanted.pop(var_id, None)
         for consumer in self._consumers.pop(var_id, {}).values():
             self._satisfy(consumer, woken)
 
@@ -564,7 +466,7 @@ class SessionGraph:
         del self._steps[node.id]
         self._ready.pop(node.id, None)
         self._runnable.pop(node.id, None)
-        self._reprioritised.pop(node.id, None)
+        self.objectives.forget(node)
         if self._producer.get(node.output) is node:
             del self._producer[node.output]
         for var_id in node.inputs:  # a step that fails while waiting is still some variables' consumer
@@ -595,7 +497,7 @@ class SessionGraph:
             failed.append(
                 self.variables.fail(node.output, message, error_type=error_type, llm_output=llm_output)
             )
-            self._wanted.pop(node.output, None)
+            self.objectives.wanted.pop(node.output, None)
             if nxt is not None:
                 queue.append((nxt, downstream))
             for consumer in self._consumers.pop(node.output, {}).values():

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import os
+import time
 
 import pytest
 
@@ -10,18 +10,11 @@ from benchmarks import shared_machine as sm
 
 
 def test_the_co_tenant_runs_for_the_block_only() -> None:
-    with sm.co_tenant(2):
-        loops = [p for p in os.listdir("/proc") if p.isdigit() and _is_busy_loop(p)]
-        assert len(loops) >= 2
-    assert not [p for p in loops if os.path.exists(f"/proc/{p}") and _is_busy_loop(p)]
-
-
-def _is_busy_loop(pid: str) -> bool:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"while True: pass" in f.read()
-    except OSError:
-        return False
+    with sm.co_tenant(2) as loops:
+        assert len(loops) == 2 and all(loop.poll() is None for loop in loops)
+        time.sleep(0.2)
+        assert all(loop.poll() is None for loop in loops)  # still running: a loop, not a process that ends
+    assert all(loop.returncode is not None for loop in loops)  # killed and reaped
 
 
 def test_fair_share_is_the_busy_rate_over_the_idle_rate_on_the_cores_left() -> None:

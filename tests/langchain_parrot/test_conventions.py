@@ -173,6 +173,8 @@ BAD_SAMPLING = [
     ({"max_tokens": 0}, "max_tokens must be an integer >= 1"),
     ({"top_k": -2}, "top_k must be >= 0"),
     ({"stop": [""]}, "stop strings must be non-empty"),
+    ({"frequency_penalty": 2.5}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
 ]
 
 
@@ -181,6 +183,19 @@ BAD_SAMPLING = [
 def test_bad_sampling_fails_at_construction(cls: type, kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         cls(base_url="http://parrot.invalid:9000", **kwargs)
+
+
+def test_penalties_go_with_every_kind_of_call(served: LaunchedServer) -> None:
+    """ChatOpenAI's presence and frequency penalties, and vLLM's repetition penalty: fields or call-time,
+    in the OpenAI body and in a semantic call's sampling alike, accepted by the server."""
+    chat = ChatParrot(base_url=served.url, max_tokens=4, frequency_penalty=0.5, repetition_penalty=1.3)
+    params = chat.call_params(presence_penalty=0.25)
+    penalties = {"frequency_penalty": 0.5, "presence_penalty": 0.25, "repetition_penalty": 1.3}
+    assert penalties.items() <= params.body().items()
+    sampling = params.sampling()
+    assert {name: getattr(sampling, name) for name in penalties} == penalties
+    assert chat.bind(presence_penalty=0.25).invoke("hi").content is not None
+    assert ParrotLLM(base_url=served.url, max_tokens=4, repetition_penalty=1.3).invoke("hi") is not None
 
 
 def test_bad_bound_sampling_fails_before_any_request(served: LaunchedServer) -> None:

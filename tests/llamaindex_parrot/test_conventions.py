@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from llama_index.core.base.llms.types import ChatMessage
 from llama_index.core.prompts import PromptTemplate
+from llama_index.core.prompts.default_prompt_selectors import DEFAULT_TEXT_QA_PROMPT_SEL
 from llamaindex_parrot import ParrotLLM, get_response_synthesizer
 
 from server.launcher import LaunchedServer
@@ -80,6 +81,9 @@ BAD_SAMPLING = [
     ({"max_tokens": 0}, "max_tokens"),
     ({"seed": 1 << 64}, "seed must be a 64-bit integer"),
     ({"stop": [""]}, "stop strings must be non-empty"),
+    ({"frequency_penalty": 2.5}, "frequency_penalty"),
+    ({"presence_penalty": -3}, "presence_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
 ]
 
 
@@ -87,6 +91,21 @@ BAD_SAMPLING = [
 def test_bad_sampling_fails_at_construction(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ParrotLLM("http://127.0.0.1:9", **kwargs)
+
+
+def test_penalties_reach_the_server_with_every_call(llm: ParrotLLM, traffic: Traffic) -> None:
+    """As LlamaIndex's OpenAI LLM takes them: OpenAI's presence and frequency penalties, vLLM's repetition
+    penalty; on the LLM or per call, on the semantic path and on /v1/completions alike."""
+    penalised = llm.model_copy(update={"repetition_penalty": 1.3, "frequency_penalty": 0.5})
+    sampling = penalised.sampling(presence_penalty=0.25)
+    assert (sampling.repetition_penalty, sampling.frequency_penalty, sampling.presence_penalty) == (
+        1.3,
+        0.5,
+        0.25,
+    )
+    assert penalised.predict(DEFAULT_TEXT_QA_PROMPT_SEL, context_str="a", query_str="b")
+    assert penalised.complete("x", presence_penalty=0.25).text is not None
+    assert traffic.take()
 
 
 def test_bad_per_call_sampling_fails_before_any_request(llm: ParrotLLM, traffic: Traffic) -> None:
