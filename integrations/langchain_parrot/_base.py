@@ -22,7 +22,7 @@ import httpx
 from langchain_core.language_models import LangSmithParams
 from langchain_core.utils import from_env, secret_from_env
 from parrot.protocol import API_KEY_HEADER, SamplingConfig
-from parrot.sampling import check_sampling
+from parrot.sampling import PENALTIES, check_sampling, openai_sampling
 from parrot.tokens import ServerTokenizer
 from parrot.urls import BASE_URL_ENV, DEFAULT_BASE_URL, ServerURL
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, model_validator
@@ -33,19 +33,7 @@ __all__ = ["DEFAULT_BASE_URL", "CallParams", "ParrotModelBase"]
 
 # The call-time keywords a model takes (from ``invoke(..., **kwargs)`` or ``.bind(**kwargs)``).
 _CALL_KWARGS = frozenset(
-    {
-        "model",
-        "max_tokens",
-        "temperature",
-        "top_p",
-        "top_k",
-        "seed",
-        "stop",
-        "ignore_eos",
-        "presence_penalty",
-        "frequency_penalty",
-        "repetition_penalty",
-    }
+    {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", *PENALTIES}
 )
 
 
@@ -67,27 +55,9 @@ class CallParams:
 
     def body(self) -> dict[str, Any]:
         """The sampling part of an OpenAI-style request body (``max_tokens`` null: up to the window)."""
-        body: dict[str, Any] = {
-            "max_tokens": self.max_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-        }
+        body = openai_sampling(self)
         if self.model is not None:
             body["model"] = self.model
-        if self.top_k:
-            body["top_k"] = self.top_k
-        if self.seed is not None:
-            body["seed"] = self.seed
-        if self.stop:
-            body["stop"] = list(self.stop)
-        if self.ignore_eos:
-            body["ignore_eos"] = True
-        if self.presence_penalty:
-            body["presence_penalty"] = self.presence_penalty
-        if self.frequency_penalty:
-            body["frequency_penalty"] = self.frequency_penalty
-        if self.repetition_penalty != 1.0:
-            body["repetition_penalty"] = self.repetition_penalty  # the server's extension (as in vLLM)
         return body
 
     def sampling(self) -> SamplingConfig:

@@ -17,6 +17,7 @@ import httpx
 from llama_index.core.base.llms.types import ChatMessage, MessageRole
 from parrot.errors import ParrotError, error_from_response, error_from_transport
 from parrot.protocol import ErrorResponse, SamplingConfig
+from parrot.sampling import openai_sampling
 
 __all__ = ["OpenAIEndpoint", "chat_body", "choice_text", "completion_body", "delta_text"]
 
@@ -25,34 +26,9 @@ __all__ = ["OpenAIEndpoint", "chat_body", "choice_text", "completion_body", "del
 _ROLES = frozenset({"system", "developer", "user", "assistant"})
 
 
-def _sampling(sampling: SamplingConfig) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "max_tokens": sampling.max_tokens,
-        "temperature": sampling.temperature,
-        "top_p": sampling.top_p,
-    }
-    if sampling.top_k:
-        body["top_k"] = sampling.top_k  # the server's extension (as in vLLM)
-    if sampling.seed is not None:
-        body["seed"] = sampling.seed
-    if sampling.stop:
-        body["stop"] = list(sampling.stop)
-    if sampling.ignore_eos:
-        body["ignore_eos"] = True
-    if sampling.presence_penalty:
-        body["presence_penalty"] = sampling.presence_penalty
-    if sampling.frequency_penalty:
-        body["frequency_penalty"] = sampling.frequency_penalty
-    if sampling.repetition_penalty != 1.0:
-        body["repetition_penalty"] = sampling.repetition_penalty  # the server's extension (as in vLLM)
-    if sampling.logit_bias:
-        body["logit_bias"] = {str(t): v for t, v in sampling.logit_bias.items()}
-    return body
-
-
 def completion_body(model: str | None, prompt: str, sampling: SamplingConfig, stream: bool) -> dict[str, Any]:
     """The ``POST /v1/completions`` body for one prompt."""
-    body = {"prompt": prompt, "stream": stream, **_sampling(sampling)}
+    body = {"prompt": prompt, "stream": stream, **openai_sampling(sampling)}
     if model is not None:
         body["model"] = model
     return body
@@ -71,7 +47,7 @@ def chat_body(
                 "user and assistant messages (tool and function messages need a tool-calling model)"
             )
         wire.append({"role": role, "content": m.content or ""})
-    body = {"messages": wire, "stream": stream, **_sampling(sampling)}
+    body = {"messages": wire, "stream": stream, **openai_sampling(sampling)}
     if model is not None:
         body["model"] = model
     return body

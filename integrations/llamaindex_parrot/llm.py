@@ -45,7 +45,7 @@ from llama_index.core.program.llm_program import LLMTextCompletionProgram
 from llama_index.core.prompts import BasePromptTemplate
 from llama_index.core.types import Model, PydanticProgramMode, TokenAsyncGen, TokenGen
 from parrot.protocol import SamplingConfig
-from parrot.sampling import check_sampling
+from parrot.sampling import PENALTIES, check_sampling
 from parrot.tokens import ServerTokenizer
 from parrot.urls import BASE_URL_ENV, DEFAULT_BASE_URL, ServerURL, server_root
 
@@ -59,17 +59,7 @@ __all__ = ["ParrotLLM"]
 dispatcher = instrument.get_dispatcher(__name__)
 
 # Per-call keyword arguments that `complete` / `chat` / `structured_predict(llm_kwargs=...)` accept.
-SAMPLING_OPTIONS = (
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "seed",
-    "stop",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-)
+SAMPLING_OPTIONS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", *PENALTIES)
 
 # LlamaIndex's own default for num_output (llama_index.core.constants.DEFAULT_NUM_OUTPUTS).
 DEFAULT_MAX_TOKENS = 256
