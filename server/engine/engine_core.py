@@ -356,8 +356,8 @@ class EngineCore:
     def _forward(self, batch: list[ScheduledChunk]) -> ForwardPass | None:
         """The model over ``batch`` (None when it failed: that fails this step's requests, not the engine)."""
         self.steps += 1
-        started = time.perf_counter()
         features = step_features(batch, self.block_size) if self.step_trace is not None else None
+        started = time.perf_counter()
         try:
             hidden = self.runner.run(batch)
         except Exception as e:

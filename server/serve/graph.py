@@ -457,7 +457,7 @@ class SessionGraph:
 
     def _settle(self, var_id: str, woken: dict[StepId, StepNode]) -> None:
         """``var_id`` got its value: wake the steps waiting for it; it leaves the graph."""
-        self.objectives.wanted.pop(var_id, None)
+        self.objectives.settled(var_id)
         for consumer in self._consumers.pop(var_id, {}).values():
             self._satisfy(consumer, woken)
 
@@ -497,7 +497,7 @@ class SessionGraph:
             failed.append(
                 self.variables.fail(node.output, message, error_type=error_type, llm_output=llm_output)
             )
-            self.objectives.wanted.pop(node.output, None)
+            self.objectives.settled(node.output)
             if nxt is not None:
                 queue.append((nxt, downstream))
             for consumer in self._consumers.pop(node.output, {}).values():

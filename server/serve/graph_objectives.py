@@ -65,7 +65,12 @@ class Objectives:
         """``node`` left the graph."""
         self._reprioritised.pop(node.id, None)
 
+    def settled(self, var_id: str) -> None:
+        """``var_id`` got its value or failed: nothing waits for it to be produced any more."""
+        self.wanted.pop(var_id, None)
+
     def clear(self) -> None:
+        """The graph was emptied (every step cancelled)."""
         self.wanted.clear()
         self._reprioritised.clear()
 
