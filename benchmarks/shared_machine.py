@@ -137,14 +137,14 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(
             f"--co-tenant-cores {cfg.co_tenant_cores} leaves none of this machine's {cores} cores"
         )
-    new = cfg.prompt_len + cfg.new_tokens + 16
+    longest = cfg.prompt_len + cfg.new_tokens + 16  # tokens a request holds at most
     config = EngineConfig(device="cpu", max_num_seqs=max(cfg.batches))
     log(f"loading {args.model} ...")
     with (
         tempfile.TemporaryDirectory(prefix=f"{NAME}-") as tmp,
         LLMEngine.from_pretrained(args.model, config) as engine,
     ):
-        max_len = min(engine.max_model_len, new)
+        max_len = min(engine.max_model_len, longest)
         systems: list[Generator] = [ours := OurEngine(engine)]
         vllm = None
         if args.vllm_python:
