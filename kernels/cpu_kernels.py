@@ -29,40 +29,45 @@ the small elementwise parts of a layer (RoPE with the KV write, SwiGLU's activat
   AVX-512 the engine runs float32 and none of the kernels above has a vector path; panels of 8 output
   features for AVX2's FMA, the same scheme as the bf16 GEMM (`kernels.cpu_linear` has the figures).
 
-They are built with torch's extension builder (ninja and a C++ compiler) into torch's extension cache the
-first time a process asks, for this machine's CPU (``-march=native``; the build's name carries the CPU's
-flags, so a shared cache never hands one CPU another's binary, the interpreter's and torch's paths, so
-two virtualenvs never rebuild each other's, and the sources' text, so a binary found under its name is
-loaded as it is, however new the source files are). A build says so when it starts and what it cost when
-it ends (minutes on 2 cores). Builders of one folder take turns under an OS lock (``flock``), which the kernel
-releases when its holder exits, killed or not: the turn's holder knows that torch's own lock file, if
-there, was left by a build that was killed, and removes it (torch's builder would wait on it forever).
-Where they cannot be built the torch ops run instead and the reason is logged once;
-``PARROT_CPU_KERNELS=0`` turns them off.
+They are plain C++ behind a C ABI (no torch header: ~2 s a file to compile, where parsing ATen's cost ~18),
+bound to tensors in `kernels.cpu_binding`. The first process that asks compiles them, the files in
+parallel, for this machine's CPU (``-march=native``), into a folder of torch's extension cache named by a
+digest of what the binary depends on: the CPU's flags (a shared cache never hands one CPU another's binary),
+the interpreter's and torch's paths (two virtualenvs never rebuild each other's), the compiler and the
+sources' text (a binary found under its name is loaded as it is). A build says so when it starts and what
+it cost when it ends (seconds). Builders of one folder take turns under an OS lock (``flock``), which the
+kernel releases when its holder exits, killed or not; the binary appears under its name only once linked
+whole (a rename), so a build killed halfway leaves nothing a later start would load. Where they cannot be
+built the torch ops run instead and the reason is logged once; ``PARROT_CPU_KERNELS=0`` turns them off.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import functools
 import hashlib
 import logging
 import os
 import platform
+import shutil
+import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from kernels.cpu_binding import CpuOps, bind
 from kernels.settings import CPU_KERNELS
 
 __all__ = [
     "AddRMSNorm",
+    "CpuOps",
     "Gemv",
     "PartialAttention",
     "RopeWriteKV",
@@ -109,19 +114,35 @@ _build_lock = threading.Lock()  # two engines of one process may start together:
 
 @functools.cache
 def _compile_flags() -> tuple[str, ...]:
-    """The compiler's flags. ``at::parallel_for`` is a header template whose OpenMP backend is an ``omp
-    parallel`` pragma: compiled without ``-fopenmp`` it runs the whole range on the calling thread, so the
-    kernels ran on one core of torch's pool (measured: silu_mul at 2,048 rows took as long on 1 thread as on
-    2). With it, the extension links ``libgomp.so.1``, which the loader resolves to the copy torch already
-    loaded: one OpenMP runtime, one thread pool."""
+    """The compiler's flags. With torch's OpenMP (its usual backend) the kernels open OpenMP parallel regions
+    (``kernels/csrc/common.h``) and the binary links ``libgomp.so.1``, which the loader resolves to the copy
+    torch already loaded: one OpenMP runtime, one thread pool. Without it they run on the calling thread."""
     openmp = "ATen parallel backend: OpenMP" in torch.__config__.parallel_info()
-    return ("-O3", "-march=native", *(("-fopenmp",) if openmp else ()))
+    return (
+        "-std=c++17",
+        "-O3",
+        "-march=native",
+        "-fPIC",
+        "-fvisibility=hidden",
+        *(("-fopenmp",) if openmp else ()),
+    )
+
+
+def _compiler() -> str:
+    """The C++ compiler: the first of ``c++``, ``g++`` and ``clang++`` on the PATH."""
+    found = next((path for name in ("c++", "g++", "clang++") if (path := shutil.which(name))), None)
+    if found is None:
+        raise RuntimeError("no C++ compiler on the PATH (c++, g++ or clang++)")
+    return found
+
+
+def _torch_dir() -> Path:
+    return Path(torch.__file__).resolve().parent
 
 
 def _build_tag() -> str:
-    """A digest of what the binary depends on: the CPU's instruction sets, torch, the flags, the sources and
-    where they lie (torch's builder records their paths: two installs sharing one build folder, a checkout
-    and a wheel say, would rebuild it at every start in turn)."""
+    """A digest of what the binary depends on: the CPU's instruction sets, the interpreter, torch (whose SLEEF
+    and OpenMP it links), the compiler, the flags, and the sources, their text and where they lie."""
     flags = ""
     try:
         with open("/proc/cpuinfo") as f:
@@ -133,9 +154,10 @@ def _build_tag() -> str:
             platform.machine(),
             str(_CSRC.resolve()),
             sys.executable,
-            str(Path(torch.__file__).resolve().parent),
+            str(_torch_dir()),
             flags,
             torch.__version__,
+            shutil.which("c++") or shutil.which("g++") or shutil.which("clang++") or "",
             *_compile_flags(),
             *(p.read_text() for p in SOURCES + HEADERS),
         ]
@@ -155,70 +177,96 @@ def _build_dir(name: str) -> Path:
 @contextlib.contextmanager
 def build_turn(folder: Path) -> Iterator[None]:
     """This process's turn to build in ``folder``, among all processes of the machine: an exclusive
-    ``flock`` on ``folder/turn``, which the kernel releases when its holder exits, however it exits. Holding
-    it, torch's own ``lock`` file can only be a dead build's (every builder holds the turn while it builds):
-    it goes, with a warning."""
+    ``flock`` on ``folder/turn``, which the kernel releases when its holder exits, however it exits."""
     with open(folder / "turn", "a") as turn:
         try:
             fcntl.flock(turn, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             log.warning("CPU kernels: waiting for another process's build in %s", folder)
             fcntl.flock(turn, fcntl.LOCK_EX)
-        baton = folder / "lock"
-        if baton.exists():
-            log.warning("CPU kernels: removing %s, left by a build that was killed", baton)
-            baton.unlink(missing_ok=True)
         try:
             yield
         finally:
             fcntl.flock(turn, fcntl.LOCK_UN)
 
 
-def _load_built(binary: Path) -> bool:
-    """Load ``binary`` if a build left it; whether it did. Its name's tag digests the sources' text, so it is
-    theirs whatever their files' times say: torch's builder would hand it to ninja, which rebuilds from
-    scratch when the sources are newer than the objects (every fresh clone: minutes, silently)."""
+def _usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _run(command: list[str]) -> None:
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode:
+        tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-12:])
+        raise RuntimeError(f"{Path(command[0]).name} failed ({done.returncode}): {tail}")
+
+
+def build(folder: Path, binary: Path) -> None:
+    """Compiles the sources into ``binary``: each file to an object in ``folder``, as many at once as this
+    process has cores, then one link against torch's libraries (SLEEF's vector exp, its OpenMP runtime),
+    written under a temporary name and renamed into place."""
+    cxx, flags, lib = _compiler(), _compile_flags(), _torch_dir() / "lib"
+    include = _torch_dir() / "include"  # sleef.h only: the kernels include no torch header
+
+    def compile_one(source: Path) -> str:
+        obj = folder / f"{source.stem}.o"
+        _run([cxx, *flags, f"-I{include}", "-c", str(source), "-o", str(obj)])
+        return str(obj)
+
+    with ThreadPoolExecutor(max_workers=max(1, min(len(SOURCES), _usable_cores()))) as pool:
+        objects = list(pool.map(compile_one, SOURCES))
+    partial = binary.with_name(binary.name + ".partial")
+    openmp = [f for f in flags if f == "-fopenmp"]
+    _run(
+        [
+            cxx,
+            "-shared",
+            *objects,
+            "-o",
+            str(partial),
+            *openmp,
+            f"-L{lib}",
+            "-ltorch_cpu",
+            f"-Wl,-rpath,{lib}",
+        ]
+    )
+    os.replace(partial, binary)
+
+
+def _load_built(binary: Path) -> CpuOps | None:
+    """The kernels of ``binary`` if a build left it, else None (its name's tag digests the sources' text, so
+    it is theirs whatever their files' times say)."""
     if not binary.is_file():
-        return False
+        return None
     try:
-        torch.ops.load_library(str(binary))
-    except (OSError, RuntimeError) as e:  # a link cut short by a kill: build it again
+        return bind(ctypes.CDLL(str(binary)))
+    except (OSError, AttributeError, RuntimeError) as e:  # cut short, or of another ABI: build it again
         log.warning("CPU kernels: %s does not load (%s); building it again", binary, e)
-        return False
-    return True
+        return None
 
 
 @functools.cache
-def _ops() -> Any | None:
-    """``torch.ops.parrot_cpu`` once the kernels are built and loaded; None where they cannot be."""
+def _ops() -> CpuOps | None:
+    """The kernels once built and loaded; None where they cannot be (the reason is logged)."""
     if not CPU_KERNELS.get():
         return None
     with _build_lock:
         try:
-            from torch.utils.cpp_extension import load
-
             name = f"parrot_cpu_kernels_{_build_tag()}"
             folder = _build_dir(name)
+            binary = folder / f"{name}.so"
             with build_turn(folder):
-                if not _load_built(folder / f"{name}.so"):
-                    log.warning(
-                        "CPU kernels: building them for this CPU, once (1-4 minutes on 2 cores) in %s", folder
-                    )
+                ops = _load_built(binary)
+                if ops is None:
+                    log.warning("CPU kernels: building them for this CPU, once (seconds) in %s", folder)
                     started = time.monotonic()
-                    load(
-                        name=name,
-                        sources=[str(p) for p in SOURCES],
-                        extra_cflags=list(_compile_flags()),
-                        extra_ldflags=[f for f in _compile_flags() if f == "-fopenmp"],
-                        build_directory=os.fspath(folder),
-                        is_python_module=False,
-                        verbose=False,
-                    )
+                    build(folder, binary)
+                    ops = bind(ctypes.CDLL(str(binary)))
                     log.warning("CPU kernels: built in %.0f s", time.monotonic() - started)
-        except Exception as exc:  # no compiler, no ninja, an unknown -march: the torch ops are correct too
+        except Exception as exc:  # no compiler, an unknown -march: the torch ops are correct too
             log.warning("CPU kernels unavailable, using torch ops: %s", exc)
             return None
-    return torch.ops.parrot_cpu
+    return ops
 
 
 def paged_decode_kernel() -> PartialAttention | None:
@@ -267,7 +315,7 @@ def gemv_kernel(dtype: torch.dtype) -> Gemv | None:
 
 
 @functools.cache  # asked at every linear
-def packed_gemm_ops() -> Any | None:
+def packed_gemm_ops() -> CpuOps | None:
     """The ops of the packed bf16 GEMM (``pack_bf16(w)``, ``packed_linear(x, packed, out_features, bias)``),
     built on the first call; None where the kernels are off or cannot be built, or where this build has no
     AVX512-BF16 path."""
@@ -276,7 +324,7 @@ def packed_gemm_ops() -> Any | None:
 
 
 @functools.cache  # asked at every linear
-def packed_f32_ops() -> Any | None:
+def packed_f32_ops() -> CpuOps | None:
     """The ops of the packed float32 GEMM (``pack_f32(w)``, ``packed_linear_f32(x, packed, out_features,
     bias)``), built on the first call; None where the kernels are off or cannot be built, or where this build
     is not an AVX2 one without AVX-512 (with AVX-512, `gemv_kernel` and oneDNN run float32)."""

@@ -5,10 +5,7 @@
 // and runs x's rows over a tile four at a time, so the tile is read from memory once and from cache after.
 // float32 accumulates with FMA; bf16 with AVX512-BF16 dot products (vdpbf16ps) into float32 and rounds once
 // at the end. The bias is added in float32 before that rounding, as oneDNN does.
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
-#include <torch/library.h>
+#include "common.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -19,6 +16,8 @@
 #endif
 
 namespace {
+
+using namespace parrot_cpu;  // NOLINT: BF16, parallel_for
 
 constexpr int64_t kTileRows = 8;  // weight rows per tile
 constexpr int kRowGroup = 4;      // x rows per pass over a tile
@@ -80,7 +79,7 @@ __attribute__((always_inline)) inline void tile(const T* x, const T* w, const fl
     for (int r = 0; r < R; ++r) {
       float sum = _mm512_reduce_add_ps(acc[m][r]);
       if constexpr (Bias) sum += bias[n + r];
-      y[m * N + n + r] = static_cast<T>(sum);
+      y[m * N + n + r] = T(sum);
     }
 }
 
@@ -106,9 +105,9 @@ void group(const T* x, const T* w, const float* bias, T* y, int64_t M, int64_t K
 }
 
 template <typename T, bool Bias, bool Tail>
-void gemv_into(const T* x, const T* w, const float* bias, T* y, int64_t M, int64_t K, int64_t N) {
+void gemv_into(const T* x, const T* w, const float* bias, T* y, int64_t M, int64_t K, int64_t N, int threads) {
   // 16 tiles (128 weight rows) per task at least: below that, waking a thread costs more than it saves.
-  at::parallel_for(0, (N + kTileRows - 1) / kTileRows, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, (N + kTileRows - 1) / kTileRows, 16, threads, [&](int64_t begin, int64_t end) {
     const int64_t n0 = begin * kTileRows, n1 = std::min(end * kTileRows, N);
     if (M <= kRowGroup) {  // one pass over the task's rows (a loop per tile measured slower at 1 row)
       group<T, Bias, Tail>(x, w, bias, y, M, K, N, 0, n0, n1);
@@ -126,59 +125,43 @@ void gemv_into(const T* x, const T* w, const float* bias, T* y, int64_t M, int64
 // tile is ~20 trips of its loop, and a call per tile or a run-time test in its epilogue made one row ~12%
 // slower than the bare loop (each measured on the 56 MB LM head).
 template <typename T>
-void gemv_any(const T* x, const T* w, const float* bias, T* y, int64_t M, int64_t K, int64_t N) {
+void gemv_any(const T* x, const T* w, const float* bias, T* y, int64_t M, int64_t K, int64_t N, int threads) {
   const bool tail = K % kLanes<T> != 0;
-  if (bias != nullptr && tail) gemv_into<T, true, true>(x, w, bias, y, M, K, N);
-  else if (bias != nullptr) gemv_into<T, true, false>(x, w, bias, y, M, K, N);
-  else if (tail) gemv_into<T, false, true>(x, w, bias, y, M, K, N);
-  else gemv_into<T, false, false>(x, w, bias, y, M, K, N);
+  if (bias != nullptr && tail) gemv_into<T, true, true>(x, w, bias, y, M, K, N, threads);
+  else if (bias != nullptr) gemv_into<T, true, false>(x, w, bias, y, M, K, N, threads);
+  else if (tail) gemv_into<T, false, true>(x, w, bias, y, M, K, N, threads);
+  else gemv_into<T, false, false>(x, w, bias, y, M, K, N, threads);
 }
 #endif
-
-bool gemv_supports(at::ScalarType dtype) {
-#if defined(__AVX512F__)
-  if (dtype == at::kFloat) return true;
-#if defined(__AVX512BF16__)
-  if (dtype == at::kBFloat16) return true;
-#endif
-#endif
-  (void)dtype;
-  return false;
-}
-
-at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "gemv: x [M, K] and w [N, K]");
-  TORCH_CHECK(x.scalar_type() == w.scalar_type() && gemv_supports(x.scalar_type()),
-              "gemv: x and w of one dtype this build runs (float32; bfloat16 with AVX512-BF16), not ",
-              x.scalar_type(), " and ", w.scalar_type());
-  TORCH_CHECK(w.is_contiguous(), "gemv: a contiguous weight");
-  const auto xc = x.contiguous();
-  const int64_t M = xc.size(0), K = xc.size(1), N = w.size(0);
-  at::Tensor bias_f;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N, "gemv: bias of ", N, " values");
-    bias_f = bias->to(at::kFloat).contiguous();
-  }
-  auto y = at::empty({M, N}, xc.options());
-  if (M == 0 || N == 0) return y;
-#if defined(__AVX512F__)
-  const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
-  if (x.scalar_type() == at::kFloat) {
-    gemv_any<float>(xc.data_ptr<float>(), w.data_ptr<float>(), bp, y.data_ptr<float>(), M, K, N);
-  } else {
-    using B = c10::BFloat16;
-    gemv_any<B>(reinterpret_cast<const B*>(xc.data_ptr()), reinterpret_cast<const B*>(w.data_ptr()), bp,
-                 reinterpret_cast<B*>(y.data_ptr()), M, K, N);
-  }
-#endif
-  return y;
-}
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(parrot_cpu, m) {
-  m.def("gemv_supports(ScalarType dtype) -> bool", &gemv_supports);  // catch-all: it takes no tensor
-  m.def("gemv(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+// Whether this build runs ``dtype`` (float32 with AVX-512; bf16 with AVX512-BF16 too).
+PARROT_API int parrot_gemv_supports(int dtype) {
+#if defined(__AVX512F__)
+  if (dtype == kFloat32) return 1;
+#if defined(__AVX512BF16__)
+  if (dtype == kBFloat16) return 1;
+#endif
+#endif
+  (void)dtype;
+  return 0;
 }
 
-TORCH_LIBRARY_IMPL(parrot_cpu, CPU, m) { m.impl("gemv", &gemv); }
+// y [M, N] = x [M, K] w [N, K]^T (+ bias [N], float32), contiguous, x, w and y of one supported dtype.
+PARROT_API int parrot_gemv(int dtype, const void* x, const void* w, const float* bias, void* y, int64_t M, int64_t K,
+                           int64_t N, int threads) {
+  if (!parrot_gemv_supports(dtype)) return fail("gemv: this build has no vector path for dtype code " + std::to_string(dtype));
+#if defined(__AVX512F__)
+  if (dtype == kFloat32) {
+    gemv_any<float>(static_cast<const float*>(x), static_cast<const float*>(w), bias, static_cast<float*>(y), M, K, N,
+                    threads);
+  } else {
+    gemv_any<BF16>(static_cast<const BF16*>(x), static_cast<const BF16*>(w), bias, static_cast<BF16*>(y), M, K, N,
+                   threads);
+  }
+#else
+  (void)x, (void)w, (void)bias, (void)y, (void)M, (void)K, (void)N, (void)threads;
+#endif
+  return 0;
+}

@@ -7,10 +7,7 @@
 // threads split the output features in groups of kPanels panels, and rows run in chunks of kChunkRows (each
 // chunk a pass over the weight: 192 rows made a 2,200-token fill read SmolLM2's weights from DRAM 12 times,
 // 2-4% slower than oneDNN; 1,024 ties). Figures against oneDNN's packed bf16 weight: `kernels/cpu_linear.py`.
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
-#include <torch/library.h>
+#include "common.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -22,36 +19,26 @@
 
 namespace {
 
-using BF16 = c10::BFloat16;
+using namespace parrot_cpu;  // NOLINT: BF16, parallel_for
 constexpr int64_t kPanel = 16;        // output features per panel (float32 lanes of a vector)
 constexpr int kPanels = 3;            // panels per micro-kernel call
 constexpr int kRows = 8;              // rows of x per micro-kernel call
 constexpr int64_t kChunkRows = 1024;  // rows of x per pass over the weight
 
-bool packed_gemm_supported() {
-#if defined(__AVX512BF16__)
-  return true;
-#else
-  return false;
-#endif
-}
-
-at::Tensor pack_bf16(const at::Tensor& w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.size(1) % 2 == 0,
-              "pack_bf16: a bfloat16 weight [N, K] with K even, not ", w.scalar_type(), " ", w.sizes());
-  const auto wc = w.contiguous();
-  const int64_t N = wc.size(0), K = wc.size(1), panels = (N + kPanel - 1) / kPanel, pairs = K / 2;
-  auto out = at::zeros({panels, pairs, kPanel, 2}, wc.options());  // zeros: a last panel's missing rows
-  const auto* src = reinterpret_cast<const uint32_t*>(wc.data_ptr());  // a pair of bf16 as one word
-  auto* dst = reinterpret_cast<uint32_t*>(out.data_ptr());
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p)
+// Packs w [N, K] (K even) into [ceil(N / 16)][K / 2][16][2], zeros where a last panel has no feature.
+void pack(const BF16* w, BF16* out, int64_t N, int64_t K, int threads) {
+  const int64_t panels = (N + kPanel - 1) / kPanel, pairs = K / 2;
+  const auto* src = reinterpret_cast<const uint32_t*>(w);  // a pair of bf16 as one word
+  auto* dst = reinterpret_cast<uint32_t*>(out);
+  parallel_for(0, panels, 1, threads, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      std::memset(dst + p * pairs * kPanel, 0, pairs * kPanel * sizeof(uint32_t));
       for (int64_t j = 0; j < kPanel && p * kPanel + j < N; ++j) {
         const uint32_t* row = src + (p * kPanel + j) * pairs;
         for (int64_t kp = 0; kp < pairs; ++kp) dst[(p * pairs + kp) * kPanel + j] = row[kp];
       }
+    }
   });
-  return out;
 }
 
 #if defined(__AVX512BF16__)
@@ -123,13 +110,13 @@ void panels(const BF16* x, int64_t M, int64_t K, const BF16* w, int64_t pairs, c
 
 template <bool Bias>
 void gemm(const BF16* x, const BF16* w, const float* bias, BF16* y, int64_t M, int64_t K, int64_t N,
-          int64_t num_panels) {
+          int64_t num_panels, int threads) {
   const int64_t pairs = K / 2, groups = (num_panels + kPanels - 1) / kPanels;
   // At a row or two a group is ~30k multiply-adds: a task takes several, or waking a thread costs more.
   const int64_t grain = M >= 4 ? 1 : 4;
   for (int64_t m0 = 0; m0 < M; m0 += kChunkRows) {
     const int64_t rows = std::min(kChunkRows, M - m0);
-    at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
+    parallel_for(0, groups, grain, threads, [&](int64_t begin, int64_t end) {
       for (int64_t g = begin; g < end; ++g) {
         const int64_t p = g * kPanels, n = p * kPanel, panel_bytes = pairs * kPanel * 2 * sizeof(BF16);
         const BF16* wg = w + p * pairs * kPanel * 2;
@@ -151,44 +138,35 @@ void gemm(const BF16* x, const BF16* w, const float* bias, BF16* y, int64_t M, i
 }
 #endif
 
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
-                         const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(packed_gemm_supported(), "packed_linear: this build has no AVX512-BF16 path");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
-              "packed_linear: bfloat16 x [M, K] and a weight from pack_bf16");
-  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kPanel && packed.size(3) == 2 && packed.is_contiguous(),
-              "packed_linear: a weight from pack_bf16, not ", packed.sizes());
-  const int64_t M = x.size(0), K = x.size(1), N = out_features, num_panels = packed.size(0);
-  TORCH_CHECK(packed.size(1) * 2 == K && (N + kPanel - 1) / kPanel == num_panels && N > 0,
-              "packed_linear: x has ", K, " features and the packed weight ", packed.size(1) * 2, " for ",
-              num_panels * kPanel, " outputs at most; asked for ", N);
-  const auto xc = x.contiguous();
-  at::Tensor bias_f;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N, "packed_linear: bias of ", N, " values");
-    bias_f = bias->to(at::kFloat).contiguous();
-  }
-  auto y = at::empty({M, N}, xc.options());
-  if (M == 0) return y;
-#if defined(__AVX512BF16__)
-  const auto* xp = reinterpret_cast<const BF16*>(xc.data_ptr());
-  const auto* wp = reinterpret_cast<const BF16*>(packed.data_ptr());
-  auto* yp = reinterpret_cast<BF16*>(y.data_ptr());
-  if (bias_f.defined()) gemm<true>(xp, wp, bias_f.data_ptr<float>(), yp, M, K, N, num_panels);
-  else gemm<false>(xp, wp, nullptr, yp, M, K, N, num_panels);
-#endif
-  return y;
-}
-
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(parrot_cpu, m) {
-  m.def("packed_gemm_supported() -> bool", &packed_gemm_supported);
-  m.def("pack_bf16(Tensor w) -> Tensor");
-  m.def("packed_linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
+// Whether this build has the AVX512-BF16 path.
+PARROT_API int parrot_packed_gemm_supported() {
+#if defined(__AVX512BF16__)
+  return 1;
+#else
+  return 0;
+#endif
 }
 
-TORCH_LIBRARY_IMPL(parrot_cpu, CPU, m) {
-  m.impl("pack_bf16", &pack_bf16);
-  m.impl("packed_linear", &packed_linear);
+// w [N, K] bf16 (K even) -> out [ceil(N / 16), K / 2, 16, 2] bf16, contiguous.
+PARROT_API int parrot_pack_bf16(const void* w, void* out, int64_t N, int64_t K, int threads) {
+  pack(static_cast<const BF16*>(w), static_cast<BF16*>(out), N, K, threads);
+  return 0;
+}
+
+// y [M, N] = x [M, K] w^T (+ bias [N], float32) over w packed by `parrot_pack_bf16` (num_panels panels), bf16.
+PARROT_API int parrot_packed_linear(const void* x, const void* packed, const float* bias, void* y, int64_t M,
+                                    int64_t K, int64_t N, int64_t num_panels, int threads) {
+#if defined(__AVX512BF16__)
+  const auto* xp = static_cast<const BF16*>(x);
+  const auto* wp = static_cast<const BF16*>(packed);
+  auto* yp = static_cast<BF16*>(y);
+  if (bias != nullptr) gemm<true>(xp, wp, bias, yp, M, K, N, num_panels, threads);
+  else gemm<false>(xp, wp, nullptr, yp, M, K, N, num_panels, threads);
+  return 0;
+#else
+  (void)x, (void)packed, (void)bias, (void)y, (void)M, (void)K, (void)N, (void)num_panels, (void)threads;
+  return fail("packed_linear: this build has no AVX512-BF16 path");
+#endif
 }

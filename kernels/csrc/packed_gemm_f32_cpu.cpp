@@ -12,13 +12,11 @@
 // SmolLM2's 30 layers of linears on an AVX2 EPYC (Zen 3, 2 cores), against oneDNN's float32 GEMM: 22 vs 38
 // ms at 1 row (the weight stream at the machine's ~20 GB/s), 45 vs 72 at 16, 117 vs 145 at 64, 442 vs 462
 // at 256 (123 GFLOP/s, ~80% of two cores' FMA peak at 2.45 GHz); a 4 x 3 micro-kernel ran 64 rows in 143.
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
+#include "common.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
+#include <cstring>
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #define PARROT_F32_PACKED 1
@@ -27,35 +25,25 @@
 
 namespace {
 
+using namespace parrot_cpu;  // NOLINT: parallel_for, claimed
+
 constexpr int64_t kPanel = 8;         // output features per panel (float32 lanes of a ymm register)
 constexpr int kPanels = 2;            // panels per micro-kernel call
 constexpr int kRows = 6;              // rows of x per micro-kernel call
 constexpr int64_t kChunkRows = 256;   // rows of x per pass over the weight
 
-bool packed_gemm_f32_supported() {
-#if defined(PARROT_F32_PACKED)
-  return true;
-#else
-  return false;
-#endif
-}
-
-at::Tensor pack_f32(const at::Tensor& w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat, "pack_f32: a float32 weight [N, K], not ",
-              w.scalar_type(), " ", w.sizes());
-  const auto wc = w.contiguous();
-  const int64_t N = wc.size(0), K = wc.size(1), panels = (N + kPanel - 1) / kPanel;
-  auto out = at::zeros({panels, K, kPanel}, wc.options());  // zeros: a last panel's missing features
-  const float* src = wc.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p)
+// Packs w [N, K] into [ceil(N / 8)][K][8], zeros where a last panel has no feature.
+void pack(const float* w, float* out, int64_t N, int64_t K, int threads) {
+  const int64_t panels = (N + kPanel - 1) / kPanel;
+  parallel_for(0, panels, 1, threads, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      std::memset(out + p * K * kPanel, 0, K * kPanel * sizeof(float));
       for (int64_t j = 0; j < kPanel && p * kPanel + j < N; ++j) {
-        const float* row = src + (p * kPanel + j) * K;
-        for (int64_t k = 0; k < K; ++k) dst[(p * K + k) * kPanel + j] = row[k];
+        const float* row = w + (p * kPanel + j) * K;
+        for (int64_t k = 0; k < K; ++k) out[(p * K + k) * kPanel + j] = row[k];
       }
+    }
   });
-  return out;
 }
 
 #if defined(PARROT_F32_PACKED)
@@ -132,28 +120,15 @@ void panels(const float* x, int64_t M, int64_t K, const float* w, const float* b
   }
 }
 
-// Calls ``body(begin, end)`` over [0, count) in pieces of ``step``, each claimed by whichever thread is free
-// (a shared counter), not a fixed share per thread: a thread that starts late (woken from a passive wait,
-// or preempted by another process on its core) leaves its work to the others instead of making them wait
-// for it at the region's end.
-template <class Body>
-void claimed(int64_t count, int64_t step, const Body& body) {
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    for (int64_t begin; (begin = next.fetch_add(step, std::memory_order_relaxed)) < count;)
-      body(begin, std::min(count, begin + step));
-  });
-}
-
 template <bool Bias>
 void gemm(const float* x, const float* w, const float* bias, float* y, int64_t M, int64_t K, int64_t N,
-          int64_t num_panels) {
+          int64_t num_panels, int threads) {
   const int64_t groups = (num_panels + kPanels - 1) / kPanels;
   // At a row or two a group is ~10k multiply-adds: a claim takes several, or the claims cost more.
   const int64_t step = M >= 4 ? 2 : 4;
   for (int64_t m0 = 0; m0 < M; m0 += kChunkRows) {
     const int64_t rows = std::min(kChunkRows, M - m0);
-    claimed(groups, step, [&](int64_t begin, int64_t end) {
+    claimed(groups, step, threads, [&](int64_t begin, int64_t end) {
       for (int64_t g = begin; g < end; ++g) {
         const int64_t p = g * kPanels, n = p * kPanel, panel_bytes = K * kPanel * sizeof(float);
         const float* wg = w + p * K * kPanel;
@@ -173,44 +148,32 @@ void gemm(const float* x, const float* w, const float* bias, float* y, int64_t M
 }
 #endif
 
-at::Tensor packed_linear_f32(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
-                             const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(packed_gemm_f32_supported(), "packed_linear_f32: this build has no AVX2 float32 path");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat,
-              "packed_linear_f32: float32 x [M, K] and a weight from pack_f32");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous(),
-              "packed_linear_f32: a weight from pack_f32, not ", packed.sizes());
-  const int64_t M = x.size(0), K = x.size(1), N = out_features, num_panels = packed.size(0);
-  TORCH_CHECK(packed.size(1) == K && (N + kPanel - 1) / kPanel == num_panels && N > 0,
-              "packed_linear_f32: x has ", K, " features and the packed weight ", packed.size(1), " for ",
-              num_panels * kPanel, " outputs at most; asked for ", N);
-  const auto xc = x.contiguous();
-  at::Tensor bias_f;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N, "packed_linear_f32: bias of ", N, " values");
-    bias_f = bias->to(at::kFloat).contiguous();
-  }
-  auto y = at::empty({M, N}, xc.options());
-  if (M == 0) return y;
-#if defined(PARROT_F32_PACKED)
-  const float* xp = xc.data_ptr<float>();
-  const float* wp = packed.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  if (bias_f.defined()) gemm<true>(xp, wp, bias_f.data_ptr<float>(), yp, M, K, N, num_panels);
-  else gemm<false>(xp, wp, nullptr, yp, M, K, N, num_panels);
-#endif
-  return y;
-}
-
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(parrot_cpu, m) {
-  m.def("packed_gemm_f32_supported() -> bool", &packed_gemm_f32_supported);
-  m.def("pack_f32(Tensor w) -> Tensor");
-  m.def("packed_linear_f32(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
+// Whether this build has the AVX2 float32 path (AVX2 and FMA, no AVX-512).
+PARROT_API int parrot_packed_gemm_f32_supported() {
+#if defined(PARROT_F32_PACKED)
+  return 1;
+#else
+  return 0;
+#endif
 }
 
-TORCH_LIBRARY_IMPL(parrot_cpu, CPU, m) {
-  m.impl("pack_f32", &pack_f32);
-  m.impl("packed_linear_f32", &packed_linear_f32);
+// w [N, K] float32 -> out [ceil(N / 8), K, 8] float32, contiguous.
+PARROT_API int parrot_pack_f32(const float* w, float* out, int64_t N, int64_t K, int threads) {
+  pack(w, out, N, K, threads);
+  return 0;
+}
+
+// y [M, N] = x [M, K] w^T (+ bias [N]) over w packed by `parrot_pack_f32` (num_panels panels), float32.
+PARROT_API int parrot_packed_linear_f32(const float* x, const float* packed, const float* bias, float* y, int64_t M,
+                                        int64_t K, int64_t N, int64_t num_panels, int threads) {
+#if defined(PARROT_F32_PACKED)
+  if (bias != nullptr) gemm<true>(x, packed, bias, y, M, K, N, num_panels, threads);
+  else gemm<false>(x, packed, nullptr, y, M, K, N, num_panels, threads);
+  return 0;
+#else
+  (void)x, (void)packed, (void)bias, (void)y, (void)M, (void)K, (void)N, (void)num_panels, (void)threads;
+  return fail("packed_linear_f32: this build has no AVX2 float32 path");
+#endif
 }

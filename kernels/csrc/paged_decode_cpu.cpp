@@ -5,13 +5,8 @@
 // Why a kernel of our own: torch's fused CPU attention pays microseconds of fixed cost per (sequence, head)
 // pair (GEMMs of 1-8 query rows) and needs the blocks gathered into a contiguous workspace first; decode of a
 // small model at batch 16-64 spends most of its attention time on those.
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
-#include <torch/library.h>
-
 #include "bf16_avx512.h"
+#include "common.h"
 
 #include <algorithm>
 #include <cmath>
@@ -32,12 +27,14 @@
 
 namespace {
 
+using namespace parrot_cpu;  // NOLINT: BF16, Half, parallel_for
+
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // Scalar loads of the cache dtype as float32 (the portable path).
 inline float load(const float* p, int64_t i) { return p[i]; }
-inline float load(const c10::Half* p, int64_t i) { return static_cast<float>(p[i]); }
-inline float load(const c10::BFloat16* p, int64_t i) { return static_cast<float>(p[i]); }
+inline float load(const Half* p, int64_t i) { return static_cast<float>(p[i]); }
+inline float load(const BF16* p, int64_t i) { return static_cast<float>(p[i]); }
 
 // What one task works on.
 template <typename T>
@@ -137,8 +134,8 @@ inline void prefetch_ahead(const Task<T>& t, int64_t start) {
 
 #if PARROT_DECODE_VECTOR == 512
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) { return parrot_cpu::bf16_load(p); }
-inline __m512 load16(const c10::Half* p) {
+inline __m512 load16(const BF16* p) { return bf16_load(p); }
+inline __m512 load16(const Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
@@ -203,11 +200,11 @@ void attend_avx512(const Task<T>& t) {
 
 #if PARROT_DECODE_VECTOR == 256
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {  // exact: bf16 is the top half of a float32
+inline __m256 load8(const BF16* p) {  // exact: bf16 is the top half of a float32
   const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
-inline __m256 load8(const c10::Half* p) {
+inline __m256 load8(const Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
@@ -323,93 +320,60 @@ void attend(const Task<T>& t, float* scratch) {
   attend_scalar<T>(t, scratch);
 }
 
-std::tuple<at::Tensor, at::Tensor> paged_decode_partial(const at::Tensor& q, const at::Tensor& k_cache,
-                                                        const at::Tensor& v_cache,
-                                                        const at::Tensor& block_tables,
-                                                        const at::Tensor& context_lens, double scale) {
-  TORCH_CHECK(q.dim() == 3, "q must be [batch, heads, head_dim]");
-  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
-              "k_cache and v_cache must be [num_blocks, block_size, kv_heads, head_dim]");
-  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(), "CPU tensors");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-              "q, k_cache and v_cache must share one dtype");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
-              "block_tables and context_lens must be int32");
-  const int64_t batch = q.size(0), q_heads = q.size(1), head_dim = q.size(2);
-  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == head_dim && q_heads % kv_heads == 0, "head shapes disagree");
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == batch && context_lens.size(0) == batch,
-              "one block table and one length per sequence");
+}  // namespace
+
+// q [batch, q_heads, head_dim]; caches [num_blocks, block_size, kv_heads, head_dim]; block tables [batch,
+// max_blocks] and context lengths [batch] int32; out [batch, q_heads, head_dim] and lse [batch, q_heads]
+// float32; all contiguous, q and the caches of one dtype (the binding checks). Every length and every block
+// a length reaches is checked first: a bad table must never read outside the cache.
+PARROT_API int parrot_paged_decode_partial(int dtype, const void* q, const void* k_cache, const void* v_cache,
+                                           const int32_t* tables, const int32_t* lens, float* out, float* lse,
+                                           int64_t batch, int64_t q_heads, int64_t head_dim, int64_t num_blocks,
+                                           int64_t block_size, int64_t kv_heads, int64_t max_blocks, float scale,
+                                           int threads) {
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t len = lens[b];
+    if (len < 0 || len > max_blocks * block_size)
+      return fail("context length " + std::to_string(len) + " outside its table");
+    for (int64_t i = 0; i < (len + block_size - 1) / block_size; ++i) {
+      const int32_t blk = tables[b * max_blocks + i];
+      if (blk < 0 || blk >= num_blocks) return fail("block " + std::to_string(blk) + " outside the cache");
+    }
+  }
   const int64_t group = q_heads / kv_heads;
   bool fused = false;
 #if PARROT_DECODE_VECTOR == 256
   fused = kv_heads * group <= 16 && block_size <= 16 && (head_dim == 32 || head_dim == 64 || head_dim == 128) &&
-          batch >= 2 * static_cast<int64_t>(at::get_num_threads());
+          batch >= 2 * static_cast<int64_t>(threads);
 #endif
-  const auto qc = q.contiguous(), kc = k_cache.contiguous(), vc = v_cache.contiguous();
-  const auto tables = block_tables.contiguous(), lens = context_lens.contiguous();
-  const int64_t max_blocks = tables.size(1), num_blocks = kc.size(0);
-  const int32_t* table_ptr = tables.data_ptr<int32_t>();
-  const int32_t* len_ptr = lens.data_ptr<int32_t>();
-  for (int64_t b = 0; b < batch; ++b) {  // bounds first: a bad table must never read outside the cache
-    const int64_t len = len_ptr[b];
-    TORCH_CHECK(len >= 0 && len <= max_blocks * block_size, "context length ", len, " outside its table");
-    for (int64_t i = 0; i < (len + block_size - 1) / block_size; ++i) {
-      const int32_t blk = table_ptr[b * max_blocks + i];
-      TORCH_CHECK(blk >= 0 && blk < num_blocks, "block ", blk, " outside the cache");
-    }
-  }
-  auto out = at::empty({batch, q_heads, head_dim}, q.options().dtype(at::kFloat));
-  auto lse = at::empty({batch, q_heads}, q.options().dtype(at::kFloat));
-  float* out_ptr = out.data_ptr<float>();
-  float* lse_ptr = lse.data_ptr<float>();
-  auto run = [&](auto* type_tag) {
+  return dispatch(dtype, "paged_decode_partial", [&](auto* type_tag) {
     using T = std::remove_pointer_t<decltype(type_tag)>;
-    const T* q_ptr = reinterpret_cast<const T*>(qc.data_ptr());
-    const T* k_ptr = reinterpret_cast<const T*>(kc.data_ptr());
-    const T* v_ptr = reinterpret_cast<const T*>(vc.data_ptr());
+    const T* q_ptr = static_cast<const T*>(q);
+    const T* k_ptr = static_cast<const T*>(k_cache);
+    const T* v_ptr = static_cast<const T*>(v_cache);
     // A task per sequence, covering all its KV heads, where there are sequences enough to keep every
     // thread busy and the AVX2 kernel takes them; else a task per (sequence, KV head).
     const int64_t task_heads = fused ? kv_heads : 1, tasks_per_seq = kv_heads / task_heads;
-    at::parallel_for(0, batch * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
+    parallel_for(0, batch * tasks_per_seq, 1, threads, [&](int64_t begin, int64_t end) {
       std::vector<float> scratch(group * head_dim + group * block_size);
       for (int64_t i = begin; i < end; ++i) {
         const int64_t b = i / tasks_per_seq, h = i % tasks_per_seq * task_heads;
         const int64_t row = b * q_heads + h * group;
         const Task<T> task{q_ptr + row * head_dim, k_ptr + h * head_dim, v_ptr + h * head_dim,
-                           table_ptr + b * max_blocks, len_ptr[b], h, group, head_dim, kv_heads * head_dim,
-                           block_size, static_cast<float>(scale), task_heads, out_ptr + row * head_dim,
-                           lse_ptr + row};
+                           tables + b * max_blocks, lens[b], h, group, head_dim, kv_heads * head_dim,
+                           block_size, scale, task_heads, out + row * head_dim, lse + row};
         attend<T>(task, scratch.data());
       }
     });
-  };
-  switch (q.scalar_type()) {
-    case at::kFloat: run(static_cast<float*>(nullptr)); break;
-    case at::kBFloat16: run(static_cast<c10::BFloat16*>(nullptr)); break;
-    case at::kHalf: run(static_cast<c10::Half*>(nullptr)); break;
-    default: TORCH_CHECK(false, "paged_decode_partial: float32, bfloat16 or float16, not ", q.scalar_type());
-  }
-  return {out, lse};
+  });
 }
 
 // Which vector path this build runs head dims 32/64/128 with: 512 (AVX-512), 256 (AVX2 with FMA and F16C)
 // or 0 (the plain loops only).
-int64_t paged_decode_vector_bits() {
+PARROT_API int parrot_paged_decode_vector_bits() {
 #if defined(PARROT_DECODE_VECTOR)
   return PARROT_DECODE_VECTOR;
 #else
   return 0;
 #endif
 }
-
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(parrot_cpu, m) {
-  m.def("paged_decode_vector_bits() -> int", &paged_decode_vector_bits);
-  m.def(
-      "paged_decode_partial(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor context_lens, float scale) -> (Tensor, Tensor)");
-}
-
-TORCH_LIBRARY_IMPL(parrot_cpu, CPU, m) { m.impl("paged_decode_partial", &paged_decode_partial); }

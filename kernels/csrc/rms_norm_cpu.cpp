@@ -1,13 +1,8 @@
 // The residual add and RMSNorm of a decoder layer in one pass per row: h += delta (rounded to h's dtype, as
 // an in-place add is), then the row's RMS in float32 and (h / rms -> h's dtype) * weight, the Hugging Face
 // reference's two roundings. On CPU a small model's norm is ~9 tiny ops per call, 61 calls per step.
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
-#include <torch/library.h>
-
 #include "bf16_avx512.h"
+#include "common.h"
 
 #include <cmath>
 #include <cstdint>
@@ -34,8 +29,8 @@ void norm_row(T* hr, const T* dr, const T* weight, T* o, int64_t hidden, float e
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 
 // bf16 with hidden % 16 == 0: the same arithmetic sixteen lanes at a time.
-void norm_row_bf16_avx512(c10::BFloat16* hr, const c10::BFloat16* dr, const c10::BFloat16* weight,
-                          c10::BFloat16* o, int64_t hidden, float eps, float* x) {
+void norm_row_bf16_avx512(BF16* hr, const BF16* dr, const BF16* weight,
+                          BF16* o, int64_t hidden, float eps, float* x) {
   __m512 acc = _mm512_setzero_ps();
   for (int64_t i = 0; i < hidden; i += 16) {
     __m512 v = bf16_load(hr + i);
@@ -54,15 +49,16 @@ void norm_row_bf16_avx512(c10::BFloat16* hr, const c10::BFloat16* dr, const c10:
 #endif
 
 template <typename T>
-void norm_rows(T* h, const T* delta, const T* weight, T* out, int64_t rows, int64_t hidden, float eps) {
-  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+void norm_rows(T* h, const T* delta, const T* weight, T* out, int64_t rows, int64_t hidden, float eps,
+               int threads) {
+  parallel_for(0, rows, 8, threads, [&](int64_t begin, int64_t end) {
     std::vector<float> x(hidden);
     for (int64_t r = begin; r < end; ++r) {
       T* hr = h + r * hidden;
       const T* dr = delta != nullptr ? delta + r * hidden : nullptr;
       T* o = out + r * hidden;
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if constexpr (std::is_same_v<T, BF16>) {
         if (hidden % 16 == 0) {
           norm_row_bf16_avx512(hr, dr, weight, o, hidden, eps, x.data());
           continue;
@@ -74,35 +70,15 @@ void norm_rows(T* h, const T* delta, const T* weight, T* out, int64_t rows, int6
   });
 }
 
-at::Tensor add_rms_norm(at::Tensor& h, const c10::optional<at::Tensor>& delta, const at::Tensor& weight,
-                        double eps) {
-  TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "h must be a contiguous [rows, hidden] tensor");
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == h.size(1) && weight.scalar_type() == h.scalar_type(),
-              "weight must be [hidden] of h's dtype");
-  if (delta.has_value())
-    TORCH_CHECK(delta->sizes() == h.sizes() && delta->scalar_type() == h.scalar_type(), "delta must be like h");
-  const auto d = delta.has_value() ? delta->contiguous() : at::Tensor();
-  const auto w = weight.contiguous();
-  auto out = at::empty_like(h);
-  auto run = [&](auto* type_tag) {
-    using T = std::remove_pointer_t<decltype(type_tag)>;
-    norm_rows<T>(reinterpret_cast<T*>(h.data_ptr()), d.defined() ? reinterpret_cast<const T*>(d.data_ptr()) : nullptr,
-                 reinterpret_cast<const T*>(w.data_ptr()), reinterpret_cast<T*>(out.data_ptr()), h.size(0), h.size(1),
-                 static_cast<float>(eps));
-  };
-  switch (h.scalar_type()) {
-    case at::kFloat: run(static_cast<float*>(nullptr)); break;
-    case at::kBFloat16: run(static_cast<c10::BFloat16*>(nullptr)); break;
-    case at::kHalf: run(static_cast<c10::Half*>(nullptr)); break;
-    default: TORCH_CHECK(false, "add_rms_norm: float32, bfloat16 or float16, not ", h.scalar_type());
-  }
-  return out;
-}
-
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(parrot_cpu, m) {
-  m.def("add_rms_norm(Tensor(a!) h, Tensor? delta, Tensor weight, float eps) -> Tensor");
+// h [rows, hidden] (updated in place by delta [rows, hidden] where given), weight [hidden], out [rows,
+// hidden], all of one dtype and contiguous (the binding checks).
+PARROT_API int parrot_add_rms_norm(int dtype, void* h, const void* delta, const void* weight, void* out, int64_t rows,
+                                   int64_t hidden, float eps, int threads) {
+  return dispatch(dtype, "add_rms_norm", [&](auto* type_tag) {
+    using T = std::remove_pointer_t<decltype(type_tag)>;
+    norm_rows<T>(static_cast<T*>(h), static_cast<const T*>(delta), static_cast<const T*>(weight),
+                 static_cast<T*>(out), rows, hidden, eps, threads);
+  });
 }
-
-TORCH_LIBRARY_IMPL(parrot_cpu, CPU, m) { m.impl("add_rms_norm", &add_rms_norm); }

@@ -1,13 +1,8 @@
 // SwiGLU's activation in one pass: silu(gate) * up over the fused gate/up projection [T, 2n] -> [T, n], with
 // Hugging Face's roundings in the activation dtype (silu computed in float32 and rounded, then the product
 // rounded). torch runs it as two ops and an intermediate tensor per layer.
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
-#include <torch/library.h>
-
 #include "bf16_avx512.h"
+#include "common.h"
 
 #include <cmath>
 #include <cstdint>
@@ -34,7 +29,7 @@ void silu_mul_row(const T* gate, const T* up, T* out, int64_t n) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 
 // The same arithmetic sixteen lanes at a time (n % 16 == 0).
-void silu_mul_row_bf16(const c10::BFloat16* gate, const c10::BFloat16* up, c10::BFloat16* out, int64_t n) {
+void silu_mul_row_bf16(const BF16* gate, const BF16* up, BF16* out, int64_t n) {
   const __m512 one = _mm512_set1_ps(1.0f);
   for (int64_t j = 0; j < n; j += 16) {
     const __m512 g = bf16_load(gate + j);
@@ -60,19 +55,18 @@ void silu_mul_row_f32(const float* gate, const float* up, float* out, int64_t n)
 }
 #endif
 
-at::Tensor silu_mul(const at::Tensor& gate_up) {
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up must be [T, 2n]");
-  const auto x = gate_up.contiguous();
-  const int64_t tokens = x.size(0), n = x.size(1) / 2;
-  auto out = at::empty({tokens, n}, x.options());
-  auto run = [&](auto* type_tag) {
+}  // namespace
+
+// gate_up [tokens, 2n] -> out [tokens, n], contiguous, of one dtype.
+PARROT_API int parrot_silu_mul(int dtype, const void* gate_up, void* out, int64_t tokens, int64_t n, int threads) {
+  return dispatch(dtype, "silu_mul", [&](auto* type_tag) {
     using T = std::remove_pointer_t<decltype(type_tag)>;
-    const T* in = reinterpret_cast<const T*>(x.data_ptr());
-    T* o = reinterpret_cast<T*>(out.data_ptr());
-    at::parallel_for(0, tokens, 1, [&](int64_t begin, int64_t end) {
+    const T* in = static_cast<const T*>(gate_up);
+    T* o = static_cast<T*>(out);
+    parallel_for(0, tokens, 1, threads, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-        if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if constexpr (std::is_same_v<T, BF16>) {
           if (n % 16 == 0) {
             silu_mul_row_bf16(in + t * 2 * n, in + t * 2 * n + n, o + t * n, n);
             continue;
@@ -90,18 +84,5 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
         silu_mul_row<T>(in + t * 2 * n, in + t * 2 * n + n, o + t * n, n);
       }
     });
-  };
-  switch (x.scalar_type()) {
-    case at::kFloat: run(static_cast<float*>(nullptr)); break;
-    case at::kBFloat16: run(static_cast<c10::BFloat16*>(nullptr)); break;
-    case at::kHalf: run(static_cast<c10::Half*>(nullptr)); break;
-    default: TORCH_CHECK(false, "silu_mul: float32, bfloat16 or float16, not ", x.scalar_type());
-  }
-  return out;
+  });
 }
-
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(parrot_cpu, m) { m.def("silu_mul(Tensor gate_up) -> Tensor"); }
-
-TORCH_LIBRARY_IMPL(parrot_cpu, CPU, m) { m.impl("silu_mul", &silu_mul); }
