@@ -4,7 +4,7 @@
 // of 16 (feature, k-pair) lanes, so one vdpbf16ps multiplies a vector of the panel by a broadcast pair of x's
 // row and accumulates 16 outputs in float32 lanes: no horizontal sums, every weight byte read in order. A
 // micro-kernel keeps kRows x kPanels accumulators (8 x 3 = 24 of the 32 vector registers) over the whole K;
-// threads split the output features in groups of kPanels panels, and rows run in chunks of kChunkRows (each
+// threads claim the output features in groups of kPanels panels, and rows run in chunks of kChunkRows (each
 // chunk a pass over the weight: 192 rows made a 2,200-token fill read SmolLM2's weights from DRAM 12 times,
 // 2-4% slower than oneDNN; 1,024 ties). Figures against oneDNN's packed bf16 weight: `kernels/cpu_linear.py`.
 #include "common.h"
@@ -112,17 +112,19 @@ template <bool Bias>
 void gemm(const BF16* x, const BF16* w, const float* bias, BF16* y, int64_t M, int64_t K, int64_t N,
           int64_t num_panels, int threads) {
   const int64_t pairs = K / 2, groups = (num_panels + kPanels - 1) / kPanels;
-  // At a row or two a group is ~30k multiply-adds: a task takes several, or waking a thread costs more.
-  const int64_t grain = M >= 4 ? 1 : 4;
+  // At a row or two a group is ~30k multiply-adds: a claim takes several, or waking a thread costs more.
+  // Claims of many groups where there are many (an LM head's 1,024): a claim fetches its next group while
+  // it runs the current one, and ~8 claims a thread still even out a late start.
+  const int64_t step = std::max<int64_t>(M >= 4 ? 2 : 4, groups / (8 * std::max(threads, 1)));
   for (int64_t m0 = 0; m0 < M; m0 += kChunkRows) {
     const int64_t rows = std::min(kChunkRows, M - m0);
-    parallel_for(0, groups, grain, threads, [&](int64_t begin, int64_t end) {
+    claimed(groups, step, threads, [&](int64_t begin, int64_t end) {
       for (int64_t g = begin; g < end; ++g) {
         const int64_t p = g * kPanels, n = p * kPanel, panel_bytes = pairs * kPanel * 2 * sizeof(BF16);
         const BF16* wg = w + p * pairs * kPanel * 2;
         const BF16* xm = x + m0 * K;
         BF16* ym = y + m0 * N;
-        // This task's next group, if it has one (its panels follow this group's in memory).
+        // This claim's next group, if it has one (its panels follow this group's in memory).
         const bool more = g + 1 < end;
         const char* next = more ? reinterpret_cast<const char*>(wg) + kPanels * panel_bytes : nullptr;
         const int64_t next_panels = more ? std::min<int64_t>(kPanels, num_panels - p - kPanels) : 0;
