@@ -5,7 +5,7 @@ Pydantic only, like the rest of the client's schema (`parrot.protocol` re-export
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
@@ -298,3 +298,34 @@ class OpenAIDetokenizeRequest(_OpenAIRequest):
 
 class OpenAIDetokenizeResponse(BaseModel):
     prompt: str
+
+
+def openai_sampling(params: Any) -> dict[str, Any]:
+    """The sampling part of an OpenAI-style request body from ``params`` (a `parrot.protocol.SamplingConfig`,
+    the engine's sampling parameters, or anything with their attributes; ``max_tokens`` None: up to the
+    window): ``max_tokens``, ``temperature`` and
+    ``top_p`` always, the rest only where it differs from the default, the server's extensions (``top_k``,
+    ``ignore_eos``, ``repetition_penalty``) named as vLLM names them."""
+    body: dict[str, Any] = {
+        "max_tokens": params.max_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+    }
+    if params.top_k:
+        body["top_k"] = params.top_k
+    if params.seed is not None:
+        body["seed"] = params.seed
+    if params.stop:
+        body["stop"] = list(params.stop)
+    if params.ignore_eos:
+        body["ignore_eos"] = True
+    if params.presence_penalty:
+        body["presence_penalty"] = params.presence_penalty
+    if params.frequency_penalty:
+        body["frequency_penalty"] = params.frequency_penalty
+    if params.repetition_penalty != 1.0:
+        body["repetition_penalty"] = params.repetition_penalty
+    logit_bias = getattr(params, "logit_bias", None)
+    if logit_bias:
+        body["logit_bias"] = {str(t): v for t, v in logit_bias.items()}
+    return body

@@ -10,8 +10,7 @@ server answers a bad value on the wire with its own typed error.
 
 from __future__ import annotations
 
-from typing import Any
-
+from parrot.openai_types import openai_sampling
 from parrot.protocol import SEED_RANGE, sampling_problem
 
 __all__ = ["PENALTIES", "SEED_RANGE", "check_sampling", "openai_sampling"]
@@ -32,33 +31,3 @@ def check_sampling(params: object, *, where: str = "") -> None:
     problem = sampling_problem(params)
     if problem is not None:
         raise ValueError(f"{where}{problem}")
-
-
-def openai_sampling(params: Any) -> dict[str, Any]:
-    """The sampling part of an OpenAI-style request body from ``params`` (a `SamplingConfig` or anything
-    with its attributes; ``max_tokens`` None: up to the window): ``max_tokens``, ``temperature`` and
-    ``top_p`` always, the rest only where it differs from the default, the server's extensions (``top_k``,
-    ``ignore_eos``, ``repetition_penalty``) named as vLLM names them."""
-    body: dict[str, Any] = {
-        "max_tokens": params.max_tokens,
-        "temperature": params.temperature,
-        "top_p": params.top_p,
-    }
-    if params.top_k:
-        body["top_k"] = params.top_k
-    if params.seed is not None:
-        body["seed"] = params.seed
-    if params.stop:
-        body["stop"] = list(params.stop)
-    if params.ignore_eos:
-        body["ignore_eos"] = True
-    if params.presence_penalty:
-        body["presence_penalty"] = params.presence_penalty
-    if params.frequency_penalty:
-        body["frequency_penalty"] = params.frequency_penalty
-    if params.repetition_penalty != 1.0:
-        body["repetition_penalty"] = params.repetition_penalty
-    logit_bias = getattr(params, "logit_bias", None)
-    if logit_bias:
-        body["logit_bias"] = {str(t): v for t, v in logit_bias.items()}
-    return body

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from parrot.openai_types import openai_sampling
 
 from server.cluster.openai_backend_http import (
     OpenAIBackendConfig,
@@ -336,33 +337,16 @@ class OpenAIBackendEngine(Engine):
             raise TokenOutOfVocabError(f"token id {bad} is outside the vocabulary of {self.vocab_size}")
 
     def _body(self, prompt: list[int], sampling: SamplingParams, priority: float | None) -> dict[str, Any]:
-        max_tokens = min(sampling.max_tokens, self.max_model_len - len(prompt))
         body: dict[str, Any] = {
             "model": self.model_name,
             "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
+            **openai_sampling(sampling),
+            "max_tokens": min(sampling.max_tokens, self.max_model_len - len(prompt)),
             "stream": True,
             "return_token_ids": True,
         }
-        if sampling.top_k:
-            body["top_k"] = sampling.top_k
-        if sampling.seed is not None:
-            body["seed"] = sampling.seed
-        if sampling.stop:
-            body["stop"] = list(sampling.stop)
         if sampling.stop_token_ids:
             body["stop_token_ids"] = list(sampling.stop_token_ids)
-        if sampling.ignore_eos:
-            body["ignore_eos"] = True
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(sampling, name):
-                body[name] = getattr(sampling, name)
-        if sampling.repetition_penalty != 1.0:
-            body["repetition_penalty"] = sampling.repetition_penalty  # vLLM's extension, as ours
-        if sampling.logit_bias:
-            body["logit_bias"] = {str(t): v for t, v in sampling.logit_bias.items()}
         if priority is not None and self.config.priority:
             body["priority"] = round(priority)  # vLLM's is an integer, lower first, as ours
         if sampling.guided is not None:

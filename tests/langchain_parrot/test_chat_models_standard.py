@@ -21,6 +21,7 @@ from langchain_tests.integration_tests import ChatModelIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
 
 from server.engine import model_names
+from server.engine.config import cpu_has_native_bf16
 from server.engine.model_names import ModelNotFoundError
 from server.launcher import LaunchedServer, launch
 
@@ -176,6 +177,11 @@ _SMOLLM2_CANNOT = {
         "format tried, see tests/test_openai_structured_smollm2.py)"
     ),
 }
+if cpu_has_native_bf16():  # the engine runs bf16 there, fp32 elsewhere: another greedy answer
+    _SMOLLM2_CANNOT["test_unicode_tool_call_integration"] = (
+        "SmolLM2-135M in bf16: its forced call's description argument runs past max_tokens (48), so the "
+        "call never closes; in fp32 it completes"
+    )
 
 
 @pytest.mark.real_model
