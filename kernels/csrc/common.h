@@ -68,6 +68,10 @@ struct Half {
 #endif
 };
 
+// Waking a thread that waits passively (the servers' OpenMP setting) costs ~45 us on a 2-core EPYC VM, as
+// much as norming 200 rows: the row kernels' grains (each measured where it is set) keep smaller calls on
+// the calling thread.
+//
 // Calls ``f(begin, end)`` over [begin, end) as torch's ``at::parallel_for`` does with its OpenMP backend:
 // one contiguous piece per thread, at most ``threads`` of them and none smaller than ``grain``; inline where
 // the range is one grain, one thread is asked for, or the caller is already in a parallel region.

@@ -340,3 +340,38 @@ def test_the_kernels_run_on_torch_s_thread_pool() -> None:
         opens_regions = b"GOMP_parallel" in f.read()
     assert opens_regions, f"{binary} was built without OpenMP: every kernel call runs on one thread"
     assert len({p for p in maps if "libgomp" in p or "libiomp" in p}) == 1
+
+
+def test_calls_past_a_grain_split_over_threads_and_give_the_same_bits() -> None:
+    """The row kernels keep small calls on one thread (a passive wake-up costs more) and split big ones:
+    each row's arithmetic is the same either way, so two threads give one thread's bits."""
+    ops = cpu_kernels._ops()
+    assert ops is not None
+    g = torch.Generator().manual_seed(0)
+    bf = torch.bfloat16
+    rows, heads, kv_heads, d = 700, 4, 2, 32  # past every grain (norm 512, RoPE 256, SwiGLU 64 rows)
+    h, delta = torch.randn(rows, 64, generator=g).to(bf), torch.randn(rows, 64, generator=g).to(bf)
+    weight = torch.randn(64, generator=g).to(bf)
+    gate_up = torch.randn(rows, 128, generator=g).to(bf)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * d, generator=g).to(bf)
+    cos, sin = torch.randn(rows, d, generator=g).to(bf), torch.randn(rows, d, generator=g).to(bf)
+    slots = torch.randperm(rows, generator=g)
+
+    def run() -> list[torch.Tensor]:
+        k_cache = torch.zeros(rows // 4 + 1, 4, kv_heads, d, dtype=bf)
+        v_cache = torch.zeros_like(k_cache)
+        hh = h.clone()
+        normed = ops.add_rms_norm(hh, delta, weight, 1e-5)
+        q, k = ops.rope_write_kv(qkv, cos, sin, k_cache, v_cache, slots, heads, kv_heads)
+        return [hh, normed, ops.silu_mul(gate_up), q, k, k_cache, v_cache]
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run()
+        torch.set_num_threads(2)
+        two = run()
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(one, two, strict=True):
+        assert torch.equal(a, b)
