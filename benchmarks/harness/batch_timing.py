@@ -62,8 +62,8 @@ class Rates:
             t_first,
             t_full,
             Rate(safe_ratio(prompt_tokens, t1), [safe_ratio(prompt_tokens, t) for t in t_first]),
-            Rate(
-                safe_ratio(decode, tn - t1),
+            Rate(  # no rate where the noise swallowed the decode (T(N) <= T(1)), never a negative one
+                safe_ratio(decode, tn - t1) if tn > t1 else math.nan,
                 [safe_ratio(decode, b - a) if b > a else math.nan for a, b in pairs],
             ),
             Rate(safe_ratio(batch * new_tokens, tn), [safe_ratio(batch * new_tokens, t) for t in t_full]),

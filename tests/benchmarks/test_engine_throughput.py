@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import signal
 import subprocess
@@ -400,8 +401,9 @@ def test_tiny_run_without_vllm(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert set(payload["throughput"][0]["systems"]) == {"ours", "hf", "ours_v1"}
     assert payload["throughput"][0]["same_tokens"].keys() == {"hf", "ours_v1"}
     assert "ours /v1" in out
-    for kind in ("decode", "prefill", "e2e"):
-        assert float(metrics[f"{kind}_v1_vs_engine_b4"]) > 0
+    for kind in ("decode", "prefill", "e2e"):  # a tiny run's decode may vanish in the noise: no rate then
+        ratio = float(metrics[f"{kind}_v1_vs_engine_b4"])
+        assert ratio > 0 or math.isnan(ratio)
     # achieved FLOP/s and bytes/s beside the machine's, and the CPU features they depend on
     assert float(metrics["peak_gflops"]) > 0 and float(metrics["decode_gflops_b4"]) > 0
     assert float(metrics["decode_gbs_b1"]) > 0 and float(metrics["prefill_gflops_b4"]) > 0
