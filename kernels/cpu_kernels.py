@@ -128,9 +128,13 @@ def _compile_flags() -> tuple[str, ...]:
     )
 
 
+def _find_compiler() -> str | None:
+    """The C++ compiler: the first of ``c++``, ``g++`` and ``clang++`` on the PATH; None without one."""
+    return next((path for name in ("c++", "g++", "clang++") if (path := shutil.which(name))), None)
+
+
 def _compiler() -> str:
-    """The C++ compiler: the first of ``c++``, ``g++`` and ``clang++`` on the PATH."""
-    found = next((path for name in ("c++", "g++", "clang++") if (path := shutil.which(name))), None)
+    found = _find_compiler()
     if found is None:
         raise RuntimeError("no C++ compiler on the PATH (c++, g++ or clang++)")
     return found
@@ -157,7 +161,7 @@ def _build_tag() -> str:
             str(_torch_dir()),
             flags,
             torch.__version__,
-            shutil.which("c++") or shutil.which("g++") or shutil.which("clang++") or "",
+            _find_compiler() or "",
             *_compile_flags(),
             *(p.read_text() for p in SOURCES + HEADERS),
         ]
