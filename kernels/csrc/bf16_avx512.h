@@ -1,13 +1,9 @@
 // bfloat16 <-> float32 lanes for the AVX-512 paths of our CPU kernels (rounding and stores need AVX512-BF16).
 #pragma once
 
-#include "common.h"
-
-namespace parrot_cpu {}  // empty without AVX-512: the kernels' scalar paths need none of this
+#include "common.h"  // BF16, and the namespace the kernels use even where this header adds nothing
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
-
 namespace parrot_cpu {
 
 // Sixteen bf16 values widened to float32 (exact; bf16 is the top half of a float32).
